@@ -1,0 +1,366 @@
+"""The DAPPLE plan: which layers form each stage, how many devices each stage gets.
+
+A plan is pure data. It knows nothing of process groups or devices, so the planner, the
+search and the tests can build and compare plans freely. The runtime asks it only two
+questions: which stage does a rank belong to, and which ranks hold a stage.
+
+The stable, documented serialised form (what the search stores and the YAML files hold)::
+
+    micro_batches: 4
+    schedule: dapple          # or gpipe
+    stages:
+      - {layers: [0, 6], replicas: 2}     # layers 0..5 on ranks 0, 1
+      - {layers: [6, 10], replicas: 1}    # layers 6..9 on rank 2
+
+``layers`` is a half-open range ``[start, end)`` of indices into the module's
+``nn.Sequential``. A stage may also name its ranks explicitly (``ranks: [0, 2]``), which is how
+a placement other than "consecutive ranks" is written; by default stage ``s`` takes the next
+``replicas`` ranks after stage ``s - 1``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["SCHEDULES", "Plan", "Stage"]
+
+SCHEDULES = ("dapple", "gpipe")
+
+
+def _as_int(value: Any, what: str) -> int:
+    # bool is an int subclass; `replicas: true` is a typo, not a count.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be an integer, got {value!r} ({type(value).__name__})")
+    return value
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage: a contiguous range of layers replicated on ``replicas`` devices."""
+
+    start: int
+    """First layer of the stage (index into the Sequential)."""
+    end: int
+    """One past the last layer of the stage."""
+    replicas: int = 1
+    """Number of devices that each hold a copy of the stage and split its micro-batches."""
+    ranks: tuple[int, ...] | None = None
+    """Explicit global ranks of the replicas, or ``None`` for consecutive ranks."""
+
+    def __post_init__(self) -> None:
+        _as_int(self.start, "stage start layer")
+        _as_int(self.end, "stage end layer")
+        _as_int(self.replicas, "stage replicas")
+        if self.start < 0:
+            raise ValueError(f"stage layers must start at 0 or later, got start={self.start}")
+        if self.end <= self.start:
+            raise ValueError(
+                f"stage layer range [{self.start}, {self.end}) is empty; a stage needs at least one layer "
+                "(write layers as [start, end) with end > start)"
+            )
+        if self.replicas < 1:
+            raise ValueError(f"stage replicas must be >= 1, got {self.replicas}")
+        if self.ranks is not None:
+            ranks = tuple(_as_int(r, "stage rank") for r in self.ranks)
+            object.__setattr__(self, "ranks", ranks)
+            if len(ranks) != self.replicas:
+                raise ValueError(
+                    f"stage [{self.start}, {self.end}) lists {len(ranks)} ranks {list(ranks)} but has "
+                    f"replicas={self.replicas}; give one rank per replica or drop `ranks`"
+                )
+            if len(set(ranks)) != len(ranks) or min(ranks) < 0:
+                raise ValueError(f"stage ranks must be distinct non-negative integers, got {list(ranks)}")
+
+    @property
+    def num_layers(self) -> int:
+        return self.end - self.start
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"layers": [self.start, self.end], "replicas": self.replicas}
+        if self.ranks is not None:
+            out["ranks"] = list(self.ranks)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Stage:
+        if isinstance(data, Stage):
+            return data
+        if not isinstance(data, Mapping):
+            raise TypeError(
+                f"a stage must be a mapping like {{layers: [0, 4], replicas: 1}}, got {type(data).__name__}"
+            )
+        unknown = set(data) - {"layers", "replicas", "ranks"}
+        if unknown:
+            raise ValueError(f"unknown stage keys {sorted(map(str, unknown))}; allowed: layers, replicas, ranks")
+        if "layers" not in data:
+            raise ValueError("a stage needs `layers: [start, end)`, e.g. {layers: [0, 4], replicas: 1}")
+        layers = data["layers"]
+        if isinstance(layers, str | bytes) or not isinstance(layers, Sequence) or len(layers) != 2:
+            raise ValueError(f"stage `layers` must be a pair [start, end), got {layers!r}")
+        ranks = data.get("ranks")
+        if ranks is not None and (isinstance(ranks, str | bytes) or not isinstance(ranks, Sequence)):
+            raise TypeError(f"stage `ranks` must be a list of integers, got {ranks!r}")
+        return cls(
+            start=layers[0],
+            end=layers[1],
+            replicas=data.get("replicas", 1),
+            ranks=None if ranks is None else tuple(ranks),
+        )
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A DAPPLE plan: stages of layers, per-stage replication, micro-batch count, schedule.
+
+    Stages cover the layers ``[0, num_layers)`` in order without gaps or overlaps. The plan
+    runs on exactly ``world_size == sum(stage.replicas)`` ranks.
+    """
+
+    stages: tuple[Stage, ...]
+    """The stages, in pipeline order."""
+    micro_batches: int = 1
+    """Micro-batches per global batch (``M``); each optimizer step consumes one global batch."""
+    schedule: str = "dapple"
+    """``"dapple"`` (early backward, 1F1B) or ``"gpipe"`` (all forwards, then all backwards)."""
+    _rank_to_stage: tuple[int, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        stages = self.stages
+        if isinstance(stages, Mapping | str | bytes) or not isinstance(stages, Sequence):
+            raise TypeError(f"plan stages must be a list of stages, got {type(stages).__name__}")
+        stages = tuple(Stage.from_dict(s) for s in stages)
+        object.__setattr__(self, "stages", stages)
+        if not stages:
+            raise ValueError("a plan needs at least one stage")
+        _as_int(self.micro_batches, "micro_batches")
+        if self.micro_batches < 1:
+            raise ValueError(f"micro_batches must be >= 1, got {self.micro_batches}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {self.schedule!r}; choose one of {list(SCHEDULES)}")
+        if stages[0].start != 0:
+            raise ValueError(f"the first stage must start at layer 0, got [{stages[0].start}, {stages[0].end})")
+        for prev, nxt in zip(stages, stages[1:]):
+            if nxt.start > prev.end:
+                raise ValueError(
+                    f"layers [{prev.end}, {nxt.start}) belong to no stage: stage [{prev.start}, {prev.end}) "
+                    f"is followed by [{nxt.start}, {nxt.end}); make each stage start where the last ended"
+                )
+            if nxt.start < prev.end:
+                raise ValueError(
+                    f"stages [{prev.start}, {prev.end}) and [{nxt.start}, {nxt.end}) overlap; "
+                    "make each stage start where the last ended"
+                )
+        explicit = [s.ranks is not None for s in stages]
+        if any(explicit) and not all(explicit):
+            raise ValueError("either every stage lists its `ranks` or none does")
+        owner: list[int] = [-1] * self.world_size
+        next_rank = 0
+        for index, stage in enumerate(stages):
+            ranks = stage.ranks or tuple(range(next_rank, next_rank + stage.replicas))
+            next_rank += stage.replicas
+            for rank in ranks:
+                if rank >= self.world_size:
+                    raise ValueError(
+                        f"stage {index} lists rank {rank}, but the plan has only {self.world_size} ranks "
+                        f"(sum of replicas); ranks must be 0..{self.world_size - 1}"
+                    )
+                if owner[rank] != -1:
+                    raise ValueError(f"rank {rank} is given to both stage {owner[rank]} and stage {index}")
+                owner[rank] = index
+        object.__setattr__(self, "_rank_to_stage", tuple(owner))
+
+    # ----------------------------------------------------------------------------- queries
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def num_layers(self) -> int:
+        return self.stages[-1].end
+
+    @property
+    def world_size(self) -> int:
+        return sum(s.replicas for s in self.stages)
+
+    @property
+    def notation(self) -> str:
+        """The paper's notation for the replication, e.g. ``"15:1"``."""
+        return ":".join(str(s.replicas) for s in self.stages)
+
+    def stage_ranks(self, stage: int) -> tuple[int, ...]:
+        """Global ranks that hold ``stage``, in replica order."""
+        return tuple(r for r, s in enumerate(self._rank_to_stage) if s == stage)
+
+    def stage_of(self, rank: int) -> int:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside the plan's {self.world_size} ranks")
+        return self._rank_to_stage[rank]
+
+    def replica_of(self, rank: int) -> int:
+        return self.stage_ranks(self.stage_of(rank)).index(rank)
+
+    def check(self, *, num_layers: int | None = None, world_size: int | None = None) -> None:
+        """Raise ``ValueError`` unless the plan fits a model of ``num_layers`` and ``world_size`` ranks."""
+        if num_layers is not None and self.num_layers != num_layers:
+            raise ValueError(
+                f"the plan covers layers [0, {self.num_layers}) but the model's Sequential has {num_layers} "
+                f"layers; make the last stage end at {num_layers}"
+            )
+        if world_size is not None and self.world_size != world_size:
+            raise ValueError(
+                f"the plan needs {self.world_size} ranks (replicas {self.notation}) but the Trainer runs "
+                f"{world_size}; set devices x num_nodes to {self.world_size} or change the replicas"
+            )
+
+    # ------------------------------------------------------------------------ conversions
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "micro_batches": self.micro_batches,
+            "schedule": self.schedule,
+            "stages": [s.to_dict() for s in self.stages],
+        }
+
+    def to_yaml(self) -> str:
+        import yaml
+
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Plan:
+        if not isinstance(data, Mapping):
+            raise TypeError(f"a plan must be a mapping, got {type(data).__name__}")
+        unknown = set(data) - {"stages", "micro_batches", "schedule"}
+        if unknown:
+            raise ValueError(
+                f"unknown plan keys {sorted(map(str, unknown))}; allowed: stages, micro_batches, schedule"
+            )
+        if "stages" not in data:
+            raise ValueError("a plan needs `stages`, e.g. stages: [{layers: [0, 4], replicas: 2}]")
+        schedule = data.get("schedule", "dapple")
+        if not isinstance(schedule, str):
+            raise TypeError(f"schedule must be a string, got {schedule!r}")
+        return cls(
+            stages=data["stages"], micro_batches=data.get("micro_batches", 1), schedule=schedule.lower()
+        )
+
+    @classmethod
+    def from_yaml(cls, text: str) -> Plan:
+        import yaml
+
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ValueError(f"the plan is not valid YAML: {e}") from e
+        return cls.from_dict(data)
+
+    @classmethod
+    def coerce(cls, plan: Any) -> Plan:
+        """Build a plan from a ``Plan``, a mapping, an OmegaConf node, YAML text or a YAML file path."""
+        if isinstance(plan, Plan):
+            return plan
+        if _is_omegaconf(plan):
+            from omegaconf import OmegaConf
+
+            plan = OmegaConf.to_container(plan, resolve=True)
+        if isinstance(plan, os.PathLike) or (isinstance(plan, str) and _looks_like_path(plan)):
+            path = Path(plan)
+            if not path.is_file():
+                raise ValueError(f"plan file {str(path)!r} does not exist")
+            return cls.from_yaml(path.read_text())
+        if isinstance(plan, str):
+            return cls.from_yaml(plan)
+        return cls.from_dict(plan)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def table(self) -> str:
+        """The plan as an aligned text table."""
+        rows = [("stage", "layers", "replicas", "ranks")]
+        for index, stage in enumerate(self.stages):
+            ranks = ",".join(map(str, self.stage_ranks(index)))
+            rows.append((str(index), f"[{stage.start}, {stage.end})", str(stage.replicas), ranks))
+        widths = [max(len(r[c]) for r in rows) for c in range(4)]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+        lines.append(
+            f"{self.num_stages} stage(s) [{self.notation}] on {self.world_size} rank(s), "
+            f"micro_batches={self.micro_batches}, schedule={self.schedule}"
+        )
+        return "\n".join(lines)
+
+    # ------------------------------------------------------------------------ factories
+
+    @classmethod
+    def data_parallel(cls, num_layers: int, world_size: int, micro_batches: int = 1) -> Plan:
+        """One stage holding every layer, replicated on every rank."""
+        return cls(stages=(Stage(0, num_layers, world_size),), micro_batches=micro_batches)
+
+    @classmethod
+    def straight(
+        cls,
+        num_layers: int,
+        num_stages: int,
+        micro_batches: int | None = None,
+        weights: Sequence[float] | None = None,
+        schedule: str = "dapple",
+    ) -> Plan:
+        """A straight pipeline (one device per stage), cut so stages carry equal ``weights``.
+
+        Without weights every layer counts the same. ``micro_batches`` defaults to ``2 * num_stages``.
+        """
+        if num_stages > num_layers:
+            raise ValueError(f"cannot cut {num_layers} layers into {num_stages} stages (fewer layers than stages)")
+        weights = list(weights) if weights is not None else [1.0] * num_layers
+        if len(weights) != num_layers:
+            raise ValueError(f"got {len(weights)} weights for {num_layers} layers")
+        bounds = balanced_cuts(weights, num_stages)
+        stages = tuple(Stage(a, b, 1) for a, b in zip(bounds, bounds[1:]))
+        return cls(stages=stages, micro_batches=micro_batches or 2 * num_stages, schedule=schedule)
+
+
+def balanced_cuts(weights: Sequence[float], parts: int) -> list[int]:
+    """Cut points ``[0, c_1, ..., len(weights)]`` minimising the heaviest part (contiguous parts).
+
+    Exact: binary search over the bottleneck value with a greedy feasibility test is not exact
+    for floats, so this is the O(parts * n^2) dynamic program; n is a layer count, small.
+    """
+    n = len(weights)
+    if not 1 <= parts <= n:
+        raise ValueError(f"cannot cut {n} layers into {parts} non-empty parts")
+    prefix = [0.0]
+    for w in weights:
+        prefix.append(prefix[-1] + float(w))
+    inf = math.inf
+    # best[k][i]: smallest bottleneck cutting the first i layers into k parts.
+    best = [[inf] * (n + 1) for _ in range(parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0.0
+    for k in range(1, parts + 1):
+        for i in range(k, n - (parts - k) + 1):
+            for j in range(k - 1, i):
+                cost = max(best[k - 1][j], prefix[i] - prefix[j])
+                if cost < best[k][i]:
+                    best[k][i], cut[k][i] = cost, j
+    bounds = [n]
+    for k in range(parts, 0, -1):
+        bounds.append(cut[k][bounds[-1]])
+    return bounds[::-1]
+
+
+def _is_omegaconf(obj: Any) -> bool:
+    try:
+        from omegaconf import DictConfig
+    except ImportError:  # pragma: no cover - omegaconf is a dependency
+        return False
+    return isinstance(obj, DictConfig)
+
+
+def _looks_like_path(text: str) -> bool:
+    return "\n" not in text and text.strip().endswith((".yaml", ".yml"))

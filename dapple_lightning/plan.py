@@ -20,6 +20,7 @@ a placement other than "consecutive ranks" is written; by default stage ``s`` ta
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -144,7 +145,7 @@ class Plan:
             raise ValueError(f"unknown schedule {self.schedule!r}; choose one of {list(SCHEDULES)}")
         if stages[0].start != 0:
             raise ValueError(f"the first stage must start at layer 0, got [{stages[0].start}, {stages[0].end})")
-        for prev, nxt in zip(stages, stages[1:]):
+        for prev, nxt in itertools.pairwise(stages):
             if nxt.start > prev.end:
                 raise ValueError(
                     f"layers [{prev.end}, {nxt.start}) belong to no stage: stage [{prev.start}, {prev.end}) "
@@ -238,17 +239,13 @@ class Plan:
             raise TypeError(f"a plan must be a mapping, got {type(data).__name__}")
         unknown = set(data) - {"stages", "micro_batches", "schedule"}
         if unknown:
-            raise ValueError(
-                f"unknown plan keys {sorted(map(str, unknown))}; allowed: stages, micro_batches, schedule"
-            )
+            raise ValueError(f"unknown plan keys {sorted(map(str, unknown))}; allowed: stages, micro_batches, schedule")
         if "stages" not in data:
             raise ValueError("a plan needs `stages`, e.g. stages: [{layers: [0, 4], replicas: 2}]")
         schedule = data.get("schedule", "dapple")
         if not isinstance(schedule, str):
             raise TypeError(f"schedule must be a string, got {schedule!r}")
-        return cls(
-            stages=data["stages"], micro_batches=data.get("micro_batches", 1), schedule=schedule.lower()
-        )
+        return cls(stages=data["stages"], micro_batches=data.get("micro_batches", 1), schedule=schedule.lower())
 
     @classmethod
     def from_yaml(cls, text: str) -> Plan:
@@ -321,7 +318,7 @@ class Plan:
         if len(weights) != num_layers:
             raise ValueError(f"got {len(weights)} weights for {num_layers} layers")
         bounds = balanced_cuts(weights, num_stages)
-        stages = tuple(Stage(a, b, 1) for a, b in zip(bounds, bounds[1:]))
+        stages = tuple(Stage(a, b, 1) for a, b in itertools.pairwise(bounds))
         return cls(stages=stages, micro_batches=micro_batches or 2 * num_stages, schedule=schedule)
 
 

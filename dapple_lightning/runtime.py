@@ -1,0 +1,404 @@
+"""Executes one rank's share of a DAPPLE plan for one global batch.
+
+The user's ``nn.Sequential`` is replaced, on every rank, by a :class:`StageModule` holding
+only that rank's layers (under their original names, so state-dict keys do not change). The
+user's own step function still calls it once per micro-batch:
+
+* on the first stage it runs the local layers on the argument it is given;
+* on later stages it ignores its argument and runs the local layers on the activation
+  received from the previous stage;
+* on every stage but the last it then hands the output to the pipeline and raises
+  :class:`StageExit`, which ends the rest of the user's step there (no loss to compute).
+
+:class:`Pipeline` walks the rank's schedule (see :mod:`dapple_lightning.schedule`), receives
+and sends activations and gradients (split-concat between stages with different replica
+counts, see :mod:`dapple_lightning.microbatch`), and runs each backward as the schedule says.
+Gradients accumulate in ``.grad`` over the micro-batches; :func:`allreduce_gradients` sums them
+over a stage's replicas once per step.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import nullcontext, suppress
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dapple_lightning import comm
+from dapple_lightning.microbatch import Rows, even_split, transfers
+from dapple_lightning.plan import Plan
+from dapple_lightning.schedule import Action, schedule
+from dapple_lightning.timeline import Timeline
+
+__all__ = ["Pipeline", "StageExit", "StageModule", "allreduce_gradients"]
+
+
+class StageExit(BaseException):
+    """Ends the user's step on ranks that do not hold the last stage.
+
+    Derived from ``BaseException`` so that a user's ``except Exception`` cannot swallow it.
+    """
+
+
+Activation = torch.Tensor | tuple[torch.Tensor, ...]
+
+
+def _as_list(value: Any, where: str) -> tuple[list[torch.Tensor], bool]:
+    if isinstance(value, torch.Tensor):
+        return [value], False
+    if isinstance(value, tuple | list) and value and all(isinstance(v, torch.Tensor) for v in value):
+        return list(value), True
+    raise TypeError(
+        f"{where} is a {type(value).__name__}; what flows between pipeline stages must be a tensor or a "
+        "tuple of tensors with the batch in dim 0 (wrap other values in the layers or pass them as tensors)"
+    )
+
+
+def _rebuild(tensors: list[torch.Tensor], as_tuple: bool) -> Activation:
+    return tuple(tensors) if as_tuple else tensors[0]
+
+
+class StageModule(nn.Sequential):
+    """The layers ``[start, end)`` of the user's Sequential that live on this rank.
+
+    Children keep their indices in the original Sequential as names (``"6"``, ``"7"``, ...),
+    so ``state_dict`` keys equal those of the unpartitioned model.
+    """
+
+    def __init__(self, layers: Sequence[tuple[str, nn.Module]]) -> None:
+        super().__init__(OrderedDict(layers))
+        # A plain attribute, not a submodule: the pipeline is runtime state, not model state.
+        self._pipeline: Pipeline | None = None
+
+    def forward(self, input: Any) -> Any:
+        pipeline = self._pipeline
+        if pipeline is None:  # outside a pipelined step: behave like the original slice
+            return super().forward(input)
+        return pipeline._run_stage(super().forward, input)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_pipeline"] = None  # process groups do not pickle, and a copy has none
+        return state
+
+
+@dataclass
+class _InFlight:
+    """What one micro-batch leaves on this stage between its forward and its backward."""
+
+    inputs: list[torch.Tensor]
+    outputs: list[torch.Tensor] | None = None
+    loss: torch.Tensor | None = None
+    as_tuple: bool = False
+    saved_bytes: int = 0
+
+
+@dataclass
+class StepStats:
+    """What a step measured on this rank."""
+
+    peak_live_microbatches: int = 0
+    peak_live_bytes: int = 0
+    losses: list[torch.Tensor] = field(default_factory=list)
+
+
+class Pipeline:
+    """Runs one rank's actions of a plan.
+
+    Args:
+        plan: the plan all ranks run.
+        rank: this process's global rank.
+        module: this rank's :class:`StageModule`.
+        device: where activations live.
+        timeline: optional event recorder.
+        track_memory: count the bytes autograd saves per micro-batch (costs a hook call per
+            saved tensor); the peak is reported in :attr:`stats`.
+    """
+
+    def __init__(
+        self,
+        plan: Plan,
+        rank: int,
+        module: StageModule,
+        *,
+        device: torch.device,
+        timeline: Timeline | None = None,
+        track_memory: bool = False,
+    ) -> None:
+        self.plan, self.rank, self.module, self.device = plan, rank, module, device
+        self.stage = plan.stage_of(rank)
+        self.replica = plan.replica_of(rank)
+        self.replicas = plan.stages[self.stage].replicas
+        self.is_first = self.stage == 0
+        self.is_last = self.stage == plan.num_stages - 1
+        self.prev_ranks = plan.stage_ranks(self.stage - 1) if not self.is_first else ()
+        self.next_ranks = plan.stage_ranks(self.stage + 1) if not self.is_last else ()
+        self.timeline = timeline or Timeline(rank, self.stage, enabled=False)
+        self.track_memory = track_memory
+        self.stats = StepStats()
+        module._pipeline = self
+        self._param_storages = {p.untyped_storage().data_ptr() for p in module.parameters()}
+        # Per-call state, set by `run` around each user step call.
+        self._input: list[torch.Tensor] | None = None
+        self._input_tuple = False
+        self._output: list[torch.Tensor] | None = None
+        self._output_tuple = False
+        self._calls = 0
+
+    # ------------------------------------------------------------------------ public API
+
+    def rows(self, batch_rows: int) -> list[Rows]:
+        """This rank's rows of the global batch, one range per micro-batch."""
+        micro = even_split(batch_rows, self.plan.micro_batches, "batch rows (micro-batches)")
+        out = []
+        for m, rows in enumerate(micro):
+            if len(rows) < self.replicas:
+                raise ValueError(
+                    f"micro-batch {m} has {len(rows)} rows but stage {self.stage} has {self.replicas} replicas; "
+                    f"use a global batch of at least {self.plan.micro_batches * max(s.replicas for s in self.plan.stages)} "
+                    "rows or fewer micro-batches"
+                )
+            mine = even_split(len(rows), self.replicas)[self.replica]
+            out.append(mine.shift(rows.start))
+        return out
+
+    def run(
+        self,
+        batch_rows: int,
+        forward: Callable[[int, Rows], torch.Tensor | None],
+        *,
+        train: bool = True,
+        forward_context: Callable[[], Any] = nullcontext,
+    ) -> StepStats:
+        """Run this rank's actions for a global batch of ``batch_rows`` rows.
+
+        Args:
+            batch_rows: rows of the global batch (same on every rank).
+            forward: ``forward(m, rows)`` runs the user's step on this rank's ``rows`` of
+                micro-batch ``m``; the step must call the :class:`StageModule` exactly once.
+                On the last stage, when training, it returns the loss to back-propagate
+                (already scaled by the micro-batch's share of the global batch).
+            train: run the schedule's backwards (otherwise forwards only, in order).
+            forward_context: entered around each forward (e.g. autocast); backwards run outside.
+        """
+        rows = self.rows(batch_rows)
+        micro = even_split(batch_rows, self.plan.micro_batches)
+        if train:
+            actions = schedule(self.plan.schedule, self.plan.num_stages, self.plan.micro_batches)[self.stage]
+        else:
+            actions = [Action("F", m) for m in range(self.plan.micro_batches)]
+        self.stats = StepStats()
+        live: dict[int, _InFlight] = {}
+        pending = comm.Pending()
+        try:
+            for action in actions:
+                m = action.micro_batch
+                if action.kind == "F":
+                    live[m] = self._forward(m, rows[m], len(micro[m]), forward, forward_context, pending, train)
+                    if not train:
+                        live.pop(m)
+                    self._note_peak(live)
+                else:
+                    self._backward(m, len(micro[m]), live.pop(m), pending)
+        finally:
+            pending.wait()
+            self._input = self._output = None
+        self.timeline.step += 1
+        return self.stats
+
+    # --------------------------------------------------------------------- the stage call
+
+    def _run_stage(self, layers: Callable[[Any], Any], arg: Any) -> Any:
+        self._calls += 1
+        if self._calls > 1:
+            raise RuntimeError(
+                "training_step/validation_step called the pipelined Sequential more than once for one batch; "
+                "dapple needs each step to pass the batch through the Sequential exactly once"
+            )
+        if self.is_first:
+            tensors, as_tuple = _as_list(arg, "the input of the pipelined Sequential")
+            self._input, self._input_tuple = tensors, as_tuple
+        else:
+            tensors, as_tuple = self._input, self._input_tuple
+        out = layers(_rebuild(tensors, as_tuple))
+        self._output, self._output_tuple = _as_list(out, f"the output of stage {self.stage}")
+        if not self.is_last:
+            raise StageExit
+        return out
+
+    # ----------------------------------------------------------------------- forward pass
+
+    def _forward(self, m, rows, micro_rows, forward, forward_context, pending, train) -> _InFlight:
+        if not self.is_first:
+            with self.timeline.span("recv", m):
+                tensors, as_tuple = self._recv_pieces(m, micro_rows, self.prev_ranks, downstream=False)
+            if train and torch.is_grad_enabled():
+                for t in tensors:
+                    if t.is_floating_point():
+                        t.requires_grad_(True)
+            self._input, self._input_tuple = tensors, as_tuple
+        self._output, self._calls = None, 0
+        loss = None
+        saved: dict[int, int] = {}
+        hooks = self._saved_tensor_counter(saved) if (self.track_memory and train) else nullcontext()
+        with self.timeline.span("forward", m), hooks, forward_context(), suppress(StageExit):
+            loss = forward(m, rows)
+        if self._calls == 0:
+            raise RuntimeError(
+                "training_step/validation_step did not call the pipelined Sequential; dapple needs each step to "
+                "pass the batch through the Sequential exactly once"
+            )
+        if self.is_last and train and loss is None:
+            raise RuntimeError("training_step returned no loss; dapple needs a loss from every micro-batch")
+        state = _InFlight(inputs=self._input or [], outputs=self._output, loss=loss, as_tuple=self._output_tuple)
+        if self.track_memory and train:
+            for t in (*state.inputs, *(state.outputs or [])):
+                saved.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+            state.saved_bytes = sum(saved.values())
+        if not self.is_last:
+            with self.timeline.span("send", m):
+                self._send_pieces(state.outputs, state.as_tuple, micro_rows, self.next_ranks, pending, downstream=True)
+        if not train:
+            state.inputs, state.outputs = [], None
+        return state
+
+    def _saved_tensor_counter(self, saved: dict[int, int]):
+        params = self._param_storages
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr not in params:
+                saved.setdefault(ptr, storage.nbytes())
+            return t
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+    def _note_peak(self, live: dict[int, _InFlight]) -> None:
+        self.stats.peak_live_microbatches = max(self.stats.peak_live_microbatches, len(live))
+        self.stats.peak_live_bytes = max(self.stats.peak_live_bytes, sum(s.saved_bytes for s in live.values()))
+
+    # ---------------------------------------------------------------------- backward pass
+
+    def _backward(self, m: int, micro_rows: int, state: _InFlight, pending: comm.Pending) -> None:
+        if self.is_last:
+            assert state.loss is not None
+            with self.timeline.span("backward", m):
+                if state.loss.requires_grad:
+                    torch.autograd.backward(state.loss)
+            self.stats.losses.append(state.loss.detach())
+        else:
+            with self.timeline.span("recv", m):
+                grads, _ = self._recv_pieces(m, micro_rows, self.next_ranks, downstream=True)
+            outs = [t for t in state.outputs or [] if t.is_floating_point()]
+            if len(outs) != len(grads):
+                raise RuntimeError(
+                    f"stage {self.stage} expected {len(outs)} gradients for micro-batch {m}, got {len(grads)}"
+                )
+            pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad]
+            with self.timeline.span("backward", m):
+                if pairs:
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        if not self.is_first:
+            grads = []
+            for t in state.inputs:
+                if t.is_floating_point():
+                    grads.append(t.grad if t.grad is not None else torch.zeros_like(t))
+            with self.timeline.span("send", m):
+                self._send_pieces(grads, False, micro_rows, self.prev_ranks, pending, downstream=False)
+
+    # ------------------------------------------------------------------- split / concat
+
+    def _send_pieces(self, tensors, as_tuple, micro_rows, peers, pending, *, downstream: bool) -> None:
+        """Send this replica's rows to the peer stage's replicas that own them."""
+        if downstream:
+            moves = [
+                (t.dst, t.src_rows) for t in transfers(micro_rows, self.replicas, len(peers)) if t.src == self.replica
+            ]
+        else:
+            moves = [
+                (t.src, t.dst_rows) for t in transfers(micro_rows, len(peers), self.replicas) if t.dst == self.replica
+            ]
+            moves.sort()
+        for peer, rows in moves:
+            piece = [t[rows.start : rows.stop] for t in tensors]
+            comm.send(piece, peers[peer], pending, as_tuple=as_tuple)
+
+    def _recv_pieces(self, m, micro_rows, peers, *, downstream: bool) -> tuple[list[torch.Tensor], bool]:
+        """Receive and concatenate the rows of this replica's slice from the peer stage."""
+        if downstream:  # gradients from the next stage, for the rows this replica sent
+            sources = sorted(t.dst for t in transfers(micro_rows, self.replicas, len(peers)) if t.src == self.replica)
+        else:  # activations from the previous stage
+            sources = [t.src for t in transfers(micro_rows, len(peers), self.replicas) if t.dst == self.replica]
+        pieces = [comm.recv(peers[p], self.device) for p in sources]
+        as_tuple = pieces[0][1]
+        counts = {len(p[0]) for p in pieces}
+        if len(counts) != 1:
+            raise RuntimeError(f"stage {self.stage} received pieces of micro-batch {m} with different tensor counts")
+        if len(pieces) == 1:
+            return pieces[0][0], as_tuple
+        return [torch.cat(parts) for parts in zip(*(p[0] for p in pieces))], as_tuple
+
+
+def allreduce_gradients(
+    params: Iterable[nn.Parameter], group: dist.ProcessGroup | None, *, bucket_bytes: int = 25 * 2**20
+) -> None:
+    """Sum ``.grad`` of ``params`` over ``group``; a rank without a gradient contributes zeros.
+
+    A parameter keeps ``grad=None`` only if no rank produced a gradient for it (as on one device).
+    """
+    params = [p for p in params if p.requires_grad]
+    if not params:
+        return
+    has = torch.tensor([p.grad is not None for p in params], dtype=torch.float32)
+    dist.all_reduce(has, group=group)
+    buckets: list[list[nn.Parameter]] = [[]]
+    size = 0
+    for p in params:
+        if size and size + p.numel() * p.element_size() > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(p)
+        size += p.numel() * p.element_size()
+    for bucket in buckets:
+        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+        for p in bucket:
+            by_dtype.setdefault(p.dtype, []).append(p)
+        for same in by_dtype.values():
+            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in same])
+            dist.all_reduce(flat, group=group)
+            offset = 0
+            for p in same:
+                n = p.numel()
+                p.grad = flat[offset : offset + n].view_as(p).clone() if len(same) > 1 else flat.view_as(p)
+                offset += n
+    for p, flag in zip(params, has.tolist()):
+        if flag == 0:
+            p.grad = None
+
+
+def stage_group(plan: Plan, rank: int, **kwargs: Any) -> dist.ProcessGroup | None:
+    """The process group of ``rank``'s stage replicas (``None`` for a stage on one rank).
+
+    Every rank must call this with the same plan: creating a group is collective.
+    """
+    mine = None
+    for index in range(plan.num_stages):
+        ranks = list(plan.stage_ranks(index))
+        if len(ranks) > 1:
+            group = dist.new_group(ranks, **kwargs)
+            if rank in ranks:
+                mine = group
+    return mine
+
+
+def partition(sequential: nn.Sequential, plan: Plan, rank: int) -> StageModule:
+    """This rank's :class:`StageModule`: the Sequential's layers of its stage, under their own names."""
+    stage = plan.stages[plan.stage_of(rank)]
+    named = list(sequential.named_children())
+    return StageModule(named[stage.start : stage.end])

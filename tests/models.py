@@ -1,0 +1,115 @@
+"""Small LightningModules used by the strategy tests (importable by spawned ranks)."""
+
+from __future__ import annotations
+
+import torch
+from lightning.pytorch import LightningModule
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+ROWS, BATCH, IN, OUT = 48, 12, 8, 4
+
+
+def dataset() -> TensorDataset:
+    g = torch.Generator().manual_seed(123)
+    x = torch.randn(ROWS, IN, generator=g)
+    y = torch.randn(ROWS, OUT, generator=g)
+    return TensorDataset(x, y)
+
+
+def loader(batch_size: int = BATCH) -> DataLoader:
+    return DataLoader(dataset(), batch_size=batch_size, shuffle=False)
+
+
+class MLP(LightningModule):
+    """Seven layers in one Sequential; SGD with momentum so optimizer state matters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.Sequential(
+            nn.Linear(IN, 16),
+            nn.Tanh(),
+            nn.Linear(16, 16),
+            nn.Tanh(),
+            nn.Linear(16, 16),
+            nn.Tanh(),
+            nn.Linear(16, OUT),
+        )
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.layers(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self.layers(x), y))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+class _Split(nn.Module):
+    """Returns a tuple: the features and a second float branch."""
+
+    def forward(self, x):
+        return x, 2 * x
+
+
+class _Merge(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 16)
+
+    def forward(self, pair):
+        x, y = pair
+        return torch.tanh(self.a(x) + self.b(y))
+
+
+class TupleMLP(MLP):
+    """Activations between some layers are a tuple of tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.Sequential(
+            nn.Linear(IN, 16),
+            nn.Tanh(),
+            _Split(),
+            _Merge(),
+            nn.Linear(16, 16),
+            nn.Tanh(),
+            nn.Linear(16, OUT),
+        )
+
+
+class HeadMLP(MLP):
+    """Parameters outside the Sequential: an input projection before it and a head after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(IN, 16)
+        self.layers = nn.Sequential(
+            nn.Tanh(),
+            nn.Linear(16, 16),
+            nn.Tanh(),
+            nn.Linear(16, 16),
+            nn.Tanh(),
+            nn.Linear(16, 16),
+            nn.Tanh(),
+        )
+        self.head = nn.Linear(16, OUT)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.head(self.layers(self.embed(x))), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self.head(self.layers(self.embed(x))), y))

@@ -116,6 +116,10 @@ class Pipeline:
         module: this rank's :class:`StageModule`.
         device: where activations live.
         timeline: optional event recorder.
+        stage_group: process group of this stage's replicas (``None`` for one replica); their
+            gradients are summed over it at the end of each training step.
+        shared_params: parameters outside the pipelined Sequential, held by every rank; their
+            gradients are summed over all ranks at the end of each training step.
         track_memory: count the bytes autograd saves per micro-batch (costs a hook call per
             saved tensor); the peak is reported in :attr:`stats`.
     """
@@ -128,6 +132,8 @@ class Pipeline:
         *,
         device: torch.device,
         timeline: Timeline | None = None,
+        stage_group: dist.ProcessGroup | None = None,
+        shared_params: Sequence[nn.Parameter] = (),
         track_memory: bool = False,
     ) -> None:
         self.plan, self.rank, self.module, self.device = plan, rank, module, device
@@ -140,6 +146,8 @@ class Pipeline:
         self.next_ranks = plan.stage_ranks(self.stage + 1) if not self.is_last else ()
         self.timeline = timeline or Timeline(rank, self.stage, enabled=False)
         self.track_memory = track_memory
+        self.stage_group = stage_group
+        self.shared_params = list(shared_params)
         self.stats = StepStats()
         module._pipeline = self
         self._param_storages = {p.untyped_storage().data_ptr() for p in module.parameters()}
@@ -208,8 +216,17 @@ class Pipeline:
         finally:
             pending.wait()
             self._input = self._output = None
+        if train:
+            self._sync_gradients()
         self.timeline.step += 1
         return self.stats
+
+    def _sync_gradients(self) -> None:
+        with self.timeline.span("allreduce"):
+            if self.stage_group is not None:
+                allreduce_gradients(self.module.parameters(), self.stage_group)
+            if self.shared_params and dist.is_initialized() and dist.get_world_size() > 1:
+                allreduce_gradients(self.shared_params, None)
 
     # --------------------------------------------------------------------- the stage call
 

@@ -49,7 +49,7 @@ from typing_extensions import override
 
 from dapple_lightning.microbatch import Rows, batch_size_of, slice_batch
 from dapple_lightning.plan import Plan
-from dapple_lightning.runtime import Pipeline, StageModule, allreduce_gradients, partition, stage_group
+from dapple_lightning.runtime import Pipeline, StageModule, StepStats, partition, stage_group
 from dapple_lightning.timeline import Timeline, write_chrome_trace
 
 __all__ = ["DappleStrategy"]
@@ -74,6 +74,8 @@ class DappleStrategy(ParallelStrategy):
             scripts); ``"spawn"`` starts ranks with multiprocessing (notebooks, pytest).
         trace: write a Chrome trace (Perfetto) of every rank's forwards, backwards, sends,
             receives and all-reduces to this path when training ends.
+        track_memory: count the activation bytes autograd keeps alive per micro-batch; the
+            last step's peak is in ``strategy.step_stats.peak_live_bytes``.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend: as for Lightning's ``DDPStrategy``.
     """
@@ -88,6 +90,7 @@ class DappleStrategy(ParallelStrategy):
         timeout: timedelta = timedelta(seconds=120),
         start_method: Literal["popen", "spawn"] = "popen",
         trace: str | None = None,
+        track_memory: bool = False,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -110,6 +113,7 @@ class DappleStrategy(ParallelStrategy):
         self._timeout = timeout
         self._start_method = start_method
         self._trace_path = trace
+        self._track_memory = track_memory
         self._process_group_backend = process_group_backend
         self._num_nodes = 1
         self.plan: Plan | None = None
@@ -203,7 +207,16 @@ class DappleStrategy(ParallelStrategy):
         self.model_to_device()
         self._stage_group = stage_group(self.plan, rank, timeout=self._timeout)
         timeline = Timeline(rank, self.plan.stage_of(rank), enabled=self._trace_path is not None)
-        self._pipeline = Pipeline(self.plan, rank, self._stage_module, device=self.root_device, timeline=timeline)
+        self._pipeline = Pipeline(
+            self.plan,
+            rank,
+            self._stage_module,
+            device=self.root_device,
+            timeline=timeline,
+            stage_group=self._stage_group,
+            shared_params=self._outside_params,
+            track_memory=self._track_memory,
+        )
         seed = torch.tensor([torch.initial_seed() % 2**62], dtype=torch.int64)
         dist.broadcast(seed, 0)
         self._shuffle_seed = int(seed)
@@ -225,6 +238,13 @@ class DappleStrategy(ParallelStrategy):
         plan.check(num_layers=num_layers, world_size=self.world_size)
         return plan
 
+    @property
+    def step_stats(self) -> StepStats:
+        """What the last pipelined step measured on this rank (peak live micro-batches and bytes)."""
+        if self._pipeline is None:
+            raise RuntimeError("the strategy has run no step yet")
+        return self._pipeline.stats
+
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
@@ -235,9 +255,9 @@ class DappleStrategy(ParallelStrategy):
         # Every rank must draw the same order. A RandomSampler without a generator draws its
         # order from each process's global RNG, which the ranks consume differently (dropout in
         # different layers), so give it a generator seeded identically on every rank.
-        if isinstance(dataloader, DataLoader) and isinstance(dataloader.sampler, RandomSampler):
-            if dataloader.sampler.generator is None:
-                dataloader.sampler.generator = torch.Generator().manual_seed(self._shuffle_seed)
+        sampler = getattr(dataloader, "sampler", None)
+        if isinstance(dataloader, DataLoader) and isinstance(sampler, RandomSampler) and sampler.generator is None:
+            sampler.generator = torch.Generator().manual_seed(self._shuffle_seed)
         return dataloader
 
     # ---------------------------------------------------------------------- training step
@@ -250,10 +270,6 @@ class DappleStrategy(ParallelStrategy):
         for p in params:
             p.grad = None
         loss, logged = self._run_pipeline("training_step", args, kwargs, train=True)
-        if self._stage_group is not None:  # None: this stage runs on one rank
-            allreduce_gradients(self._stage_module.parameters(), self._stage_group)
-        if self.world_size > 1:
-            allreduce_gradients(self._outside_params, None)
         self._fresh = {p: p.grad for p in params}
         for p in params:
             p.grad = self._stashed[p]

@@ -8,7 +8,7 @@ from distributed import run_ranks
 from torch import nn
 
 from dapple_lightning.plan import Plan
-from dapple_lightning.runtime import Pipeline, allreduce_gradients, partition, stage_group
+from dapple_lightning.runtime import Pipeline, partition, stage_group
 
 BATCH = 12
 
@@ -41,8 +41,9 @@ def reference() -> tuple[float, dict[str, torch.Tensor]]:
 
 def pipelined(rank: int, world_size: int, plan: Plan) -> tuple[float, dict[str, torch.Tensor], int]:
     stage = partition(make_model(), plan, rank)
-    pipe = Pipeline(plan, rank, stage, device=torch.device("cpu"))
-    group = stage_group(plan, rank)
+    pipe = Pipeline(
+        plan, rank, stage, device=torch.device("cpu"), stage_group=stage_group(plan, rank), track_memory=True
+    )
     x, y = make_batch()
 
     def forward(m, rows):
@@ -50,8 +51,6 @@ def pipelined(rank: int, world_size: int, plan: Plan) -> tuple[float, dict[str, 
         return nn.functional.mse_loss(out, y[rows.start : rows.stop]) * (len(rows) / BATCH)
 
     stats = pipe.run(BATCH, forward)
-    if group is not None:
-        allreduce_gradients(stage.parameters(), group)
     loss = float(sum(stats.losses)) if stats.losses else float("nan")
     return loss, {n: p.grad.clone() for n, p in stage.named_parameters()}, stats.peak_live_microbatches
 

@@ -21,8 +21,10 @@ How one optimizer step maps onto Lightning's automatic optimization:
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Mapping
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -33,9 +35,9 @@ from lightning.fabric.utilities.distributed import (
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
 )
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.optimizer import _optimizer_to_device, _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch import Trainer
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
@@ -47,6 +49,7 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader, RandomSampler
 from typing_extensions import override
 
+from dapple_lightning.checkpoint import by_name, to_local, to_single_device
 from dapple_lightning.microbatch import Rows, batch_size_of, slice_batch
 from dapple_lightning.plan import Plan
 from dapple_lightning.runtime import Pipeline, StageModule, StepStats, partition, stage_group
@@ -125,6 +128,9 @@ class DappleStrategy(ParallelStrategy):
         self._stashed: dict[nn.Parameter, Tensor | None] = {}
         self._fresh: dict[nn.Parameter, Tensor | None] = {}
         self._full_state_keys: list[str] = []
+        self._full_optimizer_names: list[list[list[str]]] = []
+        self._sequential: tuple[str, nn.Sequential] | None = None
+        self._failed = False
         self._shuffle_seed = 0
 
     # ------------------------------------------------------------------ Lightning plumbing
@@ -173,6 +179,7 @@ class DappleStrategy(ParallelStrategy):
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
+        self._validate()  # refuse bad input before any collective
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         self._process_group_backend = backend
         assert self.cluster_environment is not None
@@ -184,10 +191,8 @@ class DappleStrategy(ParallelStrategy):
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
 
-    @override
-    def setup(self, trainer: Trainer) -> None:
-        assert self.accelerator is not None and self.model is not None
-        self.accelerator.setup(trainer)
+    def _validate(self) -> tuple[str, nn.Sequential]:
+        """Check the module and an explicit plan; raises before any process group exists."""
         module = self.lightning_module
         if not module.automatic_optimization:
             raise ValueError(
@@ -195,15 +200,33 @@ class DappleStrategy(ParallelStrategy):
                 "backward itself. Remove `self.automatic_optimization = False` or use strategy='ddp'"
             )
         name, sequential = find_sequential(module, self._sequential_name)
+        if isinstance(self._plan_spec, Plan):
+            self._plan_spec.check(num_layers=len(sequential), world_size=self.world_size)
+        return name, sequential
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        name, sequential = self._validate()
         self.precision_plugin.convert_module(module)
         _broadcast_module(module)  # same initial weights on every rank, as DDP does
         self._full_state_keys = list(module.state_dict().keys())
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            self._full_optimizer_names = _optimizer_names(module)
         self.plan = self._resolve_plan(sequential)
         rank = self.global_rank
         self._stage_module = partition(sequential, self.plan, rank)
+        self._sequential = (name, sequential)
+        local = set(self._stage_module.children())
+        for layer in sequential.children():
+            if layer not in local:
+                layer.to("meta")  # frees the memory of layers that live on other ranks
         _set_submodule(module, name, self._stage_module)
-        local = {id(p) for p in self._stage_module.parameters()}
-        self._outside_params = [p for p in module.parameters() if id(p) not in local]
+        local_params = {id(p) for p in self._stage_module.parameters()}
+        self._outside_params = [p for p in module.parameters() if id(p) not in local_params]
         self.model_to_device()
         self._stage_group = stage_group(self.plan, rank, timeout=self._timeout)
         timeline = Timeline(rank, self.plan.stage_of(rank), enabled=self._trace_path is not None)
@@ -221,22 +244,44 @@ class DappleStrategy(ParallelStrategy):
         dist.broadcast(seed, 0)
         self._shuffle_seed = int(seed)
         rank_zero_info(f"dapple plan:\n{self.plan.table()}")
-        if trainer.state.fn == TrainerFn.FITTING:
+        if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
+        # Lightning clips with the norm of this rank's gradients; the norm must span all stages.
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+        if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
 
     def _resolve_plan(self, sequential: nn.Sequential) -> Plan:
-        num_layers = len(sequential)
-        if self._plan_spec == "auto":
-            # TODO(planner): profile and plan; until then every rank holds every layer.
-            plan = Plan.data_parallel(num_layers, self.world_size)
-        else:
-            plan = self._plan_spec
-        assert isinstance(plan, Plan)
-        plan.check(num_layers=num_layers, world_size=self.world_size)
+        if isinstance(self._plan_spec, Plan):
+            return self._plan_spec
+        # TODO(planner): profile and plan; until then every rank holds every layer.
+        plan = Plan.data_parallel(len(sequential), self.world_size)
+        plan.check(num_layers=len(sequential), world_size=self.world_size)
         return plan
+
+    def _owned(self) -> set[int]:
+        """Parameters this rank speaks for when something must count each parameter once."""
+        assert self.plan is not None and self._stage_module is not None
+        owned: set[int] = set()
+        if self.plan.replica_of(self.global_rank) == 0:
+            owned |= {id(p) for p in self._stage_module.parameters()}
+        if self.global_rank == 0:
+            owned |= {id(p) for p in self._outside_params}
+        return owned
+
+    def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        owned = self._owned()
+        square = torch.zeros((), dtype=torch.float64, device=self.root_device)
+        for g in optimizer.param_groups:
+            for p in g["params"]:
+                if p.grad is not None and id(p) in owned:
+                    square += p.grad.detach().double().pow(2).sum()
+        dist.all_reduce(square)
+        coef = min(float(clip_val) / (float(square.sqrt()) + 1e-6), 1.0)
+        for grad in grads:
+            grad.detach().mul_(coef)
 
     @property
     def step_stats(self) -> StepStats:
@@ -303,13 +348,32 @@ class DappleStrategy(ParallelStrategy):
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._eval_step("test_step", args, kwargs, self.precision_plugin.test_step_context)
 
-    def _eval_step(self, hook: str, args: tuple, kwargs: dict, context: Callable) -> None:
-        _, logged = self._run_pipeline(hook, args, kwargs, train=False, context=context)
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Predictions of the whole global batch, in batch order, on every rank."""
+        return self._eval_step("predict_step", args, kwargs, self.precision_plugin.predict_step_context)
+
+    def _eval_step(self, hook: str, args: tuple, kwargs: dict, context: Callable) -> Any:
+        outputs: list[tuple[int, Any]] = []
+        _, logged = self._run_pipeline(hook, args, kwargs, train=False, context=context, outputs=outputs)
         self._log_combined(logged)
-        return None
+        if hook != "predict_step":
+            return None
+        # Only last-stage ranks hold outputs, one per micro-batch slice; put them in row order.
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, [(start, _to_cpu(out)) for start, out in outputs])
+        pieces = [out for _, out in sorted((p for part in gathered for p in part), key=lambda p: p[0])]
+        return _concat(pieces)
 
     def _run_pipeline(
-        self, hook: str, args: tuple, kwargs: dict, *, train: bool, context: Callable | None = None
+        self,
+        hook: str,
+        args: tuple,
+        kwargs: dict,
+        *,
+        train: bool,
+        context: Callable | None = None,
+        outputs: list[tuple[int, Any]] | None = None,
     ) -> tuple[float, dict[str, tuple[float, dict]]]:
         assert self._pipeline is not None
         module = self.lightning_module
@@ -325,6 +389,8 @@ class DappleStrategy(ParallelStrategy):
             capture.weight = weight
             out = step_fn(slice_batch(batch, rows), *rest, **kwargs)
             if not train:
+                if outputs is not None:
+                    outputs.append((rows.start, out))
                 return None
             loss = out.get("loss") if isinstance(out, Mapping) else out
             if not isinstance(loss, Tensor):
@@ -399,14 +465,25 @@ class DappleStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------------ checkpoints
 
+    @property
+    def _partitioned(self) -> bool:
+        return self._sequential is not None and _distributed_is_initialized()
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The full model's state dict, keys as in the unpartitioned model (collective; complete on rank 0)."""
-        module = self.lightning_module
-        local = module.state_dict()
-        if self.plan is None or not _distributed_is_initialized():
+        local = self.lightning_module.state_dict()
+        if not self._partitioned:
             return local
-        mine = {k: v.detach().cpu() for k, v in local.items()} if self.plan.replica_of(self.global_rank) == 0 else {}
+        # The stage's entries come from its first replica, everything outside the Sequential from rank 0.
+        assert self._sequential is not None and self.plan is not None
+        prefix = f"{self._sequential[0]}."
+        first_replica = self.plan.replica_of(self.global_rank) == 0
+        mine = {
+            key: _to_cpu(value)
+            for key, value in local.items()
+            if (first_replica if key.startswith(prefix) else self.global_rank == 0)
+        }
         gathered: list[Any] = [None] * self.world_size if self.global_rank == 0 else []
         dist.gather_object(mine, gathered if self.global_rank == 0 else None, dst=0)
         if self.global_rank != 0:
@@ -418,12 +495,82 @@ class DappleStrategy(ParallelStrategy):
         return dict(sorted(merged.items(), key=lambda kv: order.get(kv[0], len(order))))
 
     @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The optimizer's state in the single-device layout (collective; complete on rank 0)."""
+        if not self._partitioned:
+            return optimizer.state_dict()
+        index = next(i for i, o in enumerate(self.optimizers) if o is optimizer)
+        local_names = self._local_optimizer_names(optimizer)
+        local = optimizer.state_dict()
+        owned = self._owned()
+        owned_names = {n for n, p in self.lightning_module.named_parameters() if id(p) in owned}
+        mine = {name: _to_cpu(value) for name, value in by_name(local, local_names).items() if name in owned_names}
+        gathered: list[Any] = [None] * self.world_size if self.global_rank == 0 else []
+        dist.gather_object(mine, gathered if self.global_rank == 0 else None, dst=0)
+        if self.global_rank != 0:
+            return local
+        states: dict[str, Any] = {}
+        for part in gathered:
+            states.update(part)
+        return to_single_device(states, local["param_groups"], self._full_optimizer_names[index])
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        for index, (optimizer, state) in enumerate(zip(self.optimizers, checkpoint["optimizer_states"])):
+            local = to_local(state, self._full_optimizer_names[index], self._local_optimizer_names(optimizer))
+            optimizer.load_state_dict(local)
+            _optimizer_to_device(optimizer, self.root_device)
+
+    def _local_optimizer_names(self, optimizer: Optimizer) -> list[list[str]]:
+        name_of = {id(p): n for n, p in self.lightning_module.named_parameters()}
+        return [[name_of[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Write on rank 0 to a temporary file, then rename: a crash mid-write keeps the old file intact."""
+        if not self.is_global_zero:
+            return
+        path = Path(filepath)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        try:
+            self.checkpoint_io.save_checkpoint(checkpoint, tmp, storage_options=storage_options)
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        self._failed = True
+
+    @override
     def teardown(self) -> None:
-        if self._pipeline is not None and self._trace_path is not None and _distributed_is_initialized():
+        if self._pipeline is not None and self._trace_path is not None and not self._failed:
             self._write_trace()
         if self._stage_module is not None:
             self._stage_module._pipeline = None
+        if self._partitioned and not self._failed:
+            self._restore_sequential()
         super().teardown()
+
+    def _restore_sequential(self) -> None:
+        """Put the whole Sequential back on every rank, with the trained weights of every stage."""
+        assert self._sequential is not None
+        name, sequential = self._sequential
+        full = self.lightning_module_state_dict()
+        box = [full if self.global_rank == 0 else None]
+        dist.broadcast_object_list(box, 0)
+        prefix = f"{name}."
+        weights = {k[len(prefix) :]: v for k, v in box[0].items() if k.startswith(prefix)}
+        local = set(self._stage_module.children()) if self._stage_module is not None else set()
+        for layer in sequential.children():
+            if layer not in local:
+                layer.to_empty(device=self.root_device)
+        sequential.load_state_dict(weights)
+        _set_submodule(self.lightning_module, name, sequential)
+        self._sequential = None
+        self._stage_module = None
 
     def _write_trace(self) -> None:
         assert self._pipeline is not None
@@ -520,19 +667,13 @@ def _is_auto(plan: Any) -> bool:
 
 
 class _DappleSpawnLauncher(_MultiProcessingLauncher):
-    """Lightning's spawn launcher, but the weights sent back are the consolidated model's."""
+    """Lightning's spawn launcher; ranks leave the process group together."""
 
     @override
     def _collect_rank_zero_results(self, trainer: Trainer, results: Any) -> Any:
-        strategy = trainer.strategy
-        assert isinstance(strategy, DappleStrategy)
-        original = trainer.lightning_module.state_dict
-        full = strategy.lightning_module_state_dict()
-        trainer.lightning_module.state_dict = lambda *a, **k: full  # type: ignore[method-assign]
         try:
             return super()._collect_rank_zero_results(trainer, results)
         finally:
-            trainer.lightning_module.state_dict = original  # type: ignore[method-assign]
             # Leave together: a rank that exits while a peer still talks to it aborts that peer.
             if _distributed_is_initialized():
                 dist.barrier()
@@ -542,3 +683,38 @@ class _DappleSpawnLauncher(_MultiProcessingLauncher):
 StrategyRegistry.register(
     "dapple", DappleStrategy, description="DAPPLE synchronous pipeline + data parallel training (plan='auto')"
 )
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    return value
+
+
+def _optimizer_names(module: LightningModule) -> list[list[list[str]]]:
+    """Parameter names of each param group of each optimizer, as ``configure_optimizers`` builds them on one device.
+
+    Runs ``configure_optimizers`` once on the whole model (before partitioning) and throws the
+    optimizers away: only their layout is needed, so checkpoints can store it.
+    """
+    from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
+
+    optimizers, _ = _init_optimizers_and_lr_schedulers(module)
+    name_of = {id(p): n for n, p in module.named_parameters()}
+    return [[[name_of[id(p)] for p in group["params"]] for group in o.param_groups] for o in optimizers]
+
+
+def _concat(pieces: list[Any]) -> Any:
+    """Join per-slice outputs along the batch: tensors are concatenated, containers element-wise."""
+    if not pieces:
+        return None
+    first = pieces[0]
+    if isinstance(first, Tensor):
+        return torch.cat(pieces) if first.dim() > 0 else pieces
+    if isinstance(first, tuple | list):
+        return type(first)(_concat(list(parts)) for parts in zip(*pieces))
+    if isinstance(first, Mapping):
+        return {k: _concat([p[k] for p in pieces]) for k in first}
+    return pieces

@@ -113,3 +113,16 @@ class HeadMLP(MLP):
     def validation_step(self, batch, batch_idx):
         x, y = batch
         self.log("val_loss", nn.functional.mse_loss(self.head(self.layers(self.embed(x))), y))
+
+
+class ScheduledMLP(MLP):
+    """MLP with Adam, two param groups and a per-step LR schedule: optimizer state in checkpoints matters."""
+
+    def configure_optimizers(self):
+        decay = [p for n, p in self.named_parameters() if n.endswith("weight")]
+        no_decay = [p for n, p in self.named_parameters() if not n.endswith("weight")]
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=0.01
+        )
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

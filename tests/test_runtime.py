@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from distributed import run_ranks
 from torch import nn
 
 from dapple_lightning.plan import Plan
 from dapple_lightning.runtime import Pipeline, partition, stage_group
+
+from distributed import run_ranks
 
 BATCH = 12
 

@@ -2,66 +2,16 @@
 
 from __future__ import annotations
 
-import csv
 from pathlib import Path
 
-import models
 import pytest
 import torch
 from lightning.pytorch import Trainer
-from lightning.pytorch.loggers import CSVLogger
 
 from dapple_lightning import DappleStrategy, Plan
 
-STEPS = 4
-
-
-def fit(model_cls, tmp_path: Path, *, plan: Plan | None = None, val: bool = False):
-    model = model_cls()
-    kwargs = {}
-    if plan is not None:
-        kwargs = {"strategy": DappleStrategy(plan, start_method="spawn"), "devices": plan.world_size}
-    else:
-        kwargs = {"devices": 1}
-    trainer = Trainer(
-        accelerator="cpu",
-        max_steps=STEPS,
-        logger=CSVLogger(tmp_path, name="run", version=0),
-        log_every_n_steps=1,
-        enable_progress_bar=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        limit_val_batches=2 if val else 0,
-        val_check_interval=2 if val else None,
-        num_sanity_val_steps=0,
-        **kwargs,
-    )
-    trainer.fit(model, train_dataloaders=models.loader(), val_dataloaders=models.loader() if val else None)
-    return read_metrics(Path(trainer.logger.log_dir) / "metrics.csv"), model.state_dict()
-
-
-def read_metrics(path: Path) -> dict[str, list[float]]:
-    out: dict[str, list[float]] = {}
-    with path.open() as f:
-        for row in csv.DictReader(f):
-            for key, value in row.items():
-                if key not in ("epoch", "step") and value:
-                    out.setdefault(key, []).append(float(value))
-    return out
-
-
-def assert_same(got, want) -> None:
-    got_metrics, got_state = got
-    want_metrics, want_state = want
-    assert got_metrics.keys() == want_metrics.keys()
-    for key in want_metrics:
-        torch.testing.assert_close(
-            torch.tensor(got_metrics[key]), torch.tensor(want_metrics[key]), rtol=1e-5, atol=1e-7, msg=key
-        )
-    assert list(got_state) == list(want_state)
-    for key in want_state:
-        torch.testing.assert_close(got_state[key], want_state[key], rtol=1e-5, atol=1e-6, msg=key)
-
+import models
+from harness import assert_same, fit, read_metrics
 
 SHAPES = {
     "1x2": [((0, 7), 2)],

@@ -50,6 +50,11 @@ class Pending:
         self.works.clear()
         self.tensors.clear()
 
+    def abandon(self) -> None:
+        """Forget the sends without waiting (the step failed; a peer may be gone)."""
+        self.works.clear()
+        self.tensors.clear()
+
 
 def _header(tensors: list[torch.Tensor], as_tuple: bool) -> torch.Tensor:
     if len(tensors) > MAX_TENSORS:

@@ -213,8 +213,13 @@ class Pipeline:
                     self._note_peak(live)
                 else:
                     self._backward(m, len(micro[m]), live.pop(m), pending)
-        finally:
             pending.wait()
+        except BaseException:
+            # The step is lost; pending sends to a failed peer would only raise again and bury
+            # the original error.
+            pending.abandon()
+            raise
+        finally:
             self._input = self._output = None
         if train:
             self._sync_gradients()

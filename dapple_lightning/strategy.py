@@ -42,6 +42,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import _augment_message
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
@@ -543,6 +544,15 @@ class DappleStrategy(ParallelStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True
+        _augment_message(
+            exception,
+            pattern=r"(?s).*(Connection closed by peer|Connection reset by peer|Broken pipe|Timed out).*",
+            new_message=(
+                f"dapple: rank {self.global_rank} lost a peer. Another rank failed or was killed; its own "
+                "error is reported by that rank. (If no rank reports an error, a peer stalled for longer "
+                f"than DappleStrategy(timeout={self._timeout.total_seconds():.0f} s).)"
+            ),
+        )
 
     @override
     def teardown(self) -> None:

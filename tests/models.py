@@ -126,3 +126,15 @@ class ScheduledMLP(MLP):
         )
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class PredictMLP(MLP):
+    def predict_step(self, batch, batch_idx):
+        x, _ = batch
+        return self.layers(x)
+
+
+class ManualMLP(MLP):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False

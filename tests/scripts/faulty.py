@@ -1,0 +1,90 @@
+"""Trains a small MLP with dapple, launched plainly, and fails on purpose on one rank.
+
+Usage: python faulty.py OUT_DIR WHERE RANK
+WHERE: layer | step | callback | data | kill. The chosen rank writes `pid-<rank>` files for the
+test to check that no process is left behind.
+"""
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+from lightning.pytorch import Callback, Trainer
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+import models
+from dapple_lightning import DappleStrategy
+
+out, where, bad_rank = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+FAIL_AT_STEP = 2
+MESSAGE = f"injected failure ({where}) on rank {bad_rank}"
+
+
+def rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
+class Bomb(nn.Module):
+    """Identity layer that raises on the chosen rank at the chosen step."""
+
+    step = 0
+
+    def forward(self, x):
+        if where == "layer" and rank() == bad_rank and Bomb.step == FAIL_AT_STEP:
+            raise ValueError(MESSAGE)
+        return x
+
+
+class Faulty(models.MLP):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.Sequential(*self.layers[:3], Bomb(), *self.layers[3:], Bomb())
+
+    def training_step(self, batch, batch_idx):
+        Bomb.step = batch_idx
+        if where == "step" and rank() == bad_rank and batch_idx == FAIL_AT_STEP:
+            raise ValueError(MESSAGE)
+        if where == "kill" and rank() == bad_rank and batch_idx == FAIL_AT_STEP:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().training_step(batch, batch_idx)
+
+
+class Rows(Dataset):
+    def __init__(self):
+        self.data = models.dataset()
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        if where == "data" and rank() == bad_rank and i == FAIL_AT_STEP * models.BATCH:
+            raise ValueError(MESSAGE)
+        return self.data[i]
+
+
+class FailInCallback(Callback):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if where == "callback" and trainer.global_rank == bad_rank and batch_idx == FAIL_AT_STEP:
+            raise ValueError(MESSAGE)
+
+
+(out / f"pid-{rank()}").write_text(str(os.getpid()))
+torch.manual_seed(0)
+plan = {"micro_batches": 2, "stages": [{"layers": [0, 4], "replicas": 1}, {"layers": [4, 9], "replicas": 2}]}
+trainer = Trainer(
+    accelerator="cpu",
+    devices=3,
+    strategy=DappleStrategy(plan),
+    max_steps=6,
+    logger=False,
+    enable_progress_bar=False,
+    enable_checkpointing=False,
+    enable_model_summary=False,
+    callbacks=[FailInCallback()],
+)
+trainer.fit(Faulty(), train_dataloaders=DataLoader(Rows(), batch_size=models.BATCH))

@@ -62,6 +62,8 @@ log = logging.getLogger(__name__)
 
 PlanLike = Plan | Mapping[str, Any] | str | Any
 
+SUPPORTED_PRECISION = frozenset({"32-true", "32", "64-true", "64", "bf16-mixed", "bf16-true", "16-true"})
+
 
 class DappleStrategy(ParallelStrategy):
     """Synchronous pipeline + data parallel training with a DAPPLE plan.
@@ -199,6 +201,13 @@ class DappleStrategy(ParallelStrategy):
             raise ValueError(
                 "dapple supports automatic optimization only: the pipeline schedule runs each micro-batch's "
                 "backward itself. Remove `self.automatic_optimization = False` or use strategy='ddp'"
+            )
+        precision = str(getattr(self.precision_plugin, "precision", "32-true"))
+        if precision not in SUPPORTED_PRECISION:
+            raise ValueError(
+                f"precision={precision!r} is not supported by dapple (supported: {sorted(SUPPORTED_PRECISION)}); "
+                "16-mixed needs a gradient scaler inside the pipeline's backward, which dapple does not run yet: "
+                "use precision='bf16-mixed'"
             )
         name, sequential = find_sequential(module, self._sequential_name)
         if isinstance(self._plan_spec, Plan):

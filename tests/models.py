@@ -138,3 +138,44 @@ class ManualMLP(MLP):
     def __init__(self) -> None:
         super().__init__()
         self.automatic_optimization = False
+
+
+class NoSequential(MLP):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(self.layers)
+
+
+class TwoSequentials(MLP):
+    def __init__(self) -> None:
+        super().__init__()
+        self.other = nn.Sequential(nn.Linear(OUT, OUT))
+
+
+class CallsTwice(MLP):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.layers(x), y) + nn.functional.mse_loss(self.layers(x), y)
+
+
+class NeverCalls(MLP):
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        return (self.layers[0].weight.sum() * 0 + x.sum()) * 0
+
+
+class _Dict(nn.Module):
+    def forward(self, x):
+        return {"h": x}
+
+
+class _Undict(nn.Module):
+    def forward(self, d):
+        return d["h"]
+
+
+class DictActivation(MLP):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.Sequential(nn.Linear(IN, 16), _Dict(), _Undict(), nn.Linear(16, OUT))

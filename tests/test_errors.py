@@ -1,0 +1,95 @@
+"""Bad input is refused with a message that names the problem and the fix."""
+
+from __future__ import annotations
+
+import pytest
+from lightning.pytorch import Trainer
+from lightning.pytorch.plugins.precision import MixedPrecision
+
+from dapple_lightning import DappleStrategy, Plan
+
+import models
+
+
+def plan(*stages, micro_batches=2) -> Plan:
+    return Plan(stages=[{"layers": list(layers), "replicas": r} for layers, r in stages], micro_batches=micro_batches)
+
+
+TWO = plan(((0, 3), 1), ((3, 7), 1))
+
+
+def run(model, strategy, devices, batch_size=models.BATCH, **kwargs):
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
+    trainer.fit(model, models.loader(batch_size))
+
+
+def spawn(p: Plan, **kwargs) -> DappleStrategy:
+    return DappleStrategy(p, start_method="spawn", **kwargs)
+
+
+# Refused in every rank before the process group starts.
+@pytest.mark.parametrize(
+    ("model", "strategy", "devices", "message"),
+    [
+        (models.MLP, spawn(TWO), 3, r"needs 2 ranks \(replicas 1:1\) but the Trainer runs 3"),
+        (models.MLP, spawn(plan(((0, 3), 1), ((3, 9), 1))), 2, "model's Sequential has 7 layers"),
+        (models.NoSequential, spawn(TWO), 2, "has no nn.Sequential attribute"),
+        (models.TwoSequentials, spawn(TWO), 2, r"several nn.Sequential attributes \('layers', 'other'\)"),
+        (models.MLP, spawn(TWO, sequential="body"), 2, "no submodule 'body'"),
+    ],
+    ids=["world-size", "layer-range", "no-sequential", "two-sequentials", "unknown-name"],
+)
+def test_refused_before_any_collective(model, strategy, devices, message):
+    with pytest.raises(Exception, match=message):
+        run(model(), strategy, devices)
+
+
+def test_unsupported_precision():
+    # Lightning turns precision="16-mixed" into bf16 on CPU, so hand the plugin over directly.
+    fp16 = MixedPrecision(precision="16-mixed", device="cpu")
+    with pytest.raises(Exception, match=r"precision='16-mixed' is not supported.*bf16-mixed"):
+        run(models.MLP(), spawn(TWO, precision_plugin=fp16), 2)
+
+
+# Found on the first micro-batch; every rank ends with the message.
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        (models.CallsTwice, "called the pipelined Sequential more than once"),
+        (models.NeverCalls, "did not call the pipelined Sequential"),
+        (models.DictActivation, "output of stage 0 is a dict; what flows between pipeline stages must be a tensor"),
+    ],
+    ids=["twice", "never", "dict-activation"],
+)
+def test_step_contract(model, message):
+    with pytest.raises(Exception, match=message):
+        run(model(), spawn(plan(((0, 2), 1), ((2, len(model().layers)), 1))), 2)
+
+
+def test_batch_too_small_for_the_plan():
+    too_many = plan(((0, 3), 2), ((3, 7), 1), micro_batches=4)  # needs 4 x 2 rows
+    with pytest.raises(Exception, match="micro-batch 1 has 1 rows but stage 0 has 2 replicas; use a global batch of at least 8 rows"):
+        run(models.MLP(), spawn(too_many), 3, batch_size=5)
+
+
+def test_uneven_batches_split_and_still_match(tmp_path):
+    """A batch that does not divide evenly is split near-evenly; numbers still match one device."""
+    from harness import assert_same, fit
+
+    uneven = plan(((0, 3), 2), ((3, 7), 1), micro_batches=5)  # 12 rows -> 3,3,2,2,2 then 2:1 splits
+    assert_same(fit(models.MLP, tmp_path / "d", plan=uneven), fit(models.MLP, tmp_path / "s"))
+
+
+def test_plan_given_as_garbage_fails_in_the_constructor():
+    with pytest.raises(ValueError, match="unknown plan keys"):
+        DappleStrategy({"stagez": []})

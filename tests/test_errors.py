@@ -78,7 +78,9 @@ def test_step_contract(model, message):
 
 def test_batch_too_small_for_the_plan():
     too_many = plan(((0, 3), 2), ((3, 7), 1), micro_batches=4)  # needs 4 x 2 rows
-    with pytest.raises(Exception, match="micro-batch 1 has 1 rows but stage 0 has 2 replicas; use a global batch of at least 8 rows"):
+    with pytest.raises(
+        Exception, match="micro-batch 1 has 1 rows but stage 0 has 2 replicas; use a global batch of at least 8 rows"
+    ):
         run(models.MLP(), spawn(too_many), 3, batch_size=5)
 
 

@@ -108,3 +108,19 @@ def test_chrome_trace_has_one_track_per_rank(tmp_path):
         assert sum(e["cat"] == "forward" for e in spans if e["pid"] == rank) == 6
         assert sum(e["cat"] == "backward" for e in spans if e["pid"] == rank) == 6
     assert {e["cat"] for e in spans} >= {"forward", "backward", "send", "recv", "allreduce"}
+
+
+def test_torchrun_launch_matches_single_device(tmp_path, single_device):
+    """Under torchrun Lightning sees an external cluster environment and launches nothing itself."""
+    import subprocess
+    import sys
+
+    plan_path = tmp_path / "plan.yaml"
+    plan_path.write_text(make_plan("1:2", "dapple").to_yaml())
+    script = Path(__file__).parent / "scripts" / "fit_mlp.py"
+    from distributed import free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3", "--master_port", str(free_port())]
+    subprocess.run([*cmd, str(script), str(tmp_path), str(plan_path)], check=True, timeout=300, cwd=tmp_path)
+    got = read_metrics(tmp_path / "run" / "version_0" / "metrics.csv"), torch.load(tmp_path / "final.pt")
+    assert_same(got, single_device(models.MLP))

@@ -1,0 +1,187 @@
+"""End-to-end studies with real trial processes (tiny MLP, 2 ranks, 1 warm-up + 2 timed steps)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import optuna
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from optuna.trial import TrialState
+
+from dapple_lightning.plan import Plan
+from dapple_lightning.search import (
+    FingerprintMismatch,
+    PlanSearch,
+    SearchConfig,
+    TrialConfig,
+    best_plan,
+    strategy_from_study,
+)
+from dapple_lightning.search._cli import main as cli
+from dapple_lightning.search._trial import group_alive
+
+MLP = "dapple_lightning.search.testing:mlp"
+pytestmark = pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
+
+
+def trial_config(**overrides) -> TrialConfig:
+    base = {"model": MLP, "world_size": 2, "global_batch": 8, "warmup": 1, "steps": 2, "timeout_s": 120.0}
+    return TrialConfig(**{**base, **overrides})
+
+
+@pytest.fixture(scope="module")
+def mlp_study(tmp_path_factory):
+    """Three measured trials: the planner's two picks, then one TPE proposal."""
+    storage = f"sqlite:///{tmp_path_factory.mktemp('study') / 'search.db'}"
+    config = SearchConfig(
+        trial_config(),
+        storage=storage,
+        study_name="mlp",
+        n_trials=3,
+        planner_seeds=2,
+        micro_batches=(1, 2, 4),
+        progress=False,
+    )
+    study = PlanSearch(config).run()
+    return config, study
+
+
+def test_search_measures_every_trial_in_fresh_processes(mlp_study):
+    _config, study = mlp_study
+    trials = study.get_trials()
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 3
+    assert [t.user_attrs["source"] for t in trials[:2]] == ["planner", "planner"]
+    for t in trials:
+        a = t.user_attrs
+        plan = Plan.from_dict(a["plan"])
+        assert plan.world_size == 2 and plan.num_layers == 6
+        assert t.values[0] == pytest.approx(a["samples_per_s"]) and a["samples_per_s"] > 0
+        assert len(a["step_times"]) == 3  # warm-up + 2 timed
+        assert len(a["peak_bytes"]) == len(a["max_rss_bytes"]) == 2
+        assert a["peak_memory_bytes"] == max(a["peak_bytes"]) > 0
+        assert not group_alive(a["pgid"])  # the trial's process group is gone
+    fp = study.user_attrs["fingerprint"]
+    assert fp["num_layers"] == 6 and fp["world_size"] == 2 and fp["global_batch"] == 8 and fp["device"] == "cpu"
+    assert len(fp["architecture"]) == 16
+
+
+def test_rerunning_a_finished_study_runs_nothing(mlp_study, capsys):
+    config, _study = mlp_study
+    again = PlanSearch(replace(config, progress=True)).run()
+    assert len(again.trials) == 3
+    assert "already holds 3 finished trials" in capsys.readouterr().out
+
+
+def test_best_and_export_round_trip(mlp_study, tmp_path, capsys):
+    config, study = mlp_study
+    out = tmp_path / "best.yaml"
+    assert cli(["best", "--storage", config.storage, "--study", "mlp", "--export", str(out)]) == 0
+    printed = capsys.readouterr().out
+    best = best_plan(config.storage, "mlp")
+    assert Plan.coerce(str(out)) == best
+    fastest = max(study.trials, key=lambda t: t.values[0])
+    assert Plan.from_dict(fastest.user_attrs["plan"]) == best
+    assert f"{fastest.values[0]:.1f}" in printed
+    assert cli(["trials", "--storage", config.storage, "--study", "mlp"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].split()[:4] == ["trial", "state", "source", "plan"]
+    assert len(table) == 1 + 3 and all("COMPLETE" in line for line in table[1:])
+
+
+def test_strategy_from_study_trains_the_best_plan(mlp_study):
+    config, _ = mlp_study
+    best = best_plan(config.storage, "mlp")
+    strategy = strategy_from_study(config.storage, "mlp", start_method="spawn")
+    from plan_model import factory
+
+    model, loader = factory(8)
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, train_dataloaders=loader)
+    metrics = trainer.callback_metrics
+    assert metrics["plan_micro_batches"].item() == best.micro_batches
+    assert metrics["plan_stages"].item() == best.num_stages
+    first_cut = best.stages[1].start if best.num_stages > 1 else 0
+    assert metrics["plan_first_cut"].item() == first_cut
+    assert any(not torch.equal(a, b.detach()) for a, b in zip(before, model.parameters()))  # it trained
+
+
+def test_resuming_with_another_setup_is_refused(mlp_study):
+    config, _ = mlp_study
+    other = replace(config, trial=trial_config(global_batch=16))
+    with pytest.raises(FingerprintMismatch, match="global_batch: 8 != 16"):
+        PlanSearch(other).open()
+
+
+def test_crash_hang_oom_and_infeasible_trials_end_the_trial_not_the_study(tmp_path):
+    storage = f"sqlite:///{tmp_path / 'failures.db'}"
+    # Batch 16 but the loader gives 8 rows: 16 micro-batches cannot fill a batch (infeasible).
+    trial = trial_config(
+        global_batch=16,
+        stall_timeout_s=4.0,
+        model_kwargs={"crash_on": [2], "hang_on": [4], "oom_on": [8], "max_rows": 8},
+    )
+    plans = [Plan.straight(6, 2, micro_batches=m) for m in (2, 4, 16, 8, 1)]
+    config = SearchConfig(
+        trial,
+        storage=storage,
+        study_name="failures",
+        n_trials=5,
+        planner_seeds=0,
+        pruner="none",
+        schedules=("dapple",),
+        enqueue=tuple(plans),
+        progress=False,
+    )
+    study = PlanSearch(config).run()
+    trials = study.get_trials()
+    assert [Plan.from_dict(t.user_attrs["plan"]) for t in trials] == plans
+    crash, hang, infeasible, oom, ok = trials
+    assert crash.state == TrialState.FAIL and "injected crash (micro_batches=2)" in crash.user_attrs["fail_reason"]
+    assert hang.state == TrialState.FAIL and hang.user_attrs["fail_reason"] == "timeout"
+    assert "no step ended for 4 s" in hang.user_attrs["fail_detail"]
+    assert infeasible.state == TrialState.PRUNED and infeasible.user_attrs["infeasible"]
+    assert "16 micro-batches x 1 replicas need at least 16 rows" in infeasible.user_attrs["fail_reason"]
+    assert oom.state == TrialState.FAIL and oom.user_attrs["fail_reason"] == "oom"
+    assert ok.state == TrialState.COMPLETE and ok.values[0] > 0
+    for t in trials:
+        assert not group_alive(t.user_attrs["pgid"]), f"trial {t.number} left processes behind"
+
+
+def test_multi_objective_study_keeps_a_pareto_front(tmp_path):
+    storage = f"sqlite:///{tmp_path / 'multi.db'}"
+    plans = (Plan.data_parallel(6, 2, 1), Plan.straight(6, 2, micro_batches=2))
+    config = SearchConfig(
+        trial_config(track_memory=True),
+        storage=storage,
+        study_name="multi",
+        n_trials=2,
+        planner_seeds=0,
+        multi_objective=True,
+        enqueue=plans,
+        progress=False,
+    )
+    study = PlanSearch(config).run()
+    assert [d.name for d in study.directions] == ["MAXIMIZE", "MINIMIZE"]
+    for t in study.trials:
+        assert t.values[1] == t.user_attrs["peak_memory_bytes"]
+    # Data parallelism holds the whole model on each rank; the pipeline half of it.
+    dp, pipe = study.trials
+    assert pipe.values[1] < dp.values[1]
+    assert study.best_trials
+    with pytest.raises(ValueError, match="optimizes \\['samples_per_s', 'peak_bytes'\\]"):
+        PlanSearch(replace(config, multi_objective=False)).open()
+    assert Path(storage.removeprefix("sqlite:///")).exists()
+    assert optuna.get_all_study_names(storage) == ["multi"]

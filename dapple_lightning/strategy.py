@@ -20,6 +20,7 @@ How one optimizer step maps onto Lightning's automatic optimization:
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 from collections.abc import Callable, Mapping
@@ -31,6 +32,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.distributed import (
+    _destroy_dist_connection,
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
@@ -134,6 +136,8 @@ class DappleStrategy(ParallelStrategy):
         self._full_optimizer_names: list[list[list[str]]] = []
         self._sequential: tuple[str, nn.Sequential] | None = None
         self._failed = False
+        self.auto_plan: Any = None
+        """With ``plan="auto"``: the profile, cluster and prediction behind the chosen plan."""
         self._shuffle_seed = 0
 
     # ------------------------------------------------------------------ Lightning plumbing
@@ -187,6 +191,9 @@ class DappleStrategy(ParallelStrategy):
         self._process_group_backend = backend
         assert self.cluster_environment is not None
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+        # Without an explicit destroy, gloo's threads are torn down at interpreter exit and the
+        # process aborts ("terminate called without an active exception").
+        atexit.register(_destroy_dist_connection)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -226,7 +233,7 @@ class DappleStrategy(ParallelStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self._full_optimizer_names = _optimizer_names(module)
-        self.plan = self._resolve_plan(sequential)
+        self.plan = self._resolve_plan(trainer, name, sequential)
         rank = self.global_rank
         self._stage_module = partition(sequential, self.plan, rank)
         self._sequential = (name, sequential)
@@ -253,7 +260,8 @@ class DappleStrategy(ParallelStrategy):
         seed = torch.tensor([torch.initial_seed() % 2**62], dtype=torch.int64)
         dist.broadcast(seed, 0)
         self._shuffle_seed = int(seed)
-        rank_zero_info(f"dapple plan:\n{self.plan.table()}")
+        if self.auto_plan is None:
+            rank_zero_info(f"dapple plan:\n{self.plan.table()}")
         if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -262,13 +270,31 @@ class DappleStrategy(ParallelStrategy):
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
 
-    def _resolve_plan(self, sequential: nn.Sequential) -> Plan:
+    def _resolve_plan(self, trainer: Trainer, name: str, sequential: nn.Sequential) -> Plan:
         if isinstance(self._plan_spec, Plan):
             return self._plan_spec
-        # TODO(planner): profile and plan; until then every rank holds every layer.
-        plan = Plan.data_parallel(len(sequential), self.world_size)
-        plan.check(num_layers=len(sequential), world_size=self.world_size)
-        return plan
+        world = self.world_size
+        if trainer.state.fn != TrainerFn.FITTING:
+            # Forward-only loops have no training batch to profile; every rank holds every layer.
+            return Plan.data_parallel(len(sequential), world)
+        from dapple_lightning.autoplan import capture_sequential_input, choose_plan, draw_batch
+
+        module = self.lightning_module
+        batch = self.batch_to_device(draw_batch(trainer.fit_loop._data_source.dataloader()))
+        rows = batch_size_of(batch)
+        # Profile on a micro-batch-sized slice: whole global batches make profiling slow, and the
+        # cost model scales times with the micro-batch size.
+        sample = slice_batch(batch, Rows(0, max(1, rows // max(world, 2))))
+        sample_input = capture_sequential_input(
+            module,
+            lambda seq: _set_submodule(module, name, seq),
+            sequential,
+            lambda: module.training_step(sample, 0),
+        )
+        chosen = choose_plan(sequential, sample_input, self.root_device, nodes=self.num_nodes, global_batch=rows)
+        rank_zero_info(chosen.report())
+        self.auto_plan = chosen
+        return chosen.plan
 
     def _owned(self) -> set[int]:
         """Parameters this rank speaks for when something must count each parameter once."""

@@ -36,6 +36,7 @@ def fit(
         }
     else:
         placement = {"devices": 1}
+    placement.update({k: trainer_kwargs.pop(k) for k in ("devices", "strategy") if k in trainer_kwargs})
     options = {
         "accelerator": "cpu",
         "max_steps": max_steps,

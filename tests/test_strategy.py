@@ -124,3 +124,15 @@ def test_torchrun_launch_matches_single_device(tmp_path, single_device):
     subprocess.run([*cmd, str(script), str(tmp_path), str(plan_path)], check=True, timeout=300, cwd=tmp_path)
     got = read_metrics(tmp_path / "run" / "version_0" / "metrics.csv"), torch.load(tmp_path / "final.pt")
     assert_same(got, single_device(models.MLP))
+
+
+def test_auto_plan_profiles_plans_and_trains_like_single_device(tmp_path, single_device):
+    got = fit(models.MLP, tmp_path, plan=None, devices=2, strategy=DappleStrategy(start_method="spawn"))
+    assert_same(got, single_device(models.MLP))
+
+
+def test_registered_name_is_the_auto_plan():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    strategy = StrategyRegistry.get("dapple")
+    assert isinstance(strategy, DappleStrategy) and strategy._plan_spec == "auto"

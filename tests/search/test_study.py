@@ -155,7 +155,7 @@ def test_crash_hang_oom_and_infeasible_trials_end_the_trial_not_the_study(tmp_pa
     assert infeasible.state == TrialState.PRUNED and infeasible.user_attrs["infeasible"]
     assert "16 micro-batches x 1 replicas need at least 16 rows" in infeasible.user_attrs["fail_reason"]
     assert oom.state == TrialState.FAIL and oom.user_attrs["fail_reason"] == "oom"
-    assert ok.state == TrialState.COMPLETE and ok.values[0] > 0
+    assert ok.state == TrialState.COMPLETE and ok.values[0] > 0, ok.user_attrs
     for t in trials:
         assert not group_alive(t.user_attrs["pgid"]), f"trial {t.number} left processes behind"
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import warnings
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
@@ -194,12 +195,21 @@ class DappleStrategy(ParallelStrategy):
         # Without an explicit destroy, gloo's threads are torn down at interpreter exit and the
         # process aborts ("terminate called without an active exception").
         atexit.register(_destroy_dist_connection)
+        if dist.get_world_size() != self.world_size:
+            raise RuntimeError(
+                f"the process group has {dist.get_world_size()} ranks but this Trainer expects {self.world_size}; a "
+                "process group left over from an earlier run in this process (e.g. a Hydra multirun with "
+                "start_method='popen') cannot be reused for another size: use DappleStrategy(start_method='spawn')"
+            )
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        # Lightning advises sync_dist=True for epoch-level values in multi-process runs; under
+        # dapple every rank already logs the exact global value, so the advice would only mislead.
+        warnings.filterwarnings("ignore", message=r".*recommended to use `self\.log\(.*sync_dist=True")
 
     def _validate(self) -> tuple[str, nn.Sequential]:
         """Check the module and an explicit plan; raises before any process group exists."""

@@ -1,0 +1,71 @@
+"""Train a character-level GPT on the King James Version (Genesis to Numbers) with DAPPLE (a Hydra app).
+
+    python examples/gpt.py                                  # 2-stage pipeline on 2 CPU processes
+    python examples/gpt.py plan=dp                          # pure data parallelism instead
+    python examples/gpt.py plan.micro_batches=8 plan.schedule=gpipe
+    python examples/gpt.py model.n_blocks=6 model.cut=4 trainer.max_steps=400
+    python examples/gpt.py -m plan.micro_batches=2,4        # a sweep, one job after the other
+    python examples/gpt.py --cfg job                        # print the composed config
+
+Configs: ``conf/gpt.yaml`` and its groups under ``conf/`` (model, data, trainer, plan), typed by
+``examples/configs.py``. Outputs (``metrics.csv``, ``losses.json``, Hydra's config) go to
+``outputs/gpt/<date>/<time>/`` (multiruns: ``outputs/gpt-multirun/<date>/<time>/<job>/``); the
+working directory does not change. Ranks start with ``spawn``: see ``examples/common.py``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import hydra
+from common import make_trainer
+from configs import register
+from gpt_model import CharData, CharGPT
+from lightning.pytorch import seed_everything
+from omegaconf import DictConfig
+
+register()
+REPO = Path(__file__).resolve().parents[1]
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="gpt")
+def main(cfg: DictConfig) -> None:
+    seed_everything(cfg.seed, workers=True)
+    path = Path(cfg.data.path)
+    if not path.is_absolute() and not path.exists():
+        path = REPO / path  # so that the default works from any directory
+    data = CharData(
+        path,
+        context=cfg.data.context,
+        batch_size=cfg.data.batch_size,
+        stride=cfg.data.stride,
+        val_fraction=cfg.data.val_fraction,
+        seed=cfg.seed,
+    )
+    m = cfg.model
+    model = CharGPT(
+        vocab_size=len(data.vocab),
+        context=m.context,
+        n_blocks=m.n_blocks,
+        d_model=m.d_model,
+        n_heads=m.n_heads,
+        dropout=m.dropout,
+        lr=m.lr,
+        weight_decay=m.weight_decay,
+    )
+    if len(model.layers) != m.num_layers:  # the plan files count on it
+        raise ValueError(f"model.num_layers={m.num_layers} but the model has {len(model.layers)} layers; do not set it")
+    trainer = make_trainer(cfg)
+    trainer.fit(model, datamodule=data)
+
+    # With spawn the ranks hand the consolidated weights back to this process, whose model was
+    # never partitioned: sample from it. (With popen this process is rank 0 and holds one stage.)
+    if cfg.sample_chars > 0 and cfg.strategy.start_method == "spawn":
+        model.eval()
+        prompt = data.vocab.encode("\n")
+        text = data.vocab.decode(model.generate(prompt, cfg.sample_chars, temperature=0.8, seed=cfg.seed))
+        print(f"sample ({cfg.sample_chars} characters, temperature 0.8):\n{text}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

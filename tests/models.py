@@ -179,3 +179,13 @@ class DictActivation(MLP):
         super().__init__()
         torch.manual_seed(0)
         self.layers = nn.Sequential(nn.Linear(IN, 16), _Dict(), _Undict(), nn.Linear(16, OUT))
+
+
+class EvalMLP(MLP):
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("test_loss", nn.functional.mse_loss(self.layers(x), y))
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)]  # per epoch

@@ -110,3 +110,19 @@ def test_manual_optimization_is_refused_with_a_clear_error(tmp_path):
     trainer = _trainer(devices=3, strategy=DappleStrategy(PLAN, start_method="spawn"), max_steps=1)
     with pytest.raises(Exception, match="automatic optimization only"):
         trainer.fit(models.ManualMLP(), models.loader())
+
+
+@pytest.mark.parametrize("loop", ["validate", "test"])
+def test_evaluation_loops_match_single_device(loop):
+    want = getattr(_trainer(devices=1), loop)(models.EvalMLP(), models.loader())
+    trainer = _trainer(devices=3, strategy=DappleStrategy(PLAN, start_method="spawn"))
+    got = getattr(trainer, loop)(models.EvalMLP(), models.loader())
+    assert got[0].keys() == want[0].keys()
+    for key in want[0]:
+        assert got[0][key] == pytest.approx(want[0][key], rel=1e-5)
+
+
+def test_epoch_interval_scheduler_matches_single_device(tmp_path):
+    want = fit(models.EvalMLP, tmp_path / "single", max_steps=12)
+    got = fit(models.EvalMLP, tmp_path / "dapple", plan=PLAN, max_steps=12)
+    assert_same(got, want)

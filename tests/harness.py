@@ -25,6 +25,7 @@ def fit(
     ckpt_path: str | None = None,
     callbacks: tuple = (),
     strategy_kwargs: dict[str, Any] | None = None,
+    batch_size: int = models.BATCH,
     **trainer_kwargs: Any,
 ):
     """Train ``model_cls`` on tests/models.loader(); return (logged metrics, final state dict)."""
@@ -55,8 +56,8 @@ def fit(
     trainer = Trainer(**options)
     trainer.fit(
         model,
-        train_dataloaders=models.loader(),
-        val_dataloaders=models.loader() if val else None,
+        train_dataloaders=models.loader(batch_size),
+        val_dataloaders=models.loader(batch_size) if val else None,
         ckpt_path=ckpt_path,
     )
     return read_metrics(Path(tmp_path) / "run" / "version_0" / "metrics.csv"), model.state_dict()

@@ -136,3 +136,12 @@ def test_registered_name_is_the_auto_plan():
 
     strategy = StrategyRegistry.get("dapple")
     assert isinstance(strategy, DappleStrategy) and strategy._plan_spec == "auto"
+
+
+def test_short_last_batch_changes_activation_shapes(tmp_path):
+    """48 rows in batches of 10: the fifth batch has 8 rows, so every shape on the wire changes."""
+    plan = make_plan("2:1", "dapple")
+    assert_same(
+        fit(models.MLP, tmp_path / "d", plan=plan, batch_size=10, max_steps=5),
+        fit(models.MLP, tmp_path / "s", batch_size=10, max_steps=5),
+    )

@@ -1,0 +1,480 @@
+"""DAPPLE's analytic model of one training step of a plan: latency and memory.
+
+Notation: ``S`` stages, ``M`` micro-batches, global batch ``G``. A micro-batch holds at most
+``ceil(G / M)`` samples and stage ``s`` splits it over its ``r_s`` replicas, so the slowest
+replica runs ``n_s = ceil(G / (M r_s))`` samples; times and activation bytes scale linearly
+from the profile batch (see ``_profile``).
+
+Per stage ``s`` and micro-batch: ``F_s``, ``B_s`` (forward, backward of the slowest replica),
+``AR_s`` (ring all-reduce of the stage's gradients over its replica group, once per step).
+Between stages ``s`` and ``s + 1`` the whole micro-batch's activations cross the cut
+(``cut_bytes``), re-split when the replica counts differ (split-concat): ``C^F_s`` forward,
+``C^B_s`` for the gradients coming back (same bytes). Rows that the receiving replicas need
+on the server where they already are move over NVLink; the rest cross the servers' network
+interfaces (``Cluster.transfer_coefficient``), so where the stages sit matters.
+
+**Transfers are stages of their own** (as in the paper): the model works on the extended
+pipeline ``stage 0, link 0, stage 1, link 1, ..., stage S-1`` whose link entries have
+``F = C^F``, ``B = C^B`` and no all-reduce. A link carries one transfer at a time in each
+direction, activations one way and gradients the other at once (full duplex), so its steady
+work is its busier direction: ``M C^F`` or ``M C^B`` plus the round trip beyond it.
+
+**Phases against a pivot.** For a pivot ``Q`` of the extended pipeline (a stage or a link)::
+
+    T_w = sum_{k <= Q} F_k                        # micro-batch 0 reaches Q
+    T_s = (M - 1) (F_Q + B_Q)                     # Q's remaining passes
+    T_e = max_s (AR_s + remaining backward of s relative to Q)
+
+For ``s <= Q`` the remaining backward is ``sum_{s <= k <= Q} B_k``: Q can do nothing before
+micro-batch 0 arrives, runs its ``2M`` passes one after another and ends with ``B_{M-1}``,
+which must then flow back to ``s``. For ``s > Q`` it is negative: Q's last forward
+``F_{M-1}`` comes ``K_Q - 1`` backwards before its end (its schedule runs
+``M F_Q + (M - K_Q) B_Q`` up to it; for a link, its ``M`` forward transfers), and from there
+micro-batch ``M - 1`` goes to the last stage and back to ``s``; back at ``s = Q`` it adds
+``B_Q`` (when that round trip outlasts Q's other ``K_Q - 1`` backwards, Q waits: the stall of
+a 1F1B schedule whose warm-up does not cover the transfers). Each such sum is a chain of
+actions that must run one after another, so each is a lower bound on the step; the step
+latency is the longest. The pivot is the ``Q`` of the longest chain, ties going to the later
+``Q``; this is the paper's iteration (start at the last stage, move the pivot to an earlier
+stage when that stage's steady work outweighs the current pivot's plus the work between them)
+written as a maximum. ``Estimate`` reports ``T_w``, ``T_s`` and ``T_e = step - T_w - T_s``.
+
+The same maximum is computed from the back in four numbers per suffix starting at ``t``
+(:func:`combine`; what the planner's dynamic program carries)::
+
+    D_t  = max(M (F_t + B_t), F_t + B_t + D_{t+1})        # chains from t's first pass, to t
+    RT_t = F_t + B_t + RT_{t+1}                          # one micro-batch's round trip
+    X_t  = max(RT_t + AR_t, F_t + X_{t+1})               # ... and on to an all-reduce past t
+    Z_t  = max(AR_t + D_t,                               # every chain, from t's first forward
+               M F_t + (M - K_t) B_t + X_{t+1},
+               M F_t + (M - K_t) B_t + RT_{t+1} + B_t + AR_t,
+               F_t + Z_{t+1})
+    latency = Z_0
+
+(links enter as stages whose chains are ``M C^F + RT + C^B`` or ``C^F + RT + M C^B`` to their
+last transfer and ``M C^F`` up to their last forward one; RT is the round trip beyond them).
+Two more kinds of chain bound the steady phase when transfers and downstream stages are slow,
+both missing from the paper's formula: a stage that runs ``K`` forwards ahead must wait for
+micro-batch ``m``'s gradient before it may start ``m + K``, so
+``ceil(M / K) (F + B + round trip) + ...`` runs one after another (in ``D``); under GPipe, a
+stage's first backward waits for its last forward's round trip, ``M F + round trip + M B``.
+The GPipe schedule otherwise has the same chains with ``K_t = M``.
+
+**Memory** per device of stage ``s``: parameters + gradients (same size) + optimizer state
+(``optimizer_factor`` x parameters unless the profile gives bytes; Adam keeps 2) + ``K_s``
+micro-batches of the stage's layer outputs at ``n_s`` samples, ``K_s = min(S - s, M)`` for
+DAPPLE and ``M`` for GPipe.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from dapple_lightning.plan import Plan
+from dapple_lightning.planner._cluster import Cluster
+from dapple_lightning.planner._profile import ModelProfile
+
+__all__ = ["CostModel", "Estimate", "Placement", "chains", "combine", "estimate", "stage_chain"]
+
+# Relative slack when comparing chain lengths, so that float noise does not move the pivot.
+_TIE = 1e-12
+
+
+class Placement(NamedTuple):
+    """Where a stage's replicas sit, as far as costs care: how many on each server.
+
+    A named tuple rather than a dataclass: the planner builds and hashes millions of them.
+    """
+
+    replicas: int
+    """Devices of the stage."""
+    servers: int
+    """Distinct servers those devices are on."""
+    take: tuple[int, ...]
+    """Devices of the stage on each server."""
+
+    @classmethod
+    def of(cls, cluster: Cluster, ranks: Sequence[int]) -> Placement:
+        take = cluster.devices_per_server(ranks)
+        return cls(len(ranks), sum(1 for c in take if c), take)
+
+
+Tail = tuple[float, float, float, float, float]
+"""``(D, Z, RT, X, F + B)`` of a partial pipeline, as :func:`combine` returns it."""
+
+
+def stage_chain(
+    forward: float,
+    backward: float,
+    micro_batches: int,
+    depth: int,
+    round_trip: float,
+    partner: float | None,
+    gpipe: bool,
+) -> tuple[float, float]:
+    """Longest chains from a stage's first forward to its last backward, and to its last forward.
+
+    ``round_trip``: from the stage's output to the gradient coming back (0 for the last stage).
+    ``partner``: transfers both ways plus the next stage's ``F + B``, when the next stage warms
+    up one micro-batch less (DAPPLE, ``K_{s+1} = K_s - 1``), else ``None``. The chains: all
+    passes in the stage's order; the warm-up window (micro-batch ``m + K`` waits for ``m``'s
+    gradient, a full round trip); under DAPPLE, the ping-pong with the next stage (``B_j`` here,
+    ``F_{j+K}`` here and there, ``B_{j+2}`` there and here: a detour through the next stage in
+    place of this stage's ``B_{j+1}, F_{j+K+1}`` lengthens the chain by ``partner - F - B``);
+    under GPipe, all forwards, the last one's round trip, all backwards.
+    """
+    m = micro_batches
+    fb = forward + backward
+    jumps = (m - 1) // depth + 1
+    work = max(m * fb, jumps * (fb + round_trip) + (m - jumps * depth + depth - 1) * backward)
+    lead = m * forward + max(0, m - depth) * backward
+    if gpipe:
+        work = max(work, m * forward + round_trip + m * backward)
+    if partner is not None:
+        # Detours start at F_{j+K}, j >= 0, at least two apart. One at j = M - K - 1 (from the
+        # last forward) skips only B_{j+1}; earlier ones skip B_{j+1} and F_{j+K+1}. Before the
+        # last forward, only detours that land (at B_{j+2}) ahead of it count.
+        last = m - depth - 1
+        if last >= 0:
+            work = max(work, m * fb + (partner - backward) + (last // 2) * max(0.0, partner - fb))
+        if last >= 2 and partner > fb:
+            lead = lead + ((last - 2) // 2 + 1) * (partner - fb)
+    return work, lead
+
+
+def combine(
+    forward: float,
+    backward: float,
+    allreduce: float,
+    send_forward: float,
+    send_backward: float,
+    micro_batches: int,
+    depth: int,
+    tail: Tail | None,
+    next_depth: int = 0,
+    gpipe: bool = False,
+) -> Tail:
+    """``(D, Z, RT, X, F + B)`` of a stage, its link and a suffix whose own values are ``tail``.
+
+    ``depth`` is the stage's warm-up depth ``K`` and ``next_depth`` the next stage's (``M`` for
+    GPipe). The one place the recurrence is written, so the planner (which inlines all but
+    :func:`stage_chain`) and :func:`estimate` agree to the last bit; see the module docstring
+    for what the numbers are.
+    """
+    m = micro_batches
+    fb = forward + backward
+    if tail is None:
+        d = m * fb
+        return d, allreduce + d, fb, fb + allreduce, fb
+    d_next, z_next, rt_next, x_next, fb_next = tail
+    d_link = max(
+        send_forward + send_backward + d_next,
+        m * send_forward + rt_next + send_backward,
+        send_forward + rt_next + m * send_backward,
+    )
+    z_link = send_forward + z_next
+    rt_link = send_forward + send_backward + rt_next
+    x_link = send_forward + x_next
+    zm_link = m * send_forward + x_next
+    partner = send_forward + send_backward + fb_next if not gpipe and next_depth == depth - 1 else None
+    work, lead = stage_chain(forward, backward, m, depth, rt_link, partner, gpipe)
+    d = max(work, fb + d_link)
+    rt = fb + rt_link
+    x = max(rt + allreduce, forward + x_link)
+    z = max(allreduce + d, lead + x_link, lead + (rt_link + backward + allreduce), forward + zm_link, forward + z_link)
+    return d, z, rt, x, fb
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What the analytic model predicts for one plan."""
+
+    plan: Plan
+    step_s: float
+    """Predicted seconds per optimizer step (one global batch)."""
+    pivot: int
+    """Pivot in the extended pipeline: ``2 s`` is stage ``s``, ``2 s + 1`` the link ``s -> s+1``."""
+    warmup_s: float
+    steady_s: float
+    ending_s: float
+    micro_batch_size: int
+    """Samples in the largest micro-batch, ``ceil(G / M)``."""
+    samples: tuple[int, ...]
+    """Samples each replica of each stage runs per micro-batch (its slowest replica)."""
+    forward_s: tuple[float, ...]
+    backward_s: tuple[float, ...]
+    allreduce_s: tuple[float, ...]
+    send_forward_s: tuple[float, ...]
+    """Activation transfer time across each cut (``S - 1`` entries)."""
+    send_backward_s: tuple[float, ...]
+    memory_bytes: tuple[float, ...]
+    """Peak bytes on one device of each stage."""
+    memory_limit: float
+
+    @property
+    def fits(self) -> bool:
+        return max(self.memory_bytes) <= self.memory_limit
+
+    @property
+    def pivot_name(self) -> str:
+        s, link = divmod(self.pivot, 2)
+        return f"link {s}->{s + 1}" if link else f"stage {s}"
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Share of device time the stages spend idle within the step (all-reduce counts as idle)."""
+        m = self.plan.micro_batches
+        busy = sum(m * (f + b) for f, b in zip(self.forward_s, self.backward_s))
+        return 1.0 - busy / (len(self.forward_s) * self.step_s) if self.step_s > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """A profile on a cluster at a global batch: per-stage costs, fast, from prefix sums."""
+
+    profile: ModelProfile
+    cluster: Cluster
+    global_batch: int
+    optimizer_factor: float = 2.0
+    """Optimizer state per parameter byte when the profile gives none (Adam: 2, SGD+momentum: 1)."""
+    _forward: tuple[float, ...] = field(init=False, repr=False, compare=False)
+    _backward: tuple[float, ...] = field(init=False, repr=False, compare=False)
+    _activation: tuple[float, ...] = field(init=False, repr=False, compare=False)
+    _params: tuple[float, ...] = field(init=False, repr=False, compare=False)
+    _static: tuple[float, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.profile, ModelProfile):
+            raise TypeError(f"profile must be a ModelProfile, got {type(self.profile).__name__}")
+        if not isinstance(self.cluster, Cluster):
+            raise TypeError(f"cluster must be a Cluster, got {type(self.cluster).__name__}")
+        gb = self.global_batch
+        if isinstance(gb, bool) or not isinstance(gb, int):
+            raise TypeError(f"global_batch must be an integer, got {gb!r}")
+        if gb < 1:
+            raise ValueError(f"global_batch must be >= 1, got {gb}")
+        factor = self.optimizer_factor
+        if isinstance(factor, bool) or not isinstance(factor, int | float) or not (0 <= factor < math.inf):
+            raise ValueError(f"optimizer_factor must be a number >= 0 (Adam: 2), got {factor!r}")
+
+        def prefix(values: Sequence[float]) -> tuple[float, ...]:
+            out = [0.0]
+            for v in values:
+                out.append(out[-1] + v)
+            return tuple(out)
+
+        layers = self.profile.layers
+        object.__setattr__(self, "_forward", prefix([x.forward_s for x in layers]))
+        object.__setattr__(self, "_backward", prefix([x.backward_s for x in layers]))
+        object.__setattr__(self, "_activation", prefix([float(x.activation_bytes) for x in layers]))
+        object.__setattr__(self, "_params", prefix([float(x.param_bytes) for x in layers]))
+        object.__setattr__(self, "_static", prefix([2.0 * x.param_bytes + x.optimizer_bytes(factor) for x in layers]))
+
+    # ---------------------------------------------------------------------------- pieces
+
+    @property
+    def num_layers(self) -> int:
+        return self.profile.num_layers
+
+    def prefix_sums(
+        self,
+    ) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
+        """Prefix sums over layers of forward s, backward s, activation bytes, parameter bytes and
+        static bytes (parameters + gradients + optimizer state), at the profile batch."""
+        return self._forward, self._backward, self._activation, self._params, self._static
+
+    def micro_batch_size(self, micro_batches: int) -> int:
+        return -(-self.global_batch // micro_batches)
+
+    def max_replicas(self, micro_batches: int) -> int:
+        """Most replicas a stage may have so that each gets a sample of every micro-batch."""
+        return self.global_batch // micro_batches
+
+    def samples(self, micro_batches: int, replicas: int) -> int:
+        """Samples the slowest replica runs per micro-batch: ``ceil(G / (M r))``."""
+        return -(-self.global_batch // (micro_batches * replicas))
+
+    def compute(self, start: int, end: int, samples: int) -> tuple[float, float]:
+        """Forward and backward seconds of layers ``[start, end)`` on ``samples`` samples."""
+        scale = samples / self.profile.profile_batch_size
+        return (
+            (self._forward[end] - self._forward[start]) * scale,
+            (self._backward[end] - self._backward[start]) * scale,
+        )
+
+    def allreduce(self, start: int, end: int, place: Placement) -> float:
+        return self.cluster.allreduce_time(self._params[end] - self._params[start], place.replicas, place.servers)
+
+    def static_memory(self, start: int, end: int) -> float:
+        """Parameters, gradients and optimizer state of layers ``[start, end)``."""
+        return self._static[end] - self._static[start]
+
+    def activation_memory(self, start: int, end: int, samples: int) -> float:
+        """Outputs of layers ``[start, end)`` for one micro-batch slice of ``samples`` samples."""
+        return (self._activation[end] - self._activation[start]) * samples / self.profile.profile_batch_size
+
+    def cut_bytes(self, cut: int, micro_batches: int) -> float:
+        """Bytes of one micro-batch's tensors crossing the cut before layer ``cut``."""
+        return self.profile.cut_bytes[cut] * self.micro_batch_size(micro_batches) / self.profile.profile_batch_size
+
+    def transfer(self, cut: int, micro_batches: int, sender: Placement, receiver: Placement) -> float:
+        """Seconds to move one micro-batch's tensors across the cut before layer ``cut``."""
+        return self.cluster.transfer_time(self.cut_bytes(cut, micro_batches), sender.take, receiver.take)
+
+    # ------------------------------------------------------------------------------ plans
+
+    def check(self, plan: Plan) -> None:
+        """Raise ``ValueError`` unless the plan fits this model, cluster and batch."""
+        plan.check(num_layers=self.num_layers)
+        if plan.world_size > self.cluster.world_size:
+            raise ValueError(
+                f"the plan needs {plan.world_size} devices but the cluster {self.cluster.name} has "
+                f"{self.cluster.world_size}"
+            )
+        if plan.micro_batches > self.global_batch:
+            raise ValueError(
+                f"{plan.micro_batches} micro-batches cannot split a global batch of {self.global_batch}; "
+                "use at most one micro-batch per sample"
+            )
+        most = max(s.replicas for s in plan.stages)
+        if most > self.max_replicas(plan.micro_batches):
+            raise ValueError(
+                f"a stage with {most} replicas leaves some without samples: a micro-batch has only "
+                f"{self.global_batch // plan.micro_batches} (global batch {self.global_batch} / "
+                f"{plan.micro_batches} micro-batches); use fewer micro-batches or replicas"
+            )
+
+    def placements(self, plan: Plan) -> list[Placement]:
+        return [Placement.of(self.cluster, plan.stage_ranks(s)) for s in range(plan.num_stages)]
+
+    def estimate(self, plan: Plan) -> Estimate:
+        """Predicted step latency, phases, per-stage costs and memory of ``plan``."""
+        self.check(plan)
+        m = plan.micro_batches
+        places = self.placements(plan)
+        stages = plan.stages
+        count = len(stages)
+        samples = tuple(self.samples(m, s.replicas) for s in stages)
+        fwd, bwd = zip(*(self.compute(s.start, s.end, n) for s, n in zip(stages, samples)))
+        ar = tuple(self.allreduce(s.start, s.end, p) for s, p in zip(stages, places))
+        send = tuple(self.transfer(stages[k].end, m, places[k], places[k + 1]) for k in range(count - 1))
+        depth = [min(count - k, m) if plan.schedule == "dapple" else m for k in range(count)]
+        memory = tuple(
+            self.static_memory(s.start, s.end) + depth[k] * self.activation_memory(s.start, s.end, samples[k])
+            for k, s in enumerate(stages)
+        )
+        tail: Tail | None = None
+        for k in range(count - 1, -1, -1):
+            sf = send[k] if k < count - 1 else 0.0
+            after = depth[k + 1] if k < count - 1 else 0
+            tail = combine(fwd[k], bwd[k], ar[k], sf, sf, m, depth[k], tail, after, plan.schedule == "gpipe")
+        step = tail[1] if tail is not None else 0.0
+        pivot, warm_s, steady_s = _pivot(fwd, bwd, ar, send, depth, m, plan.schedule == "gpipe")
+        ending_s = step - warm_s - steady_s
+        return Estimate(
+            plan=plan,
+            step_s=step,
+            pivot=pivot,
+            warmup_s=warm_s,
+            steady_s=steady_s,
+            ending_s=ending_s,
+            micro_batch_size=self.micro_batch_size(m),
+            samples=samples,
+            forward_s=tuple(fwd),
+            backward_s=tuple(bwd),
+            allreduce_s=ar,
+            send_forward_s=send,
+            send_backward_s=send,
+            memory_bytes=memory,
+            memory_limit=self.cluster.memory_bytes,
+        )
+
+
+def chains(
+    forward: Sequence[float],
+    backward: Sequence[float],
+    allreduce: Sequence[float],
+    send: Sequence[float],
+    depth: Sequence[int],
+    micro_batches: int,
+    gpipe: bool = False,
+) -> list[tuple[float, int, int]]:
+    """Every chain of the model as ``(length, pivot, s)`` over the extended pipeline.
+
+    Positions: ``2 k`` is stage ``k``, ``2 k + 1`` the link ``k -> k+1``. Written out one by one
+    (quadratic in stages), as a check on :func:`combine` and to name the pivot.
+    """
+    m = micro_batches
+    count = len(forward)
+    f: list[float] = []
+    b: list[float] = []
+    ar: list[float] = []
+    lead: list[float] = []
+    work: list[float] = []
+    for k in range(count):
+        f.append(forward[k])
+        b.append(backward[k])
+        ar.append(allreduce[k])
+        # Round trip of one micro-batch from stage k's output to its gradient coming back.
+        trip = 2 * sum(send[k:]) + sum(forward[k + 1 :]) + sum(backward[k + 1 :])
+        partner = None
+        if k < count - 1 and not gpipe and depth[k + 1] == depth[k] - 1:
+            partner = 2 * send[k] + forward[k + 1] + backward[k + 1]
+        chain, to_last_forward = stage_chain(
+            forward[k], backward[k], m, depth[k], trip, partner, gpipe and k < count - 1
+        )
+        work.append(chain)
+        lead.append(to_last_forward)
+        if k < count - 1:
+            f += [send[k]]
+            b += [send[k]]
+            ar += [0.0]
+            lead += [m * send[k]]
+            after = sum(forward[k + 1 :]) + sum(backward[k + 1 :]) + 2 * sum(send[k + 1 :])
+            work += [max(m * send[k] + after + send[k], send[k] + after + m * send[k])]
+    out: list[tuple[float, int, int]] = []
+    for q in range(len(f)):
+        before = sum(f[:q])
+        # Pivot q runs all its passes, then micro-batch M-1 drains back to stage s <= q.
+        for s in range(0, q + 1, 2):
+            out.append((before + work[q] + sum(b[s:q]) + ar[s], q, s))
+        # Pivot q sends micro-batch M-1 on; it goes to the end and back to stage s > q, or
+        # to a stage pivot itself, which then runs its last backward.
+        for s in range(q + 1 if q % 2 else q, len(f), 2):
+            out.append((before + lead[q] + sum(f[q + 1 :]) + sum(b[s:]) + ar[s], q, s))
+    return out
+
+
+def _pivot(
+    forward: Sequence[float],
+    backward: Sequence[float],
+    allreduce: Sequence[float],
+    send: Sequence[float],
+    depth: Sequence[int],
+    m: int,
+    gpipe: bool,
+) -> tuple[int, float, float]:
+    """The pivot (longest chain, ties to the later pivot) and its warm-up and steady phases."""
+    found = chains(forward, backward, allreduce, send, depth, m, gpipe)
+    longest = max(length for length, _, _ in found)
+    pivot = max(q for length, q, _ in found if length >= longest * (1 - _TIE))
+    stage, link = divmod(pivot, 2)
+    f = send[stage] if link else forward[stage]
+    b = send[stage] if link else backward[stage]
+    warm = sum(forward[: stage + 1]) + sum(send[: stage + link])
+    return pivot, warm, (m - 1) * (f + b)
+
+
+def estimate(
+    plan: Plan,
+    profile: ModelProfile,
+    cluster: Cluster,
+    global_batch: int,
+    *,
+    optimizer_factor: float = 2.0,
+) -> Estimate:
+    """Predict step latency, phases and memory of ``plan`` (see the module docstring)."""
+    return CostModel(profile, cluster, global_batch, optimizer_factor).estimate(plan)

@@ -1,0 +1,650 @@
+"""The DAPPLE planner: an exact dynamic program over plans, for the analytic cost model.
+
+The search space, for a profile of ``L`` layers on a cluster of ``W`` devices:
+
+- **stages**: any cut of the layers into contiguous stages;
+- **replication**: stage ``s`` gets ``r_s`` devices, ``sum r_s = W``. Every stage may take any
+  count when ``W <= 16``; on bigger clusters every stage but the first takes a count from
+  :func:`replica_candidates` (1..8, multiples of ``max(8, devices per server)``, powers of two)
+  and the first stage takes what is left, which keeps the search fast and still reaches plans
+  like ``63:1``;
+- **placement**: each policy of ``_placement`` (``append``, ``fresh``, ``scatter``; only
+  ``append`` when servers have one device or there is one server, where they coincide);
+- **micro-batches**: each ``M`` of :func:`micro_batch_candidates` (the divisors of the global
+  batch, so every micro-batch has the same size) unless given; a stage may not have more
+  replicas than a micro-batch has samples.
+
+Plans whose stages exceed the device memory (``_cost``) are left out.
+
+**Why a dynamic program is exact here.** The cost model's latency is ``Z_0`` of the recurrence
+in ``_cost`` (``combine``, inlined here), computed from the last stage backwards. Building the
+pipeline from its last stage forwards, a partial pipeline (a suffix) enters the rest of the
+computation only through five numbers of its first stage (``D, Z, RT, X`` and its ``F + B``),
+that stage's devices per server (for the transfer to the stage before it), the free devices
+per server (for placement) and its number of stages up to ``M`` (the warm-up depth
+``K_s = min(S - s, M)`` of the stages before it changes both their memory and their chains).
+Latency only grows with the five numbers, so for each state (layer, free devices, first
+stage's devices, stage count) the planner keeps the partial pipelines that fewer than ``top``
+others beat in all five. Nothing else is pruned except with bounds that are provably below
+the final latency (branch and bound against the ``top``-th best plan found so far).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from dapple_lightning.plan import SCHEDULES, Plan, Stage
+from dapple_lightning.planner._cluster import GB, Cluster
+from dapple_lightning.planner._cost import CostModel, Estimate, stage_chain
+from dapple_lightning.planner._placement import PLACEMENTS, allocate, place
+from dapple_lightning.planner._profile import ModelProfile
+
+__all__ = [
+    "PlannedPlan",
+    "best_over_micro_batches",
+    "least_memory",
+    "micro_batch_candidates",
+    "plan_dapple",
+    "replica_candidates",
+]
+
+# Relative tolerance when the planner checks its own numbers against CostModel.estimate.
+_AGREE = 1e-9
+# Profiles with more cut points than this get a first, coarse pass with this many.
+_COARSE = 16
+
+
+@dataclass(frozen=True)
+class PlannedPlan:
+    """A plan with what the cost model predicts for it."""
+
+    plan: Plan
+    """The plan; stages carry explicit ``ranks`` when the placement is not consecutive ranks."""
+    predicted_step_s: float
+    """Predicted seconds per optimizer step."""
+    stage_memory_bytes: tuple[float, ...]
+    """Predicted peak bytes on one device of each stage."""
+    speedup_vs_dp: float | None
+    """Pure data parallelism's predicted step over this plan's, ``None`` if no such plan fits."""
+    placement: str = "append"
+    """Placement policy that produced the ranks."""
+    method: str = "dapple"
+    """What produced the plan: ``dapple``, ``pipedream``, ``straight`` or ``data-parallel``."""
+    estimate: Estimate | None = field(default=None, repr=False, compare=False)
+    """The full prediction (phases, per-stage times)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.plan, Plan):
+            raise TypeError(f"plan must be a Plan, got {type(self.plan).__name__}")
+        if not (self.predicted_step_s >= 0 and math.isfinite(self.predicted_step_s)):
+            raise ValueError(f"predicted_step_s must be a finite number >= 0, got {self.predicted_step_s!r}")
+        if len(self.stage_memory_bytes) != self.plan.num_stages:
+            raise ValueError(
+                f"stage_memory_bytes has {len(self.stage_memory_bytes)} entries for "
+                f"{self.plan.num_stages} stages; give one per stage"
+            )
+
+    @property
+    def notation(self) -> str:
+        return self.plan.notation
+
+    @property
+    def cuts(self) -> tuple[int, ...]:
+        """Layer indices where stages begin, after the first (``()`` for one stage)."""
+        return tuple(s.start for s in self.plan.stages[1:])
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "method": self.method,
+            "plan": self.plan.to_dict(),
+            "notation": self.notation,
+            "placement": self.placement,
+            "predicted_step_s": self.predicted_step_s,
+            "speedup_vs_dp": self.speedup_vs_dp,
+            "stage_memory_bytes": list(self.stage_memory_bytes),
+        }
+        if self.estimate is not None:
+            est = self.estimate
+            out.update(
+                pivot=est.pivot_name,
+                warmup_s=est.warmup_s,
+                steady_s=est.steady_s,
+                ending_s=est.ending_s,
+                micro_batch_size=est.micro_batch_size,
+                bubble_fraction=est.bubble_fraction,
+            )
+        return out
+
+    def with_speedup(self, dp_step_s: float | None) -> PlannedPlan:
+        speedup = None if dp_step_s is None or self.predicted_step_s <= 0 else dp_step_s / self.predicted_step_s
+        return PlannedPlan(
+            self.plan,
+            self.predicted_step_s,
+            self.stage_memory_bytes,
+            speedup,
+            self.placement,
+            self.method,
+            self.estimate,
+        )
+
+
+def micro_batch_candidates(global_batch: int) -> tuple[int, ...]:
+    """Default micro-batch counts: the divisors of the global batch (equal micro-batches)."""
+    if global_batch < 1:
+        raise ValueError(f"global_batch must be >= 1, got {global_batch}")
+    return tuple(m for m in range(1, global_batch + 1) if global_batch % m == 0)
+
+
+def replica_candidates(cluster: Cluster) -> tuple[int, ...]:
+    """Replica counts the planner gives stages other than the first (which takes the rest).
+
+    Every count up to 16 devices; beyond, 1..8, multiples of ``max(8, devices per server)``
+    and powers of two, so that stages can fill servers or halves of them.
+    """
+    world = cluster.world_size
+    if world <= 16:
+        return tuple(range(1, world + 1))
+    step = max(8, cluster.devices_per_node)
+    counts = set(range(1, 9)) | set(range(step, world + 1, step))
+    counts |= {2**k for k in range(world.bit_length()) if 2**k <= world}
+    return tuple(sorted(c for c in counts if c <= world))
+
+
+def best_over_micro_batches(model: CostModel, plans: Iterable[Plan]) -> Estimate | None:
+    """The fastest plan of ``plans`` that fits in memory and the batch, or ``None``."""
+    best: Estimate | None = None
+    for plan in plans:
+        try:
+            est = model.estimate(plan)
+        except ValueError:
+            continue  # e.g. more replicas than a micro-batch has samples
+        if est.fits and (best is None or est.step_s < best.step_s):
+            best = est
+    return best
+
+
+def _data_parallel_step(model: CostModel, candidates: Sequence[int]) -> float | None:
+    world = model.cluster.world_size
+    plans = (Plan.data_parallel(model.num_layers, world, m) for m in candidates)
+    best = best_over_micro_batches(model, plans)
+    return None if best is None else best.step_s
+
+
+# A partial pipeline (a suffix): its first stage [start, end) on `replicas` devices, then `nxt`.
+@dataclass(slots=True, eq=False)
+class _Entry:
+    stages: int
+    d: float
+    z: float
+    rt: float
+    x: float
+    fb: float
+    start: int
+    end: int
+    replicas: int
+    nxt: _Entry | None
+
+
+class _Top:
+    """The ``k`` best distinct plans found so far; the ``k``-th latency bounds the search."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+        self.bound = math.inf
+        self.items: list[tuple[float, tuple[Any, ...], Any]] = []
+        self.seen: dict[tuple[Any, ...], tuple[float, Any]] = {}
+        """Every plan offered, kept or not (valid plans, so bounds for a later search)."""
+
+    def offer(self, z: float, key: tuple[Any, ...], payload: Any) -> None:
+        self.seen.setdefault(key, (z, payload))
+        if z > self.bound or any(key == k for _, k, _ in self.items):
+            return
+        self.items.append((z, key, payload))
+        self.items.sort(key=lambda item: item[0])
+        del self.items[self.k :]
+        if len(self.items) >= self.k:
+            # A hair above the k-th latency: bounds summed in another order of float
+            # operations must not cut a plan that ties with it.
+            self.bound = self.items[-1][0] * (1 + 1e-12)
+
+
+def _beats(a: _Entry, b: _Entry) -> bool:
+    return a.d <= b.d and a.z <= b.z and a.rt <= b.rt and a.x <= b.x and a.fb <= b.fb
+
+
+def _insert(front: list[_Entry], entry: _Entry, k: int) -> None:
+    """Add ``entry`` unless ``k`` kept entries are at least as good in every number.
+
+    With ``k = 1`` the entries ``entry`` beats leave; with ``k > 1`` they stay (counting who
+    beats whom again costs more than carrying a few extra entries).
+    """
+    beaten = 0
+    for x in front:
+        if _beats(x, entry):
+            beaten += 1
+            if beaten >= k:
+                return
+    if k == 1:
+        front[:] = [x for x in front if not _beats(entry, x)]
+    front.append(entry)
+
+
+_Link = tuple[int, float, float, float, float, float, float, _Entry]
+"""A suffix seen through its link to a new stage: stages, and D, Z, RT, X of the link, then
+``M C^F + X`` and ``C^F + C^B + (F + B)`` of the suffix's first stage, and the suffix."""
+
+
+# What placing a stage does: free devices and the stage's devices per server (in the new
+# state's server order), servers spanned, the transfer coefficient to the next stage, and the
+# all-reduce coefficients.
+_Alloc = tuple[tuple[int, ...], tuple[int, ...], int, float, float, float]
+
+
+class _Search:
+    """One branch and bound over plans, run per (micro-batch count, placement policy)."""
+
+    def __init__(self, model: CostModel, top: int, replicas: Sequence[int], schedule: str) -> None:
+        self.model = model
+        self.top = _Top(top)
+        self.replicas = tuple(replicas)
+        self.schedule = schedule
+        self.states_expanded = 0
+        self.best_offered = math.inf
+        self.end_bound = math.inf
+        """The bound when the last run ended: that run found every plan of its own below it."""
+
+    def run(self, policy: str, micro_batches: int, cuts: Sequence[int] | None = None) -> float:
+        """Offer the best plans with ``micro_batches`` under ``policy`` to ``self.top``.
+
+        ``cuts`` restricts where stages may begin (every layer when ``None``). Returns the
+        latency of the best plan this run offered (``inf`` if none).
+        """
+        self.best_offered = math.inf
+        model = self.model
+        cluster = model.cluster
+        m = micro_batches
+        world = cluster.world_size
+        layers = model.num_layers
+        nodes = cluster.nodes
+        g = cluster.devices_per_node
+        pbs = model.profile.profile_batch_size
+        cap = cluster.memory_bytes
+        latency = cluster.latency_s
+        gpipe = self.schedule == "gpipe"
+        k = self.top.k
+        most = model.max_replicas(m)
+        pf, pb, pa, pp, ps = model.prefix_sums()
+        fwd_lb = [x / pbs for x in pf]
+        work_lb = [model.global_batch * (pf[i] + pb[i]) / pbs for i in range(layers + 1)]
+        allowed = sorted(set(range(1, layers)) if cuts is None else {c for c in cuts if 0 < c < layers})
+        counts = [r for r in self.replicas if r <= most]
+        samples_of = [0] + [model.samples(m, r) for r in range(1, world + 1)]
+        top = self.top
+        # Under "fresh" and "scatter", servers with equal (free devices, devices of the first
+        # stage) are interchangeable (see _placement), so a state lists its servers sorted by
+        # that pair, and placements equal up to renaming servers become one state. "append"
+        # follows server numbers and keeps them.
+        canonical = policy != "append"
+        alloc_cache: dict[tuple[tuple[int, ...], tuple[int, ...] | None, int], _Alloc] = {}
+
+        def alloc(free: tuple[int, ...], first: tuple[int, ...] | None, r: int) -> _Alloc:
+            key = (free, first, r)
+            hit = alloc_cache.get(key)
+            if hit is None:
+                left, take = allocate(free, r, policy, g, first)
+                servers = sum(1 for c in take if c)
+                coef = 0.0 if first is None else cluster.transfer_coefficient(take, first)
+                ar_byte, ar_fixed = cluster.allreduce_coefficients(r, servers)
+                if canonical:
+                    order = sorted(range(nodes), key=lambda n: (left[n], take[n]), reverse=True)
+                    left = tuple(left[n] for n in order)
+                    take = tuple(take[n] for n in order)
+                hit = alloc_cache[key] = (left, take, servers, coef, ar_byte, ar_fixed)
+            return hit
+
+        # Lower bounds on the latency of any plan that puts layers [0, i) on `left` devices in
+        # front of a suffix whose Z is z:
+        #   z + fwd_lb[i] * samples_of[left]: the prefix's forwards precede every chain of the
+        #       suffix (Z_0 >= sum F + Z), and no prefix stage has more than `left` replicas;
+        #   work_lb[i] / left: some prefix stage does at least its share of the prefix's work.
+        # states[j][free][(first, n)]: fronts of suffixes [j, L) of n stages (up to M) that leave
+        # `free` devices per server and whose first stage has `first` devices per server.
+        root = _Entry(0, 0.0, 0.0, 0.0, 0.0, 0.0, layers, layers, 0, None)
+        states: list[dict[tuple[int, ...], dict[tuple[tuple[int, ...], int] | None, list[_Entry]]]] = [
+            {} for _ in range(layers + 1)
+        ]
+        states[layers][(g,) * nodes] = {None: [root]}
+        for j in range(layers, 0, -1):
+            below_j = bisect.bisect_left(allowed, j)
+            nbytes = model.cut_bytes(j, m)
+            for free, fronts in states[j].items():
+                left_total = sum(free)
+                bound = top.bound
+                if work_lb[j] / left_total > bound:
+                    continue
+                ahead = fwd_lb[j] * samples_of[left_total]
+                self.states_expanded += 1
+                options = [r for r in counts if r < left_total]
+                if left_total <= most:
+                    options.append(left_total)
+                for r in options:
+                    closing = r == left_total
+                    rest = left_total - r
+                    # Fold each suffix's link to the new stage in (the first half of combine()),
+                    # grouping the suffixes by the state the new stage leads to.
+                    groups: dict[_Alloc, list[_Link]] = {}
+                    for sub, front in fronts.items():
+                        first = None if sub is None else sub[0]
+                        placed = alloc(free, first, r)
+                        merged = groups.setdefault((*placed[:3], 0.0, *placed[4:]), [])
+                        if first is None:
+                            merged.append((0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, root))
+                            continue
+                        # Cluster.transfer_time inlined: the same operations in the same order.
+                        send = latency + nbytes * placed[3] if nbytes > 0 else 0.0
+                        send2 = send + send
+                        link_lead = m * send
+                        for e in front:
+                            z_link = send + e.z
+                            if z_link + ahead <= bound:
+                                item = (
+                                    e.stages,
+                                    max(send2 + e.d, link_lead + e.rt + send, send + e.rt + link_lead),
+                                    z_link,
+                                    send2 + e.rt,
+                                    send + e.x,
+                                    link_lead + e.x,
+                                    send2 + e.fb,
+                                    e,
+                                )
+                                merged.append(item)
+                    scale = samples_of[r] / pbs
+                    ahead_n = samples_of[rest] if rest else 0
+                    for (left_free, take, _, _, ar_byte, ar_fixed), merged in groups.items():
+                        if not merged:
+                            continue
+                        if closing:
+                            starts: Iterable[int] = (0,)
+                        else:
+                            # Skip the cuts whose prefix alone is more work than `rest` devices
+                            # can do within the bound (work_lb only grows with i).
+                            top_i = bisect.bisect_right(work_lb, bound * rest) - 1
+                            hi = min(below_j, bisect.bisect_right(allowed, top_i))
+                            starts = (allowed[x] for x in range(hi - 1, -1, -1))
+                        for i in starts:
+                            fwd = (pf[j] - pf[i]) * scale
+                            bwd = (pb[j] - pb[i]) * scale
+                            static = ps[j] - ps[i]
+                            act = (pa[j] - pa[i]) * scale
+                            if static + act > cap:
+                                break  # memory only grows as the stage takes earlier layers
+                            params = pp[j] - pp[i]
+                            # Cluster.allreduce_time inlined: the same operations in the same order.
+                            ar = params * ar_byte + ar_fixed if r > 1 and params > 0 else 0.0
+                            fb = fwd + bwd
+                            own = m * fb
+                            bound = top.bound
+                            if ar + own > bound:
+                                break  # and so does the stage's own chain
+                            if i and work_lb[i] / rest > bound:
+                                continue
+                            ahead_i = fwd_lb[i] * ahead_n
+                            target: list[_Entry] | None = None
+                            target_stages = -1
+                            for stages, d_link, z_link, rt_link, x_link, zm_link, partner, e in merged:
+                                depth = m if gpipe else min(stages + 1, m)
+                                if static + depth * act > cap:
+                                    continue
+                                # combine() inlined: the same operations in the same order.
+                                if e is root:
+                                    d = own
+                                    z = ar + d
+                                    rt = fb
+                                    x = fb + ar
+                                else:
+                                    pair = partner if not gpipe and stages == depth - 1 else None
+                                    work, lead = stage_chain(fwd, bwd, m, depth, rt_link, pair, gpipe)
+                                    d = max(work, fb + d_link)
+                                    rt = fb + rt_link
+                                    x = max(rt + ar, fwd + x_link)
+                                    z = max(
+                                        ar + d,
+                                        lead + x_link,
+                                        lead + (rt_link + bwd + ar),
+                                        fwd + zm_link,
+                                        fwd + z_link,
+                                    )
+                                if z + ahead_i > bound:
+                                    continue
+                                new = _Entry(stages + 1, d, z, rt, x, fb, i, j, r, None if e is root else e)
+                                if closing:
+                                    self._offer(new, policy, m)
+                                    bound = top.bound
+                                    continue
+                                # The stage count matters only through K = min(S - s, M) of the
+                                # stages before, and whether the next one has K - 1: up to M.
+                                new.stages = 0 if gpipe else min(new.stages, m)
+                                if target is None or target_stages != new.stages:
+                                    target_stages = new.stages
+                                    target = states[i].setdefault(left_free, {}).setdefault((take, new.stages), [])
+                                _insert(target, new, k)
+            states[j].clear()
+        self.end_bound = top.bound
+        return self.best_offered
+
+    def _offer(self, entry: _Entry, policy: str, m: int) -> None:
+        spec: list[tuple[int, int, int]] = []
+        node: _Entry | None = entry
+        while node is not None:
+            spec.append((node.start, node.end, node.replicas))
+            node = node.nxt
+        # The policy places the same replica counts the same way up to renaming servers, so
+        # the costs are those the search computed (plan_dapple checks).
+        ranks = place(self.model.cluster, policy, [r for _, _, r in spec])
+        self.best_offered = min(self.best_offered, entry.z)
+        self.top.offer(entry.z, (m, tuple(spec), ranks), (policy, m, tuple(spec), ranks))
+
+
+def _even_cuts(model: CostModel, count: int) -> list[int]:
+    """At most ``count`` cut points that split the layers' forward+backward time evenly."""
+    pf, pb, *_ = model.prefix_sums()
+    total = pf[-1] + pb[-1]
+    layers = model.num_layers
+    if total <= 0:
+        return list(range(1, layers, -(-(layers - 1) // count)))
+    cuts: set[int] = set()
+    i = 1
+    for q in range(1, count + 1):
+        goal = total * q / (count + 1)
+        while i < layers - 1 and pf[i] + pb[i] < goal:
+            i += 1
+        cuts.add(i)
+    return sorted(cuts)
+
+
+def _build(spec: Sequence[tuple[int, int, int]], ranks: Sequence[tuple[int, ...]], m: int, schedule: str) -> Plan:
+    consecutive = list(range(sum(r for _, _, r in spec)))
+    flat = [rank for group in ranks for rank in group]
+    explicit = flat != consecutive
+    stages = tuple(Stage(a, b, r, tuple(rk) if explicit else None) for (a, b, r), rk in zip(spec, ranks))
+    return Plan(stages=stages, micro_batches=m, schedule=schedule)
+
+
+def plan_dapple(
+    profile: ModelProfile,
+    cluster: Cluster,
+    global_batch: int,
+    *,
+    top: int = 1,
+    micro_batches: Sequence[int] | None = None,
+    placements: Sequence[str] | None = None,
+    schedule: str = "dapple",
+    optimizer_factor: float = 2.0,
+    replicas: Sequence[int] | None = None,
+    max_cuts: int | None = 64,
+) -> list[PlannedPlan]:
+    """The ``top`` fastest plans under the cost model of ``_cost``, fastest first.
+
+    Args:
+        profile: Per-layer costs of the model.
+        cluster: Devices, links and memory.
+        global_batch: Samples per optimizer step.
+        top: How many distinct plans to return.
+        micro_batches: Micro-batch counts to consider; default :func:`micro_batch_candidates`.
+        placements: Placement policies to consider; default all of ``PLACEMENTS`` that differ on
+            this cluster.
+        schedule: ``"dapple"`` or ``"gpipe"`` (same latency, different memory).
+        optimizer_factor: Optimizer state bytes per parameter byte (Adam: 2).
+        replicas: Replica counts for stages after the first; default :func:`replica_candidates`.
+        max_cuts: With more layers than ``max_cuts + 1``, stages begin only at ``max_cuts``
+            points that split the forward+backward time evenly (the search is exact over those
+            plans); ``None`` allows every layer, slower on long profiles.
+
+    Raises:
+        ValueError: When no plan fits in device memory; the message gives the least memory
+            any plan of the search space needs.
+    """
+    if isinstance(top, bool) or not isinstance(top, int) or top < 1:
+        raise ValueError(f"top must be an integer >= 1, got {top!r}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; choose one of {list(SCHEDULES)}")
+    model = CostModel(profile, cluster, global_batch, optimizer_factor)
+    candidates = _micro_batches(micro_batches, global_batch)
+    if placements is None:
+        same = cluster.nodes == 1 or cluster.devices_per_node == 1
+        placements = ("append",) if same else PLACEMENTS
+    for p in placements:
+        if p not in PLACEMENTS:
+            raise ValueError(f"unknown placement policy {p!r}; choose from {list(PLACEMENTS)}")
+    counts = tuple(replicas) if replicas is not None else replica_candidates(cluster)
+    if not counts or any(isinstance(r, bool) or not isinstance(r, int) or r < 1 for r in counts):
+        raise ValueError(f"replica counts must be integers >= 1, got {list(counts)}")
+    if max_cuts is not None and (isinstance(max_cuts, bool) or not isinstance(max_cuts, int) or max_cuts < 1):
+        raise ValueError(f"max_cuts must be an integer >= 1 or None (every layer), got {max_cuts!r}")
+
+    # Branch and bound needs a good bound early. A first pass lets stages begin only at a few
+    # cut points spread evenly over the work; its plans are plans of the full space, so the
+    # full pass may cut anything slower than them and stays exact. The full pass visits the
+    # (micro-batches, placement) pairs best first, so that its bound is tight from the start.
+    runs = [(m, policy) for m in candidates for policy in placements]
+    cuts = None if max_cuts is None or profile.num_layers - 1 <= max_cuts else _even_cuts(model, max_cuts)
+    search = _Search(model, 1, counts, schedule)
+    rank: dict[tuple[int, str], float] = {}
+    if len(cuts if cuts is not None else range(1, profile.num_layers)) > _COARSE:
+        coarse = _even_cuts(model, _COARSE)
+        for m, policy in runs:
+            rank[(m, policy)] = search.run(policy, m, coarse)
+        runs.sort(key=lambda run: rank[run])
+    done: dict[tuple[int, str], float] = {}
+    for m, policy in runs:
+        rank[(m, policy)] = min(rank.get((m, policy), math.inf), search.run(policy, m, cuts))
+        done[(m, policy)] = search.end_bound
+    # For the `top` best, search again keeping the partial plans that fewer than `top` others
+    # beat. Every plan the first search met is a real plan, so the `top`-th of those bounds the
+    # second search from the start; and a run is skipped when the first search found all of
+    # its plans below that bound (its own bound never fell under it) and none was.
+    if top > 1 and search.top.items:
+        seen = search.top.seen
+        search = _Search(model, top, counts, schedule)
+        for key, (z, payload) in seen.items():
+            search.top.offer(z, key, payload)
+        bound = search.top.bound
+        for m, policy in sorted(runs, key=lambda run: rank[run]):
+            if rank[(m, policy)] > bound and done[(m, policy)] >= bound:
+                continue
+            search.run(policy, m, cuts)
+    if not search.top.items:
+        raise ValueError(_no_fit_message(model, candidates, counts, schedule))
+
+    dp_step = _data_parallel_step(model, candidates)
+    out: list[PlannedPlan] = []
+    for z, _, (policy, m, spec, ranks) in search.top.items:
+        plan = _build(spec, ranks, m, schedule)
+        est = model.estimate(plan)
+        if not math.isclose(est.step_s, z, rel_tol=_AGREE, abs_tol=1e-15):
+            raise RuntimeError(f"planner and cost model disagree on {plan.to_dict()}: {z} vs {est.step_s}")
+        # Consecutive ranks are what "append" gives, whichever policy found the plan first.
+        label = policy if plan.stages[0].ranks is not None else "append"
+        out.append(PlannedPlan(plan, est.step_s, est.memory_bytes, None, label, "dapple", est).with_speedup(dp_step))
+    return out
+
+
+def _micro_batches(micro_batches: Sequence[int] | None, global_batch: int) -> tuple[int, ...]:
+    if micro_batches is None:
+        return micro_batch_candidates(global_batch)
+    values = tuple(micro_batches)
+    if not values:
+        raise ValueError("micro_batches is empty; give at least one count or None for the default")
+    for m in values:
+        if isinstance(m, bool) or not isinstance(m, int) or not 1 <= m <= global_batch:
+            raise ValueError(f"micro-batch count {m!r} must be an integer in 1..{global_batch} (the global batch)")
+    return tuple(sorted(set(values)))
+
+
+def least_memory(
+    model: CostModel, candidates: Sequence[int], replicas: Sequence[int], schedule: str = "dapple"
+) -> tuple[float, Plan | None]:
+    """The smallest per-device peak memory of any plan in the search space, and one such plan.
+
+    Placement does not change memory, so this is a min-max dynamic program over stages,
+    replica counts, stage counts and micro-batch counts.
+    """
+    world = model.cluster.world_size
+    layers = model.num_layers
+    best: tuple[float, Plan | None] = (math.inf, None)
+    for m in candidates:
+        most = model.max_replicas(m)
+        counts = [r for r in replicas if r <= most]
+        # peak[j][(used, n)] = (smallest peak of a suffix [j, L) on `used` devices, n stages, its stages)
+        peak: list[dict[tuple[int, int], tuple[float, tuple[tuple[int, int, int], ...]]]] = [
+            {} for _ in range(layers + 1)
+        ]
+        peak[layers][(0, 0)] = (0.0, ())
+        for j in range(layers, 0, -1):
+            for (used, n), (value, stages) in peak[j].items():
+                left = world - used
+                options = [r for r in counts if r < left]
+                if left <= most:
+                    options.append(left)
+                for r in options:
+                    closing = r == left
+                    samples = model.samples(m, r)
+                    depth = m if schedule == "gpipe" else min(n + 1, m)
+                    for i in range(j - 1, -1, -1):
+                        if closing != (i == 0):
+                            continue
+                        mem = model.static_memory(i, j) + depth * model.activation_memory(i, j, samples)
+                        if mem >= best[0]:
+                            break
+                        value2 = max(value, mem)
+                        spec = ((i, j, r), *stages)
+                        if closing:
+                            if value2 < best[0]:
+                                plan = Plan(tuple(Stage(a, b, c) for a, b, c in spec), m, schedule)
+                                best = (value2, plan)
+                        else:
+                            key = (used + r, min(n + 1, m))
+                            old = peak[i].get(key)
+                            if old is None or value2 < old[0]:
+                                peak[i][key] = (value2, spec)
+    return best
+
+
+def _no_fit_message(model: CostModel, candidates: Sequence[int], replicas: Sequence[int], schedule: str) -> str:
+    need, plan = least_memory(model, candidates, replicas, schedule)
+    cap = model.cluster.memory_bytes
+    if plan is None:
+        return (
+            f"no plan fits: a global batch of {model.global_batch} cannot feed {model.cluster.world_size} "
+            "devices with the micro-batch counts given; use a larger global batch or fewer micro-batches"
+        )
+    return (
+        f"no plan fits in {cap / GB:.2f} GB per device: the least memory any plan needs is {need / GB:.2f} GB "
+        f"per device (stages {plan.notation}, cuts {[s.start for s in plan.stages[1:]]}, "
+        f"{plan.micro_batches} micro-batches); raise the device memory (--memory-gb), add devices, "
+        "or use a smaller global batch or optimizer state"
+    )

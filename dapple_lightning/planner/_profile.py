@@ -1,0 +1,439 @@
+"""Layer profiles: what the planner knows about a model.
+
+A profile lists, for each layer of the pipelined ``nn.Sequential`` (in order), its forward and
+backward time for one batch of ``profile_batch_size`` samples, the bytes of its output and the
+bytes of its parameters, plus the bytes that cross each possible cut of the chain.
+
+**Scaling.** The planner assumes time and activation bytes grow linearly with the number of
+samples: a layer that took ``forward_s`` for the profile batch ``P`` takes
+``forward_s * b / P`` for ``b`` samples, and its output holds ``activation_bytes * b / P``
+bytes. Parameter bytes do not depend on the batch. Real devices are less efficient at small
+batches, so profile at a batch near the micro-batch size you expect per device.
+
+**JSON schema** (``ModelProfile.save`` / ``ModelProfile.load``; version 1)::
+
+    {
+      "format": "dapple-lightning-profile",
+      "version": 1,
+      "profile_batch_size": 32,          # samples per profiled batch
+      "device": "V100",                  # free text
+      "layers": [
+        {"name": "conv1", "forward_s": 0.0034, "backward_s": 0.0068,
+         "activation_bytes": 384000000, "param_bytes": 6835,
+         "optimizer_state_bytes": null},  # null: the planner's optimizer factor x param_bytes
+        ...
+      ],
+      "cut_bytes": [0, 384000000, ..., 0]   # len(layers) + 1 entries, see ModelProfile.cut_bytes
+    }
+
+**PipeDream graph format** (the DAPPLE authors' published profiles, see
+:func:`read_pipedream`): nodes with times in milliseconds and sizes in bytes, then edges.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import math
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "PROFILE_FORMAT",
+    "PROFILE_VERSION",
+    "LayerProfile",
+    "ModelProfile",
+    "load_profile",
+    "read_pipedream",
+]
+
+PROFILE_FORMAT = "dapple-lightning-profile"
+PROFILE_VERSION = 1
+
+
+def _number(value: Any, what: str) -> float:
+    # bool is an int subclass; `forward_s: true` is a mistake, not 1 second.
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{what} must be a number, got {value!r} ({type(value).__name__})")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{what} must be a finite number >= 0, got {value!r}")
+    return float(value)
+
+
+def _bytes(value: Any, what: str) -> int:
+    number = _number(value, what)
+    # Byte counts are often written as floats ("384000000.000"); keep them whole.
+    return round(number)
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """Measured costs of one layer at the profile batch size."""
+
+    name: str
+    """Layer name, for tables and error messages."""
+    forward_s: float
+    """Forward time in seconds for one batch of ``profile_batch_size`` samples."""
+    backward_s: float
+    """Backward time in seconds for the same batch (gradients of inputs and parameters)."""
+    activation_bytes: int
+    """Bytes of the layer's output for the same batch (what the backward pass keeps alive)."""
+    param_bytes: int
+    """Bytes of the layer's parameters (the gradients take as many again)."""
+    optimizer_state_bytes: int | None = None
+    """Bytes of optimizer state, or ``None`` to use the planner's factor times ``param_bytes``."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str):
+            raise TypeError(f"layer name must be a string, got {self.name!r}")
+        object.__setattr__(self, "forward_s", _number(self.forward_s, f"layer {self.name!r} forward_s"))
+        object.__setattr__(self, "backward_s", _number(self.backward_s, f"layer {self.name!r} backward_s"))
+        object.__setattr__(
+            self, "activation_bytes", _bytes(self.activation_bytes, f"layer {self.name!r} activation_bytes")
+        )
+        object.__setattr__(self, "param_bytes", _bytes(self.param_bytes, f"layer {self.name!r} param_bytes"))
+        if self.optimizer_state_bytes is not None:
+            object.__setattr__(
+                self,
+                "optimizer_state_bytes",
+                _bytes(self.optimizer_state_bytes, f"layer {self.name!r} optimizer_state_bytes"),
+            )
+
+    def optimizer_bytes(self, factor: float) -> float:
+        """Optimizer state bytes: the explicit value, else ``factor * param_bytes`` (Adam: 2)."""
+        if self.optimizer_state_bytes is not None:
+            return float(self.optimizer_state_bytes)
+        return factor * self.param_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "forward_s": self.forward_s,
+            "backward_s": self.backward_s,
+            "activation_bytes": self.activation_bytes,
+            "param_bytes": self.param_bytes,
+            "optimizer_state_bytes": self.optimizer_state_bytes,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> LayerProfile:
+        if not isinstance(data, Mapping):
+            raise TypeError(f"a layer profile must be a mapping, got {type(data).__name__}")
+        required = ("name", "forward_s", "backward_s", "activation_bytes", "param_bytes")
+        missing = [k for k in required if k not in data]
+        if missing:
+            raise ValueError(f"layer profile {dict(data)!r} lacks keys {missing}; required: {list(required)}")
+        unknown = set(data) - {*required, "optimizer_state_bytes"}
+        if unknown:
+            raise ValueError(f"unknown layer profile keys {sorted(map(str, unknown))}; allowed: {list(required)}")
+        return cls(**{k: data[k] for k in data})
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """Per-layer profile of a chain of layers, plus the bytes crossing each cut.
+
+    ``cut_bytes[i]`` (``0 < i < L``) is the total size, at the profile batch, of all tensors
+    that cross the boundary between layer ``i - 1`` and layer ``i``: in a chain that is layer
+    ``i - 1``'s output; in a graph with branches (skip connections, GNMT's residuals) it also
+    counts every earlier output still needed after the cut. ``cut_bytes[0]`` and
+    ``cut_bytes[L]`` are the model's input and output boundaries; no stage sends those, so the
+    cost model ignores them (they are 0 when unknown). When ``cut_bytes`` is not given the
+    layers are taken as a chain.
+    """
+
+    layers: tuple[LayerProfile, ...]
+    """The layers in pipeline order."""
+    profile_batch_size: int
+    """Samples in the batch the times and activation bytes were measured for."""
+    device: str = "unknown"
+    """What the profile was measured on (free text, e.g. ``"V100"``)."""
+    cut_bytes: tuple[int, ...] = field(default=())
+    """Bytes crossing each boundary, ``len(layers) + 1`` entries (see the class docstring)."""
+
+    def __post_init__(self) -> None:
+        layers = self.layers
+        if isinstance(layers, Mapping | str | bytes) or not isinstance(layers, Sequence):
+            raise TypeError(f"profile layers must be a list of LayerProfile, got {type(layers).__name__}")
+        layers = tuple(x if isinstance(x, LayerProfile) else LayerProfile.from_dict(x) for x in layers)
+        if not layers:
+            raise ValueError("a profile needs at least one layer")
+        object.__setattr__(self, "layers", layers)
+        pbs = self.profile_batch_size
+        if isinstance(pbs, bool) or not isinstance(pbs, int):
+            raise TypeError(f"profile_batch_size must be an integer, got {pbs!r}")
+        if pbs < 1:
+            raise ValueError(f"profile_batch_size must be >= 1, got {pbs}")
+        if not isinstance(self.device, str):
+            raise TypeError(f"device must be a string, got {self.device!r}")
+        if self.cut_bytes == () or self.cut_bytes is None:
+            cuts = (0, *(layer.activation_bytes for layer in layers[:-1]), 0)
+        else:
+            if isinstance(self.cut_bytes, str | bytes) or not isinstance(self.cut_bytes, Sequence):
+                raise TypeError(f"cut_bytes must be a list of byte counts, got {type(self.cut_bytes).__name__}")
+            cuts = tuple(_bytes(c, f"cut_bytes[{i}]") for i, c in enumerate(self.cut_bytes))
+            if len(cuts) != len(layers) + 1:
+                raise ValueError(
+                    f"cut_bytes has {len(cuts)} entries but the profile has {len(layers)} layers; give one "
+                    f"entry per boundary, {len(layers) + 1} in all (the two ends may be 0)"
+                )
+        object.__setattr__(self, "cut_bytes", cuts)
+
+    # ----------------------------------------------------------------------------- queries
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def scale(self, samples: float) -> float:
+        """Factor that turns a profile-batch quantity into one for ``samples`` samples."""
+        return samples / self.profile_batch_size
+
+    def table(self) -> str:
+        """The profile as an aligned text table (ms and MB)."""
+        rows = [("#", "layer", "fwd ms", "bwd ms", "act MB", "param MB", "cut MB")]
+        for i, layer in enumerate(self.layers):
+            rows.append(
+                (
+                    str(i),
+                    layer.name[:40],
+                    f"{layer.forward_s * 1e3:.3f}",
+                    f"{layer.backward_s * 1e3:.3f}",
+                    f"{layer.activation_bytes / 1e6:.2f}",
+                    f"{layer.param_bytes / 1e6:.2f}",
+                    f"{self.cut_bytes[i + 1] / 1e6:.2f}",
+                )
+            )
+        widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+        return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows)
+
+    # ------------------------------------------------------------------------ conversions
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": PROFILE_FORMAT,
+            "version": PROFILE_VERSION,
+            "profile_batch_size": self.profile_batch_size,
+            "device": self.device,
+            "layers": [layer.to_dict() for layer in self.layers],
+            "cut_bytes": list(self.cut_bytes),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> ModelProfile:
+        if not isinstance(data, Mapping):
+            raise TypeError(f"a profile must be a mapping, got {type(data).__name__}")
+        if data.get("format", PROFILE_FORMAT) != PROFILE_FORMAT:
+            raise ValueError(f"not a {PROFILE_FORMAT} file: format is {data.get('format')!r}")
+        version = data.get("version")
+        if version != PROFILE_VERSION:
+            raise ValueError(
+                f"profile version {version!r} is not supported; this planner reads version {PROFILE_VERSION}"
+            )
+        unknown = set(data) - {"format", "version", "profile_batch_size", "device", "layers", "cut_bytes"}
+        if unknown:
+            raise ValueError(f"unknown profile keys {sorted(map(str, unknown))}")
+        for key in ("profile_batch_size", "layers"):
+            if key not in data:
+                raise ValueError(f"the profile lacks `{key}`")
+        return cls(
+            layers=tuple(LayerProfile.from_dict(x) for x in data["layers"]),
+            profile_batch_size=data["profile_batch_size"],
+            device=data.get("device", "unknown"),
+            cut_bytes=tuple(data.get("cut_bytes") or ()),
+        )
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the profile as JSON (schema in the module docstring)."""
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> ModelProfile:
+        """Read a profile written by :meth:`save`."""
+        try:
+            data = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"profile {str(path)!r} is not valid JSON: {e}") from e
+        return cls.from_dict(data)
+
+
+# ---------------------------------------------------------------------------- PipeDream graphs
+
+_PBS = re.compile(r"pbs-(\d+)")
+_NODE_ID = re.compile(r"^node(\d+)$")
+_METRICS = ("forward_compute_time", "backward_compute_time", "activation_size", "parameter_size")
+
+
+def _node_key(node: str) -> tuple[int, int | str]:
+    # Stable order among ready nodes: by the number in "node12", names without one after.
+    match = _NODE_ID.match(node)
+    return (0, int(match.group(1))) if match else (1, node)
+
+
+def _size(text: str, where: str) -> int:
+    # Several outputs are written "[4816896; 32032]": the node's output is all of them.
+    text = text.strip()
+    listed = text.startswith("[") and text.endswith("]")
+    parts = [p for p in text[1:-1].split(";") if p.strip()] if listed else [text]
+    try:
+        return sum(round(float(p)) for p in parts)
+    except ValueError:
+        raise ValueError(f"{where}: size {text!r} is not a number or a list [a; b]") from None
+
+
+def read_pipedream(
+    source: str | os.PathLike[str],
+    profile_batch_size: int | None = None,
+    *,
+    device: str = "V100",
+) -> ModelProfile:
+    """Read a profile in the PipeDream graph format used by DAPPLE's published profiles.
+
+    Node lines look like ``node3 -- Conv2d_1_2 -- forward_compute_time=7.2,
+    backward_compute_time=14.4, activation_size=384000000.0, parameter_size=140869.0``
+    (milliseconds and bytes at the profile batch; a size may be a list ``[a; b]`` for a node with
+    several outputs, which counts as their sum). Edge lines, indented, look like
+    ``node2 -- node3``: node 3 consumes node 2's output.
+
+    The nodes are put in topological order, ties broken by node number, and become the layers.
+    ``cut_bytes[i]`` sums the outputs of every node before position ``i`` that has an edge to a
+    node at position ``i`` or later, so a residual connection that jumps over a cut is counted.
+
+    Args:
+        source: Path of the file, or its text.
+        profile_batch_size: Samples per profiled batch; parsed from ``pbs-N`` in the file name
+            when omitted.
+        device: Recorded in the profile (the published files were measured on V100).
+
+    Raises:
+        ValueError: On malformed lines, unknown nodes in edges, a cycle, or a missing batch size.
+    """
+    if isinstance(source, os.PathLike) or (isinstance(source, str) and "\n" not in source):
+        path = Path(source)
+        return _parse_pipedream(path.read_text(), path.name, profile_batch_size, device)
+    return _parse_pipedream(source, None, profile_batch_size, device)
+
+
+def _parse_pipedream(text: str, name: str | None, profile_batch_size: int | None, device: str) -> ModelProfile:
+    if profile_batch_size is None:
+        match = _PBS.search(name or "")
+        if match is None:
+            raise ValueError(
+                f"cannot tell the profile batch size of {name or 'this profile'!r}: pass profile_batch_size "
+                "(--profile-batch on the command line), or name the file like 'vgg-19-pbs-32.txt'"
+            )
+        profile_batch_size = int(match.group(1))
+    where = name or "<text>"
+
+    nodes: dict[str, LayerProfile] = {}
+    edges: list[tuple[str, str]] = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        parts = [p.strip() for p in line.strip().split(" -- ")]
+        if len(parts) == 2:
+            edges.append((parts[0], parts[1]))
+            continue
+        if len(parts) < 3:
+            raise ValueError(f"{where}:{number}: expected 'nodeN -- name -- metrics' or 'nodeA -- nodeB'")
+        # The name may itself contain ' -- '; the id is the first field, metrics the last.
+        node, label, metrics = parts[0], " -- ".join(parts[1:-1]), parts[-1]
+        values: dict[str, str] = {}
+        for item in re.split(r",\s*(?=\w+=)", metrics):
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise ValueError(f"{where}:{number}: metric {item!r} is not key=value")
+            values[key.strip()] = value.strip()
+        missing = [k for k in _METRICS if k not in values]
+        if missing:
+            raise ValueError(f"{where}:{number}: node {node} lacks {missing}")
+        if node in nodes:
+            raise ValueError(f"{where}:{number}: node {node} is defined twice")
+        try:
+            forward_ms = float(values["forward_compute_time"])
+            backward_ms = float(values["backward_compute_time"])
+        except ValueError:
+            raise ValueError(f"{where}:{number}: compute times of {node} are not numbers") from None
+        nodes[node] = LayerProfile(
+            name=label,
+            forward_s=forward_ms / 1e3,
+            backward_s=backward_ms / 1e3,
+            activation_bytes=_size(values["activation_size"], f"{where}:{number}"),
+            param_bytes=_size(values["parameter_size"], f"{where}:{number}"),
+        )
+    if not nodes:
+        raise ValueError(f"{where}: no node lines found")
+    successors: dict[str, list[str]] = {n: [] for n in nodes}
+    indegree = dict.fromkeys(nodes, 0)
+    for a, b in edges:
+        for n in (a, b):
+            if n not in nodes:
+                raise ValueError(f"{where}: edge {a} -- {b} names {n}, which has no node line")
+        successors[a].append(b)
+        indegree[b] += 1
+
+    # Kahn's algorithm with a heap: the order is a valid chain and stable by node number.
+    ready = [(_node_key(n), n) for n, d in indegree.items() if d == 0]
+    heapq.heapify(ready)
+    order: list[str] = []
+    while ready:
+        _, node = heapq.heappop(ready)
+        order.append(node)
+        for nxt in successors[node]:
+            indegree[nxt] -= 1
+            if indegree[nxt] == 0:
+                heapq.heappush(ready, (_node_key(nxt), nxt))
+    if len(order) != len(nodes):
+        stuck = sorted((n for n in nodes if n not in set(order)), key=_node_key)
+        raise ValueError(f"{where}: the graph has a cycle through {stuck[:5]}")
+
+    position = {n: i for i, n in enumerate(order)}
+    # A node at position p whose last consumer sits at q crosses the cuts p+1 .. q.
+    delta = [0] * (len(order) + 2)
+    for node in order:
+        if successors[node]:
+            p = position[node]
+            q = max(position[s] for s in successors[node])
+            delta[p + 1] += nodes[node].activation_bytes
+            delta[q + 1] -= nodes[node].activation_bytes
+    cuts = [0] * (len(order) + 1)
+    running = 0
+    for i in range(1, len(order)):
+        running += delta[i]
+        cuts[i] = running
+    return ModelProfile(
+        layers=tuple(nodes[n] for n in order),
+        profile_batch_size=profile_batch_size,
+        device=device,
+        cut_bytes=tuple(cuts),
+    )
+
+
+def load_profile(path: str | os.PathLike[str], profile_batch_size: int | None = None) -> ModelProfile:
+    """Read our JSON profile or a PipeDream-format text profile, whichever ``path`` holds.
+
+    ``profile_batch_size`` overrides (JSON) or supplies (PipeDream) the profile batch size.
+    """
+    text = Path(path).read_text()
+    if text.lstrip().startswith("{"):
+        profile = ModelProfile.from_dict(_json(text, path))
+        if profile_batch_size is not None and profile_batch_size != profile.profile_batch_size:
+            profile = ModelProfile(
+                layers=profile.layers,
+                profile_batch_size=profile_batch_size,
+                device=profile.device,
+                cut_bytes=profile.cut_bytes,
+            )
+        return profile
+    return _parse_pipedream(text, Path(path).name, profile_batch_size, "V100")
+
+
+def _json(text: str, path: str | os.PathLike[str]) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"profile {str(path)!r} is not valid JSON: {e}") from e

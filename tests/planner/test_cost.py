@@ -1,0 +1,107 @@
+"""The analytic cost model on literal, hand-computed plans."""
+
+from __future__ import annotations
+
+import pytest
+
+from dapple_lightning.plan import Plan, Stage
+from dapple_lightning.planner import Cluster, CostModel, LayerProfile, ModelProfile, estimate
+from dapple_lightning.planner._cost import chains, combine
+
+# Slow, round numbers: 100 bytes/s links, 1 GB/s all-reduce, no latency.
+SLOW = Cluster(1, 4, intra_p2p_bw=100, inter_p2p_bw=100, intra_allreduce_bw=1e9, inter_allreduce_bw=1e9,
+               latency_s=0, memory_bytes=1e12)  # fmt: skip
+PROFILE = ModelProfile(
+    (
+        LayerProfile("l0", 1.0, 2.0, 100, 10**9),
+        LayerProfile("l1", 1.0, 2.0, 100, 0),
+        LayerProfile("l2", 2.0, 2.0, 100, 10**9),
+        LayerProfile("l3", 1.0, 1.0, 100, 0),
+    ),
+    profile_batch_size=4,
+)
+TWO_BY_TWO = (Stage(0, 2, 2), Stage(2, 4, 2))
+
+
+def test_two_stage_plan_by_hand():
+    # Global batch 8 in M = 2 micro-batches of 4; each replica runs 2 samples (half the profile).
+    est = estimate(Plan(TWO_BY_TWO, 2), PROFILE, SLOW, 8)
+    assert est.micro_batch_size == 4
+    assert est.samples == (2, 2)
+    assert est.forward_s == (1.0, 1.5)
+    assert est.backward_s == (2.0, 1.5)
+    assert est.allreduce_s == (1.0, 1.0)  # 2 (r-1)/r * 1 GB / 1 GB/s
+    assert est.send_forward_s == (0.5,)  # 100 bytes over 2 copies at 100 B/s
+    # Longest chain: warm-up to stage 1 (1 + 0.5 + 1.5), its other micro-batch (3), then the
+    # last backward drains to stage 0 (1.5 + 0.5 + 2) and stage 0 all-reduces (1).
+    assert est.step_s == 11.0
+    assert est.pivot_name == "stage 1"
+    assert (est.warmup_s, est.steady_s, est.ending_s) == (3.0, 3.0, 5.0)
+    # Parameters, gradients, Adam (4 GB) + K_s micro-batches of two 100-byte outputs at half size.
+    assert est.memory_bytes == (4e9 + 2 * 100, 4e9 + 1 * 100)
+    assert est.fits
+
+
+def test_gpipe_keeps_every_micro_batch():
+    est = estimate(Plan(TWO_BY_TWO, 2, "gpipe"), PROFILE, SLOW, 8)
+    assert est.memory_bytes == (4e9 + 2 * 100, 4e9 + 2 * 100)
+    # Stage 0 runs both forwards, waits for the first round trip, runs both backwards:
+    # 2 + (0.5 + 3 + 0.5) + 4, then its all-reduce: as long as stage 1's chain; ties go later.
+    assert est.step_s == 11.0
+    assert est.pivot_name == "stage 1"
+
+
+def test_uniform_stages_pivot_on_the_last_and_phases_add_up():
+    profile = ModelProfile(tuple(LayerProfile(f"l{i}", 1.0, 2.0, 0, 0) for i in range(3)), 1)
+    est = estimate(Plan.straight(3, 3, micro_batches=4), profile, Cluster.parse("1x3"), 4)
+    assert est.step_s == pytest.approx((4 + 3 - 1) * 3.0)
+    assert est.pivot_name == "stage 2"
+    assert est.warmup_s + est.steady_s + est.ending_s == pytest.approx(est.step_s)
+    assert est.bubble_fraction == pytest.approx(2 / 6)
+
+
+def test_the_heavy_stage_is_the_pivot():
+    layers = (LayerProfile("a", 1.0, 1.0, 0, 0), LayerProfile("b", 5.0, 5.0, 0, 0), LayerProfile("c", 1.0, 1.0, 0, 0))
+    est = estimate(Plan.straight(3, 3, micro_batches=8), ModelProfile(layers, 1), Cluster.parse("1x3"), 8)
+    assert est.pivot_name == "stage 1"
+    # Warm-up reaches stage 1 (1 + 5), it runs 7 more micro-batches (70), the last drains (5 + 1).
+    assert est.step_s == pytest.approx(6 + 70 + 6)
+
+
+def test_recurrence_matches_the_written_out_chains():
+    est = estimate(Plan(TWO_BY_TWO, 2), PROFILE, SLOW, 8)
+    written = max(c[0] for c in chains(est.forward_s, est.backward_s, est.allreduce_s, est.send_forward_s, [2, 1], 2))
+    assert written == est.step_s
+    tail = combine(1.5, 1.5, 1.0, 0.0, 0.0, 2, 1, None)
+    d, z, rt, x, fb = combine(1.0, 2.0, 1.0, 0.5, 0.5, 2, 2, tail, next_depth=1)
+    assert z == est.step_s and rt == 1.0 + 2.0 + 0.5 + 0.5 + 3.0 and fb == 3.0
+
+
+@pytest.mark.parametrize(
+    ("plan", "batch", "message"),
+    [
+        (Plan((Stage(0, 3, 4),), 2), 8, "the model's Sequential has 4 layers"),
+        (Plan((Stage(0, 4, 4),), 4), 8, "leaves some without samples"),
+        (Plan((Stage(0, 4, 4),), 16), 8, "cannot split a global batch of 8"),
+        (Plan((Stage(0, 2, 4), Stage(2, 4, 4)), 1), 8, "cluster 1x4 has 4"),
+    ],
+)
+def test_plans_that_cannot_run_are_rejected(plan, batch, message):
+    with pytest.raises(ValueError, match=message):
+        estimate(plan, PROFILE, SLOW, batch)
+
+
+def test_model_validation():
+    with pytest.raises(ValueError, match="global_batch must be >= 1"):
+        CostModel(PROFILE, SLOW, 0)
+    with pytest.raises(ValueError, match="optimizer_factor"):
+        CostModel(PROFILE, SLOW, 8, optimizer_factor=-1)
+    with pytest.raises(TypeError, match="profile must be a ModelProfile"):
+        CostModel("profile", SLOW, 8)  # type: ignore[arg-type]
+
+
+def test_memory_over_the_device_does_not_fit():
+    small = Cluster(1, 4, 1, 1, 1, 1, latency_s=0, memory_bytes=4e9)
+    est = estimate(Plan(TWO_BY_TWO, 2), PROFILE, small, 8)
+    assert not est.fits
+    assert est.memory_limit == 4e9

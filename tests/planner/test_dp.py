@@ -1,0 +1,204 @@
+"""The planner is exact for its cost model: it agrees with enumerating every plan."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dapple_lightning.plan import Plan, Stage
+from dapple_lightning.planner import (
+    GB,
+    Cluster,
+    CostModel,
+    LayerProfile,
+    ModelProfile,
+    PlannedPlan,
+    micro_batch_candidates,
+    place,
+    plan_dapple,
+    read_pipedream,
+    replica_candidates,
+)
+
+from .conftest import REFERENCE
+
+
+def all_plans(layers: int, cluster: Cluster, candidates, policies, schedule="dapple"):
+    """Every plan of the planner's search space, by brute force (small cases only)."""
+    world = cluster.world_size
+    for count in range(1, min(layers, world) + 1):
+        for cuts in itertools.combinations(range(1, layers), count - 1):
+            bounds = (0, *cuts, layers)
+            for split in itertools.combinations(range(1, world), count - 1):
+                reps = [b - a for a, b in zip((0, *split), (*split, world))]
+                for policy in policies:
+                    ranks = place(cluster, policy, reps)
+                    consecutive = [r for group in ranks for r in group] == list(range(world))
+                    stages = tuple(
+                        Stage(a, b, r, None if consecutive else rk)
+                        for a, b, r, rk in zip(bounds, bounds[1:], reps, ranks)
+                    )
+                    for m in candidates:
+                        yield Plan(stages, m, schedule)
+
+
+def brute_force(profile, cluster, batch, candidates, policies, schedule="dapple"):
+    model = CostModel(profile, cluster, batch)
+    found = {}
+    for plan in all_plans(profile.num_layers, cluster, candidates, policies, schedule):
+        try:
+            est = model.estimate(plan)
+        except ValueError:
+            continue
+        if est.fits:
+            found[plan] = est.step_s
+    return sorted(found.values())
+
+
+@st.composite
+def profiles(draw):
+    count = draw(st.integers(1, 5))
+    layers = tuple(
+        LayerProfile(
+            f"l{i}",
+            draw(st.floats(0.0, 5e-3)),
+            draw(st.floats(0.0, 1e-2)),
+            draw(st.integers(0, 400_000_000)),
+            draw(st.integers(0, 2_000_000_000)),
+        )
+        for i in range(count)
+    )
+    # Bytes crossing each cut drawn apart from the activations, as in a graph with branches.
+    cuts = (0, *(draw(st.integers(0, 2_000_000_000)) for _ in range(count - 1)), 0)
+    return ModelProfile(layers, draw(st.sampled_from([1, 4, 32])), cut_bytes=cuts)
+
+
+clusters = st.sampled_from([(1, 1), (1, 2), (2, 1), (1, 3), (2, 2), (2, 2), (1, 4), (4, 1)])
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    profile=profiles(),
+    shape=clusters,
+    batch=st.sampled_from([4, 6, 8]),
+    memory_gb=st.sampled_from([4.0, 16.0, 1e6]),
+    top=st.sampled_from([1, 3]),
+    schedule=st.sampled_from(["dapple", "gpipe"]),
+    # One policy alone makes the search go through the renamed-server states of that policy.
+    policies=st.sampled_from([("append", "fresh", "scatter"), ("fresh",), ("scatter",)]),
+)
+def test_planner_matches_brute_force(profile, shape, batch, memory_gb, top, schedule, policies):
+    cluster = Cluster.v100(*shape, memory_bytes=memory_gb * GB)
+    candidates = micro_batch_candidates(batch)
+    expected = brute_force(profile, cluster, batch, candidates, policies, schedule)
+    if not expected:
+        with pytest.raises(ValueError, match="no plan fits"):
+            plan_dapple(profile, cluster, batch, top=top, placements=policies, schedule=schedule)
+        return
+    got = plan_dapple(profile, cluster, batch, top=top, placements=policies, schedule=schedule)
+    assert [p.predicted_step_s for p in got] == pytest.approx(expected[:top], rel=1e-9, abs=1e-15)
+    assert len({(p.plan.stages, p.plan.micro_batches) for p in got}) == len(got)
+
+
+def test_scatter_keeps_heavy_activations_inside_servers():
+    # Two layers of 1 GB weights (4 GB with gradients and Adam): only one fits per 6 GB device.
+    # 4 GB cross the cut per micro-batch at the profile batch, cheap over NVLink, slow across
+    # servers; "scatter" puts half of each stage on each server so the rows never leave it.
+    layers = (LayerProfile("a", 10e-3, 20e-3, 1000, 10**9), LayerProfile("b", 10e-3, 20e-3, 1000, 10**9))
+    profile = ModelProfile(layers, 4, cut_bytes=(0, 4 * 10**9, 0))
+    cluster = Cluster.v100(2, 2, memory_bytes=6 * GB)
+    got = plan_dapple(profile, cluster, 8, top=3)
+    best = got[0]
+    assert best.placement == "scatter"
+    assert [s.ranks for s in best.plan.stages] == [(0, 2), (1, 3)]
+    assert best.plan.micro_batches == 4
+    expected = brute_force(profile, cluster, 8, micro_batch_candidates(8), ("append", "fresh", "scatter"))
+    assert [p.predicted_step_s for p in got] == pytest.approx(expected[:3], rel=1e-12)
+
+
+def test_vgg19_on_two_servers_replicates_the_convolutions():
+    profile = read_pipedream(REFERENCE / "vgg-19-pbs-32.txt")
+    best = plan_dapple(profile, Cluster.paper_2x8(), 1024)[0]
+    # The classifier's 470 MB of weights stay off the replicated stage: fewer bytes to all-reduce.
+    assert best.plan.stages[-1].replicas < best.plan.stages[0].replicas
+    assert best.plan.num_stages >= 2
+    assert best.speedup_vs_dp is not None and best.speedup_vs_dp > 1.5
+    assert isinstance(best, PlannedPlan)
+
+
+def test_every_plan_fits_and_the_estimate_agrees():
+    profile = read_pipedream(REFERENCE / "bert-48-pbs-2.txt")
+    cluster = Cluster.paper_2x8()
+    model = CostModel(profile, cluster, 128)
+    for planned in plan_dapple(profile, cluster, 128, top=3):
+        est = model.estimate(planned.plan)
+        assert est.fits
+        assert est.step_s == planned.predicted_step_s
+        assert planned.stage_memory_bytes == est.memory_bytes
+
+
+def test_too_little_memory_names_the_least_need():
+    layers = tuple(LayerProfile(f"l{i}", 1e-3, 2e-3, 1_000_000, 2 * 10**9) for i in range(4))
+    profile = ModelProfile(layers, 8)
+    # Each layer alone needs 2 GB x (1 + 1 + 2 for Adam) = 8 GB, plus its activations.
+    cluster = Cluster.v100(1, 4, memory_bytes=6 * GB)
+    with pytest.raises(ValueError, match=r"least memory any plan needs is 8\.00 GB") as info:
+        plan_dapple(profile, cluster, 8)
+    assert "--memory-gb" in str(info.value)
+
+
+def test_replica_candidates():
+    assert replica_candidates(Cluster.parse("2x8")) == tuple(range(1, 17))
+    assert replica_candidates(Cluster.parse("8x8")) == (1, 2, 3, 4, 5, 6, 7, 8, 16, 24, 32, 40, 48, 56, 64)
+    assert replica_candidates(Cluster.parse("32x1")) == (1, 2, 3, 4, 5, 6, 7, 8, 16, 24, 32)
+
+
+def test_micro_batch_candidates_are_the_divisors():
+    assert micro_batch_candidates(12) == (1, 2, 3, 4, 6, 12)
+    assert micro_batch_candidates(1) == (1,)
+
+
+def test_restricted_cuts_are_exact_over_their_plans():
+    profile = ModelProfile(tuple(LayerProfile(f"l{i}", (1 + i % 3) * 1e-3, 2e-3, 10**6, 10**6) for i in range(9)), 4)
+    cluster = Cluster.v100(1, 3)
+    full = plan_dapple(profile, cluster, 12, top=1)[0]
+    restricted = plan_dapple(profile, cluster, 12, top=1, max_cuts=2)[0]
+    assert restricted.predicted_step_s >= full.predicted_step_s
+    allowed = set(restricted.cuts)
+    assert len(allowed) <= 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"top": 0}, "top must be"),
+        ({"schedule": "1f1b"}, "unknown schedule"),
+        ({"placements": ["random"]}, "unknown placement"),
+        ({"micro_batches": [0]}, "micro-batch count 0"),
+        ({"micro_batches": []}, "micro_batches is empty"),
+        ({"replicas": [0]}, "replica counts"),
+        ({"max_cuts": 0}, "max_cuts"),
+    ],
+)
+def test_bad_arguments_say_what_to_do(kwargs, message):
+    profile = ModelProfile((LayerProfile("a", 1e-3, 1e-3, 1, 1),), 1)
+    with pytest.raises(ValueError, match=message):
+        plan_dapple(profile, Cluster.v100(1, 2), 4, **kwargs)
+
+
+def test_speedup_is_data_parallel_over_plan():
+    profile = read_pipedream(REFERENCE / "vgg-19-pbs-32.txt")
+    cluster = Cluster.paper_16x1()
+    best = plan_dapple(profile, cluster, 1024)[0]
+    model = CostModel(profile, cluster, 1024)
+    dp = min(
+        model.estimate(Plan.data_parallel(profile.num_layers, 16, m)).step_s
+        for m in micro_batch_candidates(1024)
+        if m <= 64 and model.estimate(Plan.data_parallel(profile.num_layers, 16, m)).fits
+    )
+    assert best.speedup_vs_dp == pytest.approx(dp / best.predicted_step_s)
+    assert math.isfinite(best.predicted_step_s)

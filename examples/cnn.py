@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hydra
 from cnn_model import GratingsData, VGGNet
-from common import make_trainer
+from common import job_result, make_trainer, output_dir
 from configs import register
 from lightning.pytorch import seed_everything
 from omegaconf import DictConfig
@@ -24,7 +24,7 @@ register()
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="cnn")
-def main(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> dict[str, float] | None:
     seed_everything(cfg.seed, workers=True)
     d, m = cfg.data, cfg.model
     data = GratingsData(
@@ -53,6 +53,7 @@ def main(cfg: DictConfig) -> None:
         raise ValueError(f"model.num_layers={m.num_layers} but the model has {len(model.layers)} layers; do not set it")
     trainer = make_trainer(cfg)
     trainer.fit(model, datamodule=data)
+    return job_result(output_dir())  # what a sweep over plans compares
 
 
 if __name__ == "__main__":

@@ -21,6 +21,8 @@ than in the constructor.
 from __future__ import annotations
 
 import json
+import statistics
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,7 @@ from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig, OmegaConf
 
 from dapple_lightning import DappleStrategy
+from dapple_lightning.microbatch import batch_size_of
 
 __all__ = ["LossReport", "make_trainer", "output_dir"]
 
@@ -49,10 +52,16 @@ class LossReport(Callback):
     strategy makes logged values known everywhere), prints and writes ``losses.json`` on rank 0.
     """
 
+    warmup_steps = 2
+    """Steps left out of the throughput (first steps pay for allocation and connection set-up)."""
+
     def __init__(self, out_dir: str | Path) -> None:
         self.out_dir = Path(out_dir)
         self.first: dict[str, tuple[int, float]] = {}
         self.last: dict[str, tuple[int, float]] = {}
+        self.step_s: list[float] = []
+        self.rows = 0
+        self._start = 0.0
 
     def _record(self, trainer: Trainer, name: str) -> None:
         value = trainer.callback_metrics.get(name)
@@ -62,7 +71,14 @@ class LossReport(Callback):
         self.first.setdefault(name, entry)
         self.last[name] = entry
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, *args: Any
+    ) -> None:
+        self.step_s.append(time.perf_counter() - self._start)
+        self.rows = batch_size_of(batch)
         self._record(trainer, "train_loss")
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -80,15 +96,36 @@ class LossReport(Callback):
             }
             for name, first in self.first.items()
         }
+        timed = self.step_s[self.warmup_steps :] or self.step_s
+        if timed:
+            report["samples_per_s"] = self.rows / statistics.median(timed)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         (self.out_dir / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
         lines = [f"losses ({self.out_dir / REPORT_FILE}):"]
         for name, r in report.items():
+            if name == "samples_per_s":
+                lines.append(f"  throughput {r:.1f} samples/s (median step after {self.warmup_steps} warm-up steps)")
+                continue
             lines.append(
                 f"  {name:<10} first {r['first']:.4f} (after step {r['first_step']})  "
                 f"final {r['last']:.4f} (after step {r['last_step']})"
             )
         print("\n".join(lines), flush=True)
+
+
+def job_result(out_dir: str | Path) -> dict[str, float] | None:
+    """What a Hydra job returns (the plan sweeper optimises one of these): throughput and final losses.
+
+    ``None`` on ranks other than 0 of a plainly launched job, which write no report.
+    """
+    path = Path(out_dir) / REPORT_FILE
+    if not path.exists():
+        return None
+    report = json.loads(path.read_text())
+    result = {name: r["last"] for name, r in report.items() if isinstance(r, dict)}
+    if "samples_per_s" in report:
+        result["samples_per_s"] = report["samples_per_s"]
+    return result
 
 
 def make_trainer(cfg: DictConfig) -> Trainer:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import hydra
-from common import make_trainer
+from common import job_result, make_trainer, output_dir
 from configs import register
 from gpt_model import CharData, CharGPT
 from lightning.pytorch import seed_everything
@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="gpt")
-def main(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> dict[str, float] | None:
     seed_everything(cfg.seed, workers=True)
     path = Path(cfg.data.path)
     if not path.is_absolute() and not path.exists():
@@ -58,13 +58,14 @@ def main(cfg: DictConfig) -> None:
     trainer = make_trainer(cfg)
     trainer.fit(model, datamodule=data)
 
-    # With spawn the ranks hand the consolidated weights back to this process, whose model was
-    # never partitioned: sample from it. (With popen this process is rank 0 and holds one stage.)
-    if cfg.sample_chars > 0 and cfg.strategy.start_method == "spawn":
+    # With spawn the ranks hand the trained weights back to this process; with popen this process
+    # is rank 0, which holds the whole model again after fit.
+    if cfg.sample_chars > 0 and trainer.global_rank == 0:
         model.eval()
         prompt = data.vocab.encode("\n")
         text = data.vocab.decode(model.generate(prompt, cfg.sample_chars, temperature=0.8, seed=cfg.seed))
         print(f"sample ({cfg.sample_chars} characters, temperature 0.8):\n{text}", flush=True)
+    return job_result(output_dir())  # what a sweep over plans compares
 
 
 if __name__ == "__main__":

@@ -67,6 +67,8 @@ def check_job(job_dir: Path) -> dict:
     assert (job_dir / "csv" / "metrics.csv").is_file(), f"no metrics in {job_dir}"
     report = json.loads((job_dir / "losses.json").read_text())
     assert report["train_loss"]["last_step"] == 5
+    throughput = report.pop("samples_per_s")
+    assert throughput > 0
     for entry in report.values():
         assert math.isfinite(entry["first"]) and math.isfinite(entry["last"])
     return report

@@ -145,3 +145,27 @@ def test_failures_are_classified(codes, killed, stderr, kind):
     assert got == kind
     if kind == "crash" and stderr:
         assert detail.splitlines()[-1] == stderr.splitlines()[-1]
+
+
+def test_repeated_proposals_lead_to_an_unmeasured_plan():
+    from dapple_lightning.search import PlanSpace
+    from dapple_lightning.search._study import RepeatGuard, finished_count, unmeasured_plan
+
+    space = PlanSpace(num_layers=3, world_size=2, global_batch=2, schedules=("dapple",))
+    plans = list(space.plans())
+    missing = plans[-1]
+    study = optuna.create_study(direction="maximize")
+    for plan in plans[:-1]:
+        study.enqueue_trial(space.params(plan))
+        trial = study.ask()
+        space.suggest(trial)
+        study.tell(trial, 1.0)
+    assert unmeasured_plan(study, space, seed=0) == missing
+    guard = RepeatGuard(limit=3)
+    assert guard.repeated(study, space) is None and guard.repeated(study, space) is None
+    assert guard.repeated(study, space) == missing  # the third repeat in a row: explore
+    trial = study.ask()
+    assert space.suggest(trial) == missing and trial.user_attrs["source"] == "explore"
+    study.tell(trial, 2.0)
+    assert unmeasured_plan(study, space, seed=0) is None
+    assert finished_count(study) == len(plans)

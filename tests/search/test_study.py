@@ -18,6 +18,7 @@ from dapple_lightning.search import (
     SearchConfig,
     TrialConfig,
     best_plan,
+    run_trial,
     strategy_from_study,
 )
 from dapple_lightning.search._cli import main as cli
@@ -130,7 +131,7 @@ def test_crash_hang_oom_and_infeasible_trials_end_the_trial_not_the_study(tmp_pa
     # Batch 16 but the loader gives 8 rows: 16 micro-batches cannot fill a batch (infeasible).
     trial = trial_config(
         global_batch=16,
-        stall_timeout_s=4.0,
+        stall_timeout_s=6.0,
         model_kwargs={"crash_on": [2], "hang_on": [4], "oom_on": [8], "max_rows": 8},
     )
     plans = [Plan.straight(6, 2, micro_batches=m) for m in (2, 4, 16, 8, 1)]
@@ -151,7 +152,7 @@ def test_crash_hang_oom_and_infeasible_trials_end_the_trial_not_the_study(tmp_pa
     crash, hang, infeasible, oom, ok = trials
     assert crash.state == TrialState.FAIL and "injected crash (micro_batches=2)" in crash.user_attrs["fail_reason"]
     assert hang.state == TrialState.FAIL and hang.user_attrs["fail_reason"] == "timeout"
-    assert "no step ended for 4 s" in hang.user_attrs["fail_detail"]
+    assert "no step ended for 6 s" in hang.user_attrs["fail_detail"]
     assert infeasible.state == TrialState.PRUNED and infeasible.user_attrs["infeasible"]
     assert "16 micro-batches x 1 replicas need at least 16 rows" in infeasible.user_attrs["fail_reason"]
     assert oom.state == TrialState.FAIL and oom.user_attrs["fail_reason"] == "oom"
@@ -185,3 +186,32 @@ def test_multi_objective_study_keeps_a_pareto_front(tmp_path):
         PlanSearch(replace(config, multi_objective=False)).open()
     assert Path(storage.removeprefix("sqlite:///")).exists()
     assert optuna.get_all_study_names(storage) == ["multi"]
+
+
+def test_a_trial_stopped_by_its_pruner_leaves_no_process(tmp_path):
+    seen = []
+
+    def prune_at_first_timed_step(step: int, samples_per_s: float) -> bool:
+        seen.append((step, samples_per_s))
+        return True
+
+    result = run_trial(Plan.straight(6, 2, micro_batches=2), trial_config(steps=5), prune_at_first_timed_step)
+    assert result.status == "pruned" and result.reason == "pruned at step 1"
+    assert seen[0][0] == 1 and seen[0][1] > 0  # step 0 is the warm-up: not reported
+    assert not group_alive(result.pgid)
+
+
+def test_exec_launcher_runs_a_trial_in_fresh_interpreters():
+    result = run_trial(Plan.straight(6, 2, micro_batches=2), trial_config(launcher="exec"))
+    assert result.status == "complete" and result.samples_per_s > 0
+    assert len(result.step_times) == 3 and len(result.peak_bytes) == 2
+    assert not group_alive(result.pgid)
+
+
+def test_cli_explains_what_is_missing(mlp_study, capsys):
+    config, _ = mlp_study
+    assert cli(["best", "--storage", config.storage, "--study", "nope"]) == 2
+    assert "no study 'nope'" in capsys.readouterr().err
+    if not optuna.visualization.is_available():
+        assert cli(["plot", "--storage", config.storage, "--study", "mlp"]) == 1
+        assert "pip install plotly" in capsys.readouterr().out

@@ -1,0 +1,253 @@
+"""``python -m dapple_lightning.search``: run a plan search, show its trials and its best plans.
+
+::
+
+    # search (re-running the same command resumes the study)
+    python -m dapple_lightning.search run --model dapple_lightning.search.testing:mlp \\
+        --devices 2 --batch-size 8 --trials 10 --storage sqlite:///dapple_search.db --study mlp
+    # the best plans, and the best as a plan YAML for DappleStrategy(plan="best.yaml")
+    python -m dapple_lightning.search best --study mlp --export best.yaml
+    # every trial: state, plan, samples/s, memory, why it failed
+    python -m dapple_lightning.search trials --study mlp
+    # HTML plots (needs plotly)
+    python -m dapple_lightning.search plot --study mlp --out plots/
+
+The database is ordinary Optuna storage: ``optuna-dashboard sqlite:///dapple_search.db`` shows the
+study live (``pip install optuna-dashboard``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from dapple_lightning.plan import SCHEDULES
+
+__all__ = ["main"]
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 1,2,4, got {text!r}") from e
+
+
+def _schedules(text: str) -> tuple[str, ...]:
+    values = tuple(x.strip() for x in text.split(",") if x.strip())
+    for v in values:
+        if v not in SCHEDULES:
+            raise argparse.ArgumentTypeError(f"unknown schedule {v!r}; choose from {','.join(SCHEDULES)}")
+    return values
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"--model-kwargs must be a JSON object: {e}") from e
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"--model-kwargs must be a JSON object, got {text!r}")
+    return value
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    from dapple_lightning.search._study import DEFAULT_STORAGE
+
+    p.add_argument("--storage", default=DEFAULT_STORAGE, help="Optuna storage URL (default: %(default)s)")
+    p.add_argument("--study", default="dapple", help="study name (default: %(default)s)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m dapple_lightning.search",
+        description="Search DAPPLE plans as hyperparameters: short measured runs in fresh processes, "
+        "stored in an Optuna study (open it with optuna-dashboard STORAGE_URL).",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run or resume a search")
+    _common(run)
+    run.add_argument("--model", required=True, help="model factory module:function (batch_size=B -> module, loader)")
+    run.add_argument("--model-kwargs", type=_json_object, default={}, help="JSON object of extra factory arguments")
+    run.add_argument("--devices", type=int, required=True, help="ranks every plan runs on")
+    run.add_argument("--batch-size", type=int, required=True, help="global batch (samples per optimizer step)")
+    run.add_argument(
+        "--trials", type=int, default=None, help="finished trials the study should hold (default 20; grid: all)"
+    )
+    run.add_argument("--timeout", type=float, default=None, help="stop starting trials after this many seconds")
+    run.add_argument("--timeout-per-trial", type=float, default=300.0, help="wall-clock limit of one trial (s)")
+    run.add_argument(
+        "--stall-timeout", type=float, default=None, help="kill a trial when no step ends for this long (s)"
+    )
+    run.add_argument("--warmup", type=int, default=1, help="untimed steps per trial (default: %(default)s)")
+    run.add_argument("--steps", type=int, default=3, help="timed steps per trial (default: %(default)s)")
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--sampler", choices=("tpe", "random", "grid"), default="tpe")
+    run.add_argument("--multi-objective", action="store_true", help="maximize samples/s and minimize peak memory")
+    run.add_argument(
+        "--micro-batches", type=_ints, default=None, help="counts to search, e.g. 1,2,4,8 (default: divisors of B)"
+    )
+    run.add_argument("--schedules", type=_schedules, default=SCHEDULES, help="e.g. dapple or dapple,gpipe")
+    run.add_argument("--max-stages", type=int, default=None)
+    run.add_argument("--planner-seeds", type=int, default=3, help="measure the planner's top K plans first (0: off)")
+    run.add_argument("--enqueue", action="append", default=[], help="plan YAML file to measure first (repeatable)")
+    run.add_argument("--pruner", choices=("median", "none"), default="median")
+    run.add_argument("--threads-per-rank", type=int, default=None)
+    run.add_argument("--accelerator", default="cpu")
+    run.add_argument("--sequential", default=None, help="attribute path of the Sequential to pipeline")
+    run.add_argument("--allow-mismatch", action="store_true", help="resume a study made for another setup")
+    run.add_argument("--keep-logs", action="store_true", help="keep every trial's directory of logs")
+    run.add_argument("--quiet", action="store_true", help="no line per trial")
+
+    best = sub.add_parser("best", help="the best plans as a table; --export writes the best as plan YAML")
+    _common(best)
+    best.add_argument("--top", type=int, default=5, help="how many plans to list (default: %(default)s)")
+    best.add_argument("--export", type=Path, default=None, help="write the best plan's YAML here")
+
+    trials = sub.add_parser("trials", help="every trial: state, plan, samples/s, memory, reason")
+    _common(trials)
+
+    plot = sub.add_parser("plot", help="HTML plots of the study (needs plotly)")
+    _common(plot)
+    plot.add_argument("--out", type=Path, default=Path("dapple_search_plots"), help="directory for the HTML files")
+    return parser
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from dapple_lightning.search._study import PlanSearch, SearchConfig, best_trial, trial_plan
+    from dapple_lightning.search._trial import TrialConfig
+
+    trial = TrialConfig(
+        model=args.model,
+        world_size=args.devices,
+        global_batch=args.batch_size,
+        warmup=args.warmup,
+        steps=args.steps,
+        timeout_s=args.timeout_per_trial,
+        stall_timeout_s=args.stall_timeout,
+        model_kwargs=args.model_kwargs,
+        sequential=args.sequential,
+        accelerator=args.accelerator,
+        threads_per_rank=args.threads_per_rank,
+        keep_logs=args.keep_logs,
+    )
+    config = SearchConfig(
+        trial=trial,
+        storage=args.storage,
+        study_name=args.study,
+        n_trials=args.trials if args.trials is not None else (None if args.sampler == "grid" else 20),
+        timeout_s=args.timeout,
+        sampler=args.sampler,
+        seed=args.seed,
+        multi_objective=args.multi_objective,
+        micro_batches=args.micro_batches,
+        schedules=args.schedules,
+        max_stages=args.max_stages,
+        planner_seeds=args.planner_seeds,
+        enqueue=tuple(args.enqueue),
+        pruner=args.pruner,
+        allow_mismatch=args.allow_mismatch,
+        progress=not args.quiet,
+    )
+    search = PlanSearch(config)
+    try:
+        study = search.run()
+    except KeyboardInterrupt:
+        print("interrupted: the running trial is marked FAIL and queued again; run the same command to resume")
+        return 130
+    try:
+        best = best_trial(study)
+    except ValueError as e:
+        print(str(e))
+        return 1
+    print(f"\nbest: trial {best.number}, {best.values[0]:.1f} samples/s\n{trial_plan(best, study).table()}")
+    return 0
+
+
+def _cmd_best(args: argparse.Namespace) -> int:
+    from dapple_lightning.search._study import format_table, load_search, ranked_trials, trial_plan, trial_rows
+
+    study = load_search(args.storage, args.study)
+    ranked = ranked_trials(study)
+    if not ranked:
+        print(f"study {args.study!r} has no completed trial yet")
+        return 1
+    rows_by_number = {r["trial"]: r for r in trial_rows(study)}
+    rows = []
+    for place, t in enumerate(ranked[: args.top], start=1):
+        row = dict(rows_by_number[str(t.number)])
+        rows.append(
+            {
+                "#": str(place),
+                **{k: row[k] for k in ("trial", "plan", "samples/s", "step s", "peak mem/rank", "source")},
+            }
+        )
+    title = "Pareto front (samples/s up, peak memory down)" if len(study.directions) > 1 else "fastest plans"
+    print(f"study {args.study!r}: {title}")
+    print(format_table(rows))
+    best = trial_plan(ranked[0], study)
+    print(f"\nbest (trial {ranked[0].number}):\n{best.table()}")
+    if args.export is not None:
+        args.export.write_text(best.to_yaml())
+        print(f"\nwrote {args.export} (DappleStrategy(plan={str(args.export)!r}))")
+    return 0
+
+
+def _cmd_trials(args: argparse.Namespace) -> int:
+    from dapple_lightning.search._study import format_table, load_search, trial_rows
+
+    study = load_search(args.storage, args.study)
+    print(format_table(trial_rows(study)))
+    return 0
+
+
+def _cmd_plot(args: argparse.Namespace) -> int:
+    import optuna
+
+    from dapple_lightning.search._study import load_search
+
+    if not optuna.visualization.is_available():
+        print(
+            "plotting needs plotly, which is not installed: pip install plotly\n"
+            f"(or browse the study without it: pip install optuna-dashboard && optuna-dashboard {args.storage})"
+        )
+        return 1
+    study = load_search(args.storage, args.study)
+    vis = optuna.visualization
+    args.out.mkdir(parents=True, exist_ok=True)
+    figures: dict[str, Any] = {}
+    if len(study.directions) > 1:
+        figures["pareto_front"] = vis.plot_pareto_front(study, target_names=["samples/s", "peak bytes"])
+        target = {"target": lambda t: t.values[0], "target_name": "samples/s"}
+    else:
+        figures["history"] = vis.plot_optimization_history(study, target_name="samples/s")
+        figures["intermediate_values"] = vis.plot_intermediate_values(study)
+        target = {"target_name": "samples/s"}
+    figures["slice"] = vis.plot_slice(study, params=["micro_batches", "stages", "schedule"], **target)
+    try:
+        figures["importances"] = vis.plot_param_importances(study, **target)
+    except (ValueError, RuntimeError) as e:  # too few completed trials
+        print(f"skipping parameter importances: {e}")
+    for name, fig in figures.items():
+        path = args.out / f"{name}.html"
+        fig.write_html(str(path))
+        print(f"wrote {path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    # SIGTERM (kill PID, a scheduler's stop) ends the search like Ctrl-C: the running trial's
+    # processes are killed and the trial is marked, instead of the process vanishing mid-trial.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    commands = {"run": _cmd_run, "best": _cmd_best, "trials": _cmd_trials, "plot": _cmd_plot}
+    try:
+        return commands[args.command](args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,252 @@
+"""Look at the model once, in a child process: its layers, its fingerprint, optionally a profile.
+
+The search needs a few facts about the model before its first trial: how many layers the
+pipelined ``nn.Sequential`` has (the search space), a fingerprint (to refuse resuming a study
+made for another model) and, to seed the study with the planner's picks, a per-layer profile.
+Building the model means running the user's factory, which may import anything and allocate
+anything, so it happens in a child process like the trials, under a time limit.
+
+The profile: the Sequential's input is captured by running ``training_step`` on the first batch up
+to the Sequential (``self.log`` is silenced), then each layer is run alone, forward and backward,
+on ``global_batch // world_size`` rows (a replica's share of a one-stage plan), keeping medians.
+The planner's ``profile_layers`` does the timing when ``dapple_lightning.planner`` exports it; a
+minimal equivalent here stands in otherwise. Either way the result follows the JSON schema of
+:class:`dapple_lightning.planner.ModelProfile`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+from dapple_lightning.search._child import start_parent_watchdog
+from dapple_lightning.search._fingerprint import Fingerprint
+from dapple_lightning.search._launch import launch
+from dapple_lightning.search._trial import TrialConfig, _tail
+
+__all__ = ["ModelInfo", "probe_model"]
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the probe learned about the model."""
+
+    fingerprint: Fingerprint
+    layer_names: tuple[str, ...]
+    """``"0: Linear"``, ... one per layer of the Sequential."""
+    profile: dict[str, Any] | None = None
+    """A ``ModelProfile`` as a dict (see ``dapple_lightning.planner``), when asked for and measurable."""
+    profile_error: str | None = None
+    """Why there is no profile, when one was asked for."""
+
+    @property
+    def num_layers(self) -> int:
+        return self.fingerprint.num_layers
+
+
+def probe_model(config: TrialConfig, *, profile: bool = False, timeout_s: float | None = None) -> ModelInfo:
+    """Build the model of ``config`` in a child process and describe it.
+
+    Raises:
+        RuntimeError: When the factory fails or the child exceeds the time limit (the message
+            holds the child's last stderr lines).
+    """
+    with tempfile.TemporaryDirectory(prefix="dapple-probe-", dir=config.workdir) as tmp:
+        out = Path(tmp)
+        spec = {
+            "model": config.model,
+            "model_kwargs": dict(config.model_kwargs),
+            "global_batch": config.global_batch,
+            "world_size": config.world_size,
+            "sequential": config.sequential,
+            "accelerator": config.accelerator,
+            "threads": config.threads,
+            "seed": config.seed,
+            "profile": profile,
+            "out": str(out / "probe.json"),
+        }
+        spec_path = out / "spec.json"
+        spec_path.write_text(json.dumps(spec))
+        limit = timeout_s if timeout_s is not None else config.timeout_s
+        deadline = time.monotonic() + limit
+        handle = launch("probe", spec_path, launcher=config.launcher or "exec", python=config.python)
+        try:
+            while handle.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)  # polling the child with a deadline
+        finally:
+            timed_out = handle.poll() is None
+            handle.close()
+        stderr = (out / "supervisor.err").read_text(errors="replace") if (out / "supervisor.err").exists() else ""
+        result_path = out / "probe.json"
+        if handle.returncode != 0 or not result_path.exists():
+            what = f"timed out after {limit:g} s" if timed_out else f"failed (exit code {handle.returncode})"
+            raise RuntimeError(f"building the model {config.model!r} in a child process {what}:\n{_tail(stderr)}")
+        data = json.loads(result_path.read_text())
+    return ModelInfo(
+        fingerprint=Fingerprint.from_dict(data["fingerprint"]),
+        layer_names=tuple(data["layer_names"]),
+        profile=data.get("profile"),
+        profile_error=data.get("profile_error"),
+    )
+
+
+# ================================================================================ child side
+
+
+class _Captured(BaseException):
+    """Stops ``training_step`` once the Sequential's input is known (BaseException: not swallowed)."""
+
+    def __init__(self, value: Any) -> None:
+        super().__init__("captured")
+        self.value = value
+
+
+def _architecture(module: Any, seq: Any) -> str:
+    desc = {
+        "module": type(module).__qualname__,
+        "layers": [f"{type(layer).__module__}.{type(layer).__qualname__}" for layer in seq],
+        "params": [(n, list(p.shape), str(p.dtype)) for n, p in module.named_parameters()],
+        "buffers": [(n, list(b.shape), str(b.dtype)) for n, b in module.named_buffers()],
+    }
+    return hashlib.sha256(json.dumps(desc).encode()).hexdigest()[:16]
+
+
+def _device(accelerator: str) -> str:
+    import torch
+
+    if accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available()):
+        return f"cuda:{torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else "cuda"
+    return accelerator if accelerator != "auto" else "cpu"
+
+
+def _capture_input(module: Any, seq: Any, batch: Any) -> Any:
+    def hook(_: Any, args: tuple) -> None:
+        raise _Captured(args[0])
+
+    handle = seq.register_forward_pre_hook(hook)
+    module.log = lambda *a, **k: None  # no trainer to log to; an instance attribute shadows the method
+    try:
+        module.training_step(batch, 0)
+    except _Captured as c:
+        return c.value
+    finally:
+        handle.remove()
+        del module.log
+    raise RuntimeError("training_step never called the Sequential on the first batch")
+
+
+def _rows(value: Any, n: int) -> Any:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value[:n]
+    return tuple(v[:n] for v in value)
+
+
+def _tensors(value: Any) -> list[Any]:
+    import torch
+
+    return [value] if isinstance(value, torch.Tensor) else [v for v in value if isinstance(v, torch.Tensor)]
+
+
+def _profile(seq: Any, first_input: Any, rows: int, device: str, reps: int = 3) -> dict[str, Any]:
+    import torch
+
+    try:
+        from dapple_lightning.planner import profile_layers  # type: ignore[attr-defined]
+    except ImportError:
+        profile_layers = None
+    if profile_layers is not None:
+        data = profile_layers(list(seq), _rows(first_input, rows), repeats=reps, warmup=1).to_dict()
+        data["device"] = device
+        return data
+    x = _rows(first_input, rows)
+    layers = []
+    for index, layer in enumerate(seq):
+        inputs = [t.detach().requires_grad_(t.is_floating_point()) for t in _tensors(x)]
+        arg = inputs[0] if isinstance(x, torch.Tensor) else tuple(inputs)
+        fwd, bwd = [], []
+        out: Any = None
+        for _ in range(reps + 1):  # the first round warms up allocators and kernels
+            layer.zero_grad(set_to_none=True)
+            t0 = time.perf_counter()
+            out = layer(arg)
+            t1 = time.perf_counter()
+            outs = [t for t in _tensors(out) if t.requires_grad]
+            if outs:
+                torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+            t2 = time.perf_counter()
+            fwd.append(t1 - t0)
+            bwd.append(t2 - t1)
+        layers.append(
+            {
+                "name": f"{index}: {type(layer).__name__}",
+                "forward_s": median(fwd[1:]),
+                "backward_s": median(bwd[1:]),
+                "activation_bytes": sum(t.numel() * t.element_size() for t in _tensors(out)),
+                "param_bytes": sum(p.numel() * p.element_size() for p in layer.parameters()),
+            }
+        )
+        x = out.detach() if isinstance(out, torch.Tensor) else tuple(t.detach() for t in _tensors(out))
+    return {
+        "format": "dapple-lightning-profile",
+        "version": 1,
+        "profile_batch_size": rows,
+        "device": device,
+        "layers": layers,
+    }
+
+
+def main(spec_path: str) -> int:
+    start_parent_watchdog()
+    spec = json.loads(Path(spec_path).read_text())
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import torch
+    from lightning.pytorch import seed_everything
+
+    from dapple_lightning.microbatch import batch_size_of
+    from dapple_lightning.search._factory import call_factory
+    from dapple_lightning.strategy import find_sequential
+
+    torch.set_num_threads(int(spec["threads"]))
+    os.environ.setdefault("OMP_NUM_THREADS", str(spec["threads"]))
+    seed_everything(int(spec["seed"]), verbose=False)
+    module, loader = call_factory(spec["model"], int(spec["global_batch"]), dict(spec["model_kwargs"]))
+    _, seq = find_sequential(module, spec["sequential"])
+    device = _device(spec["accelerator"])
+    fingerprint = Fingerprint(
+        num_layers=len(seq),
+        architecture=_architecture(module, seq),
+        world_size=int(spec["world_size"]),
+        device=device,
+        global_batch=int(spec["global_batch"]),
+    )
+    result: dict[str, Any] = {
+        "fingerprint": fingerprint.to_dict(),
+        "layer_names": [f"{i}: {type(layer).__name__}" for i, layer in enumerate(seq)],
+    }
+    if spec["profile"]:
+        try:
+            batch = next(iter(loader))
+            rows = max(1, min(batch_size_of(batch), int(spec["global_batch"]) // int(spec["world_size"])))
+            module.train()
+            first = _capture_input(module, seq, batch)
+            result["profile"] = _profile(seq, first, rows, device)
+        except Exception as e:  # the profile is optional: say why there is none
+            result["profile_error"] = f"{type(e).__name__}: {e}"
+    Path(spec["out"]).write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

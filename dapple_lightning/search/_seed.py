@@ -1,0 +1,85 @@
+"""The planner's picks, as the first plans a study measures.
+
+The planner (:mod:`dapple_lightning.planner`) ranks plans with an analytic cost model in
+milliseconds; the search measures plans in seconds each. Measuring the planner's top plans first
+gives the sampler good points to start from and tells the user how far the cost model is from
+the machine. The profile comes from the search's probe (``_probe``); the cluster is a single
+node of ``world_size`` devices with rough loopback figures (:func:`local_cluster`), which is what
+CPU processes on one machine are.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from typing import Any
+
+from dapple_lightning.plan import Plan
+from dapple_lightning.search._space import PlanSpace
+
+__all__ = ["SeedPlan", "local_cluster", "planner_seeds"]
+
+
+@dataclass(frozen=True)
+class SeedPlan:
+    """A plan the planner proposes, with its predicted step time."""
+
+    plan: Plan
+    rank: int
+    """0 for the planner's first choice."""
+    predicted_step_s: float
+
+
+def _memory_bytes() -> float:
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 16e9
+
+
+def local_cluster(world_size: int) -> Any:
+    """One node of ``world_size`` devices joined by loopback: ~2 GB/s point to point, ~1 GB/s
+    all-reduce links, 50 us per message, the machine's memory shared evenly (rough figures: the
+    planner's ranking matters here, not its absolute times)."""
+    from dapple_lightning.planner import Cluster
+
+    return Cluster(
+        nodes=1,
+        devices_per_node=world_size,
+        intra_p2p_bw=2e9,
+        inter_p2p_bw=2e9,
+        intra_allreduce_bw=1e9,
+        inter_allreduce_bw=1e9,
+        latency_s=50e-6,
+        memory_bytes=_memory_bytes() / world_size,
+    )
+
+
+def planner_seeds(profile: dict[str, Any], space: PlanSpace, top: int) -> list[SeedPlan]:
+    """The planner's best ``top`` plans that belong to ``space``, best first.
+
+    The planner knows nothing of the space's stage limit, so it is asked for more plans than
+    needed and those outside the space are skipped.
+
+    Raises:
+        ImportError: When the planner is not available.
+        ValueError: When the planner finds no plan (its message says why).
+    """
+    from dapple_lightning.planner import ModelProfile, plan_dapple
+
+    model_profile = ModelProfile.from_dict(profile)
+    planned = plan_dapple(
+        model_profile,
+        local_cluster(space.world_size),
+        space.global_batch,
+        top=max(5 * top, 20),
+        micro_batches=list(space.micro_batches or ()),
+        schedule=space.schedules[0],
+    )
+    out: list[SeedPlan] = []
+    for rank, p in enumerate(planned):
+        # The space places stage s on the next r_s ranks; on one node every placement is alike.
+        plan = Plan(tuple(replace(s, ranks=None) for s in p.plan.stages), p.plan.micro_batches, p.plan.schedule)
+        if space.contains(plan) and plan not in (s.plan for s in out):
+            out.append(SeedPlan(plan, rank, p.predicted_step_s))
+    return out[:top]

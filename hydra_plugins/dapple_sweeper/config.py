@@ -1,0 +1,63 @@
+"""``hydra/sweeper=dapple``: the sweeper's config, registered in Hydra's ConfigStore.
+
+Defaults fit the examples' configs (``model.num_layers``, ``trainer.devices``, ``data.batch_size``,
+``trainer.accelerator``); another app sets ``hydra.sweeper.space.*`` to its own keys or values::
+
+    python examples/gpt.py -m hydra/sweeper=dapple hydra.sweeper.n_trials=30 \\
+        hydra.sweeper.storage=sqlite:///gpt_sweep.db hydra.sweeper.study_name=gpt
+"""
+
+# No `from __future__ import annotations`: Hydra's plugin scanner runs this module before it is in
+# sys.modules, where dataclasses would look up string annotations; OmegaConf also needs real types.
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import II
+
+
+@dataclass
+class PlanSpaceConf:
+    """The plans to search (see ``dapple_lightning.search.PlanSpace``)."""
+
+    num_layers: int = II("model.num_layers")
+    """Layers of the model's pipelined Sequential."""
+    world_size: int = II("trainer.devices")
+    """Ranks every plan runs on."""
+    global_batch: int = II("data.batch_size")
+    """Samples per optimizer step."""
+    device: str = II("trainer.accelerator")
+    """Recorded in the study's fingerprint."""
+    micro_batches: list[int] | None = None
+    """Micro-batch counts; null: the divisors of the global batch."""
+    schedules: list[str] = field(default_factory=lambda: ["dapple", "gpipe"])
+    max_stages: int | None = None
+
+
+@dataclass
+class DappleSweeperConf:
+    _target_: str = "hydra_plugins.dapple_sweeper.dapple_sweeper.DappleSweeper"
+    space: PlanSpaceConf = field(default_factory=PlanSpaceConf)
+    storage: str = "sqlite:///dapple_sweep.db"
+    """Optuna storage URL; the study resumes when the sweep runs again."""
+    study_name: str = "dapple-sweep"
+    n_trials: int = 20
+    """Finished trials the study should hold (a resumed sweep runs only what is missing)."""
+    n_jobs: int = 1
+    """Jobs handed to the launcher at once."""
+    sampler: str = "tpe"
+    """tpe (seeded, multivariate) or random."""
+    seed: int = 0
+    directions: list[str] = field(default_factory=lambda: ["maximize"])
+    """What the job's return value means: samples/s -> maximize, a loss -> minimize."""
+    metrics: list[str] | None = None
+    """Keys of a mapping the job returns, one per direction (null: the job returns a number)."""
+    plan_key: str = "plan"
+    """Config key the sampled plan is written to (as ``++plan={...}``)."""
+    allow_mismatch: bool = False
+    """Resume a study made for another model size, world size or batch."""
+    enqueue: list[Any] = field(default_factory=list)
+    """Plans (mappings or YAML paths) to run first."""
+
+
+ConfigStore.instance().store(group="hydra/sweeper", name="dapple", node=DappleSweeperConf, provider="dapple_lightning")

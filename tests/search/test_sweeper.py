@@ -1,0 +1,105 @@
+"""The Hydra sweeper plugin (``hydra/sweeper=dapple``) on a fake app that scores plans with a formula."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import optuna
+import pytest
+from fake_objective import FAIL_MICRO_BATCHES, fake_samples_per_s
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from optuna.trial import TrialState
+
+from dapple_lightning.plan import Plan
+from dapple_lightning.search._hydra import SweepSettings, plan_override
+
+ROOT = Path(__file__).resolve().parents[2]
+APP = Path(__file__).with_name("sweep_app.py")
+
+
+def sweep(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
+    # The repository root on PYTHONPATH is what makes Hydra find hydra_plugins/dapple_sweeper
+    # (an installed package would do the same).
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run(
+        [sys.executable, str(APP), "-m", "hydra/sweeper=dapple", *overrides],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+
+
+def test_plan_override_parses_back_to_the_plan():
+    plan = Plan.straight(6, 3, micro_batches=4, schedule="gpipe")
+    override = plan_override(plan, "plan")
+    parsed = OverridesParser.create().parse_override(override)
+    assert parsed.key_or_group == "plan"
+    assert parsed.value() == plan.to_dict()
+
+
+def test_settings_are_checked():
+    with pytest.raises(ValueError, match=r"several directions need hydra\.sweeper\.metrics"):
+        SweepSettings(6, 4, 16, directions=("maximize", "minimize"))
+    with pytest.raises(ValueError, match="sampler must be tpe or random"):
+        SweepSettings(6, 4, 16, sampler="grid")
+
+
+def test_sweeper_runs_plans_as_jobs_and_resumes(tmp_path):
+    storage = f"sqlite:///{tmp_path / 'sweep.db'}"
+    common = (f"hydra.sweeper.storage={storage}", "hydra.sweeper.study_name=fake", "hydra.sweeper.seed=3")
+    done = sweep(tmp_path, *common, "hydra.sweeper.n_trials=12")
+    assert done.returncode == 0, done.stderr[-3000:]
+    study = optuna.load_study(study_name="fake", storage=storage)
+    trials = study.get_trials()
+    assert len(trials) == 12
+    assert study.user_attrs["fingerprint"] == {
+        "num_layers": 6,
+        "architecture": "",
+        "world_size": 4,
+        "device": "cpu",
+        "global_batch": 16,
+    }
+    for t in trials:
+        plan = Plan.from_dict(t.user_attrs["plan"])
+        if plan.micro_batches == FAIL_MICRO_BATCHES:
+            assert t.state == TrialState.FAIL
+            if "duplicate_of" not in t.user_attrs:
+                assert "injected job failure" in t.user_attrs["fail_reason"]
+        else:
+            # The value Optuna holds is what the job computed from the plan the sweeper sampled.
+            assert t.state == TrialState.COMPLETE
+            assert t.value == pytest.approx(fake_samples_per_s(plan, 16))
+    completed = [t for t in trials if t.state == TrialState.COMPLETE]
+    assert study.best_value == max(t.value for t in completed)
+    results = list(tmp_path.glob("multirun/*/*/optimization_results.yaml"))
+    assert len(results) == 1 and "best_plan" in results[0].read_text()
+
+    # The same command with a larger budget continues the study.
+    more = sweep(tmp_path, *common, "hydra.sweeper.n_trials=15")
+    assert more.returncode == 0, more.stderr[-3000:]
+    assert len(optuna.load_study(study_name="fake", storage=storage).trials) == 15
+
+    # Another world size is another setup: refused.
+    other = sweep(tmp_path, *common, "hydra.sweeper.n_trials=16", "trainer.devices=2")
+    assert other.returncode != 0
+    assert "world_size: 4 != 2" in other.stderr
+
+
+def test_job_results_become_objective_values():
+    from dapple_lightning.search._hydra import _objective
+
+    one = SweepSettings(6, 4, 16)
+    assert _objective(12.5, one) == [12.5]
+    with pytest.raises(TypeError, match=r"choose the objective\(s\) with hydra\.sweeper\.metrics"):
+        _objective({"samples_per_s": 3.0}, one)
+    with pytest.raises(ValueError, match="must be a finite number"):
+        _objective(None, one)
+    two = SweepSettings(6, 4, 16, directions=("maximize", "minimize"), metrics=("samples_per_s", "peak_bytes"))
+    assert _objective({"samples_per_s": 3.0, "peak_bytes": 10, "other": 1}, two) == [3.0, 10.0]
+    with pytest.raises(KeyError, match="lacks \\['peak_bytes'\\]"):
+        _objective({"samples_per_s": 3.0}, two)

@@ -161,19 +161,21 @@ class Pipeline:
     # ------------------------------------------------------------------------ public API
 
     def rows(self, batch_rows: int) -> list[Rows]:
-        """This rank's rows of the global batch, one range per micro-batch."""
+        """This rank's rows of the global batch, one range per micro-batch.
+
+        Every rank checks every stage, so a batch too small for the plan stops all ranks with
+        the same message instead of one rank failing and the others losing a peer.
+        """
         micro = even_split(batch_rows, self.plan.micro_batches, "batch rows (micro-batches)")
-        out = []
-        for m, rows in enumerate(micro):
-            if len(rows) < self.replicas:
-                raise ValueError(
-                    f"micro-batch {m} has {len(rows)} rows but stage {self.stage} has {self.replicas} replicas; "
-                    f"use a global batch of at least {self.plan.micro_batches * max(s.replicas for s in self.plan.stages)} "
-                    "rows or fewer micro-batches"
-                )
-            mine = even_split(len(rows), self.replicas)[self.replica]
-            out.append(mine.shift(rows.start))
-        return out
+        widest = max(range(self.plan.num_stages), key=lambda s: self.plan.stages[s].replicas)
+        replicas = self.plan.stages[widest].replicas
+        smallest = min(range(len(micro)), key=lambda m: len(micro[m]))
+        if len(micro[smallest]) < replicas:
+            raise ValueError(
+                f"micro-batch {smallest} has {len(micro[smallest])} rows but stage {widest} has {replicas} replicas; "
+                f"use a global batch of at least {self.plan.micro_batches * replicas} rows or fewer micro-batches"
+            )
+        return [even_split(len(r), self.replicas)[self.replica].shift(r.start) for r in micro]
 
     def run(
         self,

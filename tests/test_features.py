@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightning.pytorch import Trainer
+from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 
@@ -67,28 +67,42 @@ def test_predict_returns_predictions_in_batch_order(tmp_path):
         torch.testing.assert_close(g, w)
 
 
+class RecordStop(Callback):
+    """Rank 0 writes the epoch training stopped at (spawn does not hand the loop's state back)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer: Trainer, pl_module) -> None:
+        if trainer.is_global_zero:
+            self.path.write_text(str(trainer.current_epoch))
+
+
 def test_early_stopping_and_checkpoint_monitor_decide_alike(tmp_path):
-    def run(**placement):
+    def run(name, **placement):
         stop = EarlyStopping(monitor="val_loss", patience=0, min_delta=1e3)  # no epoch improves by 1e3
-        best = ModelCheckpoint(dirpath=tmp_path / str(len(placement)), monitor="val_loss", save_top_k=1)
+        best = ModelCheckpoint(dirpath=tmp_path / name, monitor="val_loss", save_top_k=1)
         trainer = Trainer(
             accelerator="cpu",
             max_epochs=10,
             logger=False,
             enable_progress_bar=False,
             enable_model_summary=False,
-            callbacks=[stop, best],
+            callbacks=[stop, best, RecordStop(tmp_path / f"{name}.epoch")],
             num_sanity_val_steps=0,
             **placement,
         )
         trainer.fit(models.MLP(), models.loader(), models.loader())
-        return trainer.current_epoch, trainer.callback_metrics["val_loss"].item(), best.best_model_path
+        checkpoints = sorted(p.name for p in (tmp_path / name).glob("*.ckpt"))
+        epoch = int((tmp_path / f"{name}.epoch").read_text())
+        return epoch, trainer.callback_metrics["val_loss"].item(), checkpoints
 
-    epoch, val, _ = run(devices=1)
-    got_epoch, got_val, path = run(devices=3, strategy=DappleStrategy(PLAN, start_method="spawn"))
-    assert (got_epoch, pytest.approx(got_val, rel=1e-5)) == (epoch, val)
-    assert path.endswith(".ckpt")
-    models.MLP.load_from_checkpoint(path, map_location="cpu")
+    epoch, val, checkpoints = run("single", devices=1)
+    got_epoch, got_val, got_checkpoints = run("dapple", devices=3, strategy=DappleStrategy(PLAN, start_method="spawn"))
+    assert epoch == 2 and got_epoch == epoch  # stopped after the second epoch, on every rank alike
+    assert got_val == pytest.approx(val, rel=1e-5)
+    assert got_checkpoints == checkpoints and len(checkpoints) == 1
+    models.MLP.load_from_checkpoint(tmp_path / "dapple" / checkpoints[0], map_location="cpu")
 
 
 def test_tensorboard_logger_writes_events(tmp_path):

@@ -5,6 +5,7 @@ Pure Python: nothing here starts a process group or needs a device, except
 when called).
 """
 
+from dapple_lightning.planner._baselines import baselines, data_parallel_plan, pipedream_plan, straight_plan
 from dapple_lightning.planner._cluster import GB, Cluster
 from dapple_lightning.planner._cost import CostModel, Estimate, Placement, estimate
 from dapple_lightning.planner._dp import (
@@ -15,6 +16,7 @@ from dapple_lightning.planner._dp import (
     plan_dapple,
     replica_candidates,
 )
+from dapple_lightning.planner._measure import profile_layers
 from dapple_lightning.planner._placement import PLACEMENTS, allocate, place
 from dapple_lightning.planner._profile import LayerProfile, ModelProfile, load_profile, read_pipedream
 from dapple_lightning.planner._simulator import Event, Simulation, simulate_plan
@@ -32,14 +34,19 @@ __all__ = [
     "PlannedPlan",
     "Simulation",
     "allocate",
+    "baselines",
     "best_over_micro_batches",
+    "data_parallel_plan",
     "estimate",
     "least_memory",
     "load_profile",
     "micro_batch_candidates",
+    "pipedream_plan",
     "place",
     "plan_dapple",
+    "profile_layers",
     "read_pipedream",
     "replica_candidates",
     "simulate_plan",
+    "straight_plan",
 ]

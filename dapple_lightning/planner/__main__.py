@@ -78,6 +78,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--placements", help=f"comma-separated subset of {','.join(PLACEMENTS)}")
     parser.add_argument("--optimizer-factor", type=float, default=2.0, help="optimizer bytes per weight byte (2)")
     parser.add_argument("--max-cuts", type=int, default=64, help="cut points on long profiles (0: every layer)")
+    parser.add_argument(
+        "--exact",
+        choices=["auto", "yes", "no"],
+        default="auto",
+        help="keep every partial plan (yes) or a beam (no); auto: exact up to 16 devices",
+    )
     return parser
 
 
@@ -100,7 +106,23 @@ def _cluster(args: argparse.Namespace) -> Cluster:
 
 
 def _table(plans: Sequence[PlannedPlan], global_batch: int) -> str:
-    rows = [("#", "method", "plan", "cuts", "M", "mb", "placement", "step s", "samples/s", "mem GB", "vs DP", "pivot")]
+    rows = [
+        (
+            "#",
+            "method",
+            "plan",
+            "cuts",
+            "M",
+            "mb",
+            "placement",
+            "step s",
+            "sim s",
+            "samples/s",
+            "mem GB",
+            "vs DP",
+            "pivot",
+        )
+    ]
     for index, p in enumerate(plans, 1):
         est = p.estimate
         rows.append(
@@ -113,6 +135,7 @@ def _table(plans: Sequence[PlannedPlan], global_batch: int) -> str:
                 str(est.micro_batch_size) if est else "?",
                 p.placement,
                 f"{p.predicted_step_s:.4f}",
+                f"{p.simulated_step_s:.4f}" if p.simulated_step_s is not None else "?",
                 f"{global_batch / p.predicted_step_s:.1f}" if p.predicted_step_s > 0 else "inf",
                 f"{max(p.stage_memory_bytes) / GB:.2f}",
                 f"{p.speedup_vs_dp:.2f}x" if p.speedup_vs_dp is not None else "n/a",
@@ -120,7 +143,7 @@ def _table(plans: Sequence[PlannedPlan], global_batch: int) -> str:
             )
         )
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-    right = {0, 4, 5, 7, 8, 9, 10}
+    right = {0, 4, 5, 7, 8, 9, 10, 11}
     lines = []
     for row in rows:
         cells = [cell.rjust(w) if c in right else cell.ljust(w) for c, (cell, w) in enumerate(zip(row, widths))]
@@ -147,6 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             schedule=args.schedule,
             optimizer_factor=args.optimizer_factor,
             max_cuts=args.max_cuts or None,
+            exact={"auto": None, "yes": True, "no": False}[args.exact],
         )
         seconds = time.perf_counter() - started
         others = (
@@ -181,6 +205,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"cluster {cluster.describe()}; global batch {args.global_batch}; planned in {seconds:.2f} s"
     )
     print(_table([*plans, *others], args.global_batch))
+    print(
+        "\nstep s: the analytic model (what the planner minimises); sim s: the event simulator's replay "
+        "of the same plan (queues on links, 1F1B waits)"
+    )
     print(f"\nbest plan ({plans[0].placement} placement):\n{plans[0].plan.to_yaml().rstrip()}")
     return 0
 

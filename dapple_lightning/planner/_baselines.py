@@ -34,14 +34,17 @@ from dapple_lightning.planner._dp import (
     replica_candidates,
 )
 from dapple_lightning.planner._profile import LayerProfile, ModelProfile
+from dapple_lightning.planner._simulator import simulate_plan
 
 __all__ = ["baselines", "data_parallel_plan", "pipedream_plan", "straight_plan"]
 
 
-def _planned(est: Estimate | None, method: str, dp_step: float | None) -> PlannedPlan | None:
+def _planned(model: CostModel, est: Estimate | None, method: str, dp_step: float | None) -> PlannedPlan | None:
     if est is None:
         return None
-    return PlannedPlan(est.plan, est.step_s, est.memory_bytes, None, "append", method, est).with_speedup(dp_step)
+    simulated = simulate_plan(model, est.plan).step_s
+    planned = PlannedPlan(est.plan, est.step_s, est.memory_bytes, None, "append", method, est, simulated)
+    return planned.with_speedup(dp_step)
 
 
 def _model(profile: ModelProfile, cluster: Cluster, global_batch: int, optimizer_factor: float) -> CostModel:
@@ -65,7 +68,7 @@ def data_parallel_plan(
     world = cluster.world_size
     plans = (Plan.data_parallel(profile.num_layers, world, m) for m in candidates)
     est = best_over_micro_batches(model, plans)
-    return _planned(est, "data-parallel", None if est is None else est.step_s)
+    return _planned(model, est, "data-parallel", None if est is None else est.step_s)
 
 
 def straight_plan(
@@ -86,7 +89,7 @@ def straight_plan(
     bounds = balanced_cuts(weights, count)
     stages = tuple(Stage(a, b, world // count) for a, b in itertools.pairwise(bounds))
     est = best_over_micro_batches(model, (Plan(stages, m, schedule) for m in candidates))
-    return _planned(est, "straight", _data_parallel_step(model, candidates))
+    return _planned(model, est, "straight", _data_parallel_step(model, candidates))
 
 
 def _pipedream_stages(model: CostModel, micro_batches: int, replicas: Sequence[int]) -> tuple[Stage, ...] | None:
@@ -164,7 +167,7 @@ def pipedream_plan(
             fine = tuple(Stage(bounds[s.start], bounds[s.end], s.replicas) for s in stages)
             plans.append(Plan(fine, m, schedule))
     est = best_over_micro_batches(model, plans)
-    return _planned(est, "pipedream", _data_parallel_step(model, candidates))
+    return _planned(model, est, "pipedream", _data_parallel_step(model, candidates))
 
 
 def _grouped(profile: ModelProfile, most: int) -> tuple[ModelProfile, list[int]]:

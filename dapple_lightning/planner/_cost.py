@@ -198,8 +198,11 @@ class Estimate:
     pivot: int
     """Pivot in the extended pipeline: ``2 s`` is stage ``s``, ``2 s + 1`` the link ``s -> s+1``."""
     warmup_s: float
+    """``T_w``: forwards (and transfers) until micro-batch 0 has passed the pivot."""
     steady_s: float
+    """``T_s = (M - 1) (F_Q + B_Q)``: the pivot's other passes."""
     ending_s: float
+    """``T_e = step - T_w - T_s``: the drain after the pivot and the all-reduces."""
     micro_batch_size: int
     """Samples in the largest micro-batch, ``ceil(G / M)``."""
     samples: tuple[int, ...]

@@ -1,8 +1,9 @@
-"""The DAPPLE planner: an exact dynamic program over plans, for the analytic cost model.
+"""The DAPPLE planner: a dynamic program over plans, exact for the analytic cost model.
 
 The search space, for a profile of ``L`` layers on a cluster of ``W`` devices:
 
-- **stages**: any cut of the layers into contiguous stages;
+- **stages**: any cut of the layers into contiguous stages (on profiles of more than 65
+  layers, cuts at ``max_cuts`` points that split the forward + backward time evenly);
 - **replication**: stage ``s`` gets ``r_s`` devices, ``sum r_s = W``. Every stage may take any
   count when ``W <= 16``; on bigger clusters every stage but the first takes a count from
   :func:`replica_candidates` (1..8, multiples of ``max(8, devices per server)``, powers of two)
@@ -16,6 +17,12 @@ The search space, for a profile of ``L`` layers on a cluster of ``W`` devices:
 
 Plans whose stages exceed the device memory (``_cost``) are left out.
 
+The search runs per (micro-batch count, placement policy): first with cuts at 16 points only
+(cheap, and its plans bound the rest), then in full, best-looking pairs first, then, for
+``top > 1``, once more keeping the runners-up. Up to 16 devices (or with ``exact=True``) it is
+exact; beyond, each state keeps only its 8 partial plans of lowest ``Z`` (a beam), which is
+fast but may miss the optimum.
+
 **Why a dynamic program is exact here.** The cost model's latency is ``Z_0`` of the recurrence
 in ``_cost`` (``combine``, inlined here), computed from the last stage backwards. Building the
 pipeline from its last stage forwards, a partial pipeline (a suffix) enters the rest of the
@@ -26,12 +33,14 @@ per server (for placement) and its number of stages up to ``M`` (the warm-up dep
 Latency only grows with the five numbers, so for each state (layer, free devices, first
 stage's devices, stage count) the planner keeps the partial pipelines that fewer than ``top``
 others beat in all five. Nothing else is pruned except with bounds that are provably below
-the final latency (branch and bound against the ``top``-th best plan found so far).
+the final latency (branch and bound against the ``top``-th best plan found so far). Tests
+compare it with enumerating every plan.
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -42,6 +51,7 @@ from dapple_lightning.planner._cluster import GB, Cluster
 from dapple_lightning.planner._cost import CostModel, Estimate, stage_chain
 from dapple_lightning.planner._placement import PLACEMENTS, allocate, place
 from dapple_lightning.planner._profile import ModelProfile
+from dapple_lightning.planner._simulator import simulate_plan
 
 __all__ = [
     "PlannedPlan",
@@ -56,6 +66,8 @@ __all__ = [
 _AGREE = 1e-9
 # Profiles with more cut points than this get a first, coarse pass with this many.
 _COARSE = 16
+# Partial plans kept per state when the search is not exact.
+_BEAM = 8
 
 
 @dataclass(frozen=True)
@@ -76,6 +88,8 @@ class PlannedPlan:
     """What produced the plan: ``dapple``, ``pipedream``, ``straight`` or ``data-parallel``."""
     estimate: Estimate | None = field(default=None, repr=False, compare=False)
     """The full prediction (phases, per-stage times)."""
+    simulated_step_s: float | None = None
+    """The step as the discrete-event simulator replays it (at least the predicted step)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.plan, Plan):
@@ -105,6 +119,7 @@ class PlannedPlan:
             "placement": self.placement,
             "predicted_step_s": self.predicted_step_s,
             "speedup_vs_dp": self.speedup_vs_dp,
+            "simulated_step_s": self.simulated_step_s,
             "stage_memory_bytes": list(self.stage_memory_bytes),
         }
         if self.estimate is not None:
@@ -121,15 +136,7 @@ class PlannedPlan:
 
     def with_speedup(self, dp_step_s: float | None) -> PlannedPlan:
         speedup = None if dp_step_s is None or self.predicted_step_s <= 0 else dp_step_s / self.predicted_step_s
-        return PlannedPlan(
-            self.plan,
-            self.predicted_step_s,
-            self.stage_memory_bytes,
-            speedup,
-            self.placement,
-            self.method,
-            self.estimate,
-        )
+        return dataclasses.replace(self, speedup_vs_dp=speedup)
 
 
 def micro_batch_candidates(global_batch: int) -> tuple[int, ...]:
@@ -213,24 +220,35 @@ class _Top:
 
 
 def _beats(a: _Entry, b: _Entry) -> bool:
-    return a.d <= b.d and a.z <= b.z and a.rt <= b.rt and a.x <= b.x and a.fb <= b.fb
+    return a.z <= b.z and a.d <= b.d and a.x <= b.x and a.rt <= b.rt and a.fb <= b.fb and a.stages == b.stages
 
 
-def _insert(front: list[_Entry], entry: _Entry, k: int) -> None:
-    """Add ``entry`` unless ``k`` kept entries are at least as good in every number.
+def _z(entry: _Entry) -> float:
+    return entry.z
+
+
+def _insert(front: list[_Entry], entry: _Entry, k: int, beam: int | None) -> None:
+    """Add ``entry`` to ``front`` (sorted by Z) unless ``k`` kept entries beat it in all numbers.
 
     With ``k = 1`` the entries ``entry`` beats leave; with ``k > 1`` they stay (counting who
-    beats whom again costs more than carrying a few extra entries).
+    beats whom again costs more than carrying a few extra entries). With a ``beam``, only that
+    many entries of lowest Z stay: a heuristic, for large searches.
     """
+    z = entry.z
+    stop = bisect.bisect_right(front, z, key=_z)
     beaten = 0
-    for x in front:
-        if _beats(x, entry):
+    for x in front[:stop]:
+        if x.d <= entry.d and x.x <= entry.x and x.rt <= entry.rt and x.fb <= entry.fb and x.stages == entry.stages:
             beaten += 1
             if beaten >= k:
                 return
     if k == 1:
-        front[:] = [x for x in front if not _beats(entry, x)]
-    front.append(entry)
+        start = bisect.bisect_left(front, z, key=_z)
+        front[start:] = [x for x in front[start:] if not _beats(entry, x)]
+        stop = bisect.bisect_right(front, z, key=_z)
+    front.insert(stop, entry)
+    if beam is not None and len(front) > beam:
+        del front[beam:]
 
 
 _Link = tuple[int, float, float, float, float, float, float, _Entry]
@@ -247,8 +265,11 @@ _Alloc = tuple[tuple[int, ...], tuple[int, ...], int, float, float, float]
 class _Search:
     """One branch and bound over plans, run per (micro-batch count, placement policy)."""
 
-    def __init__(self, model: CostModel, top: int, replicas: Sequence[int], schedule: str) -> None:
+    def __init__(
+        self, model: CostModel, top: int, replicas: Sequence[int], schedule: str, beam: int | None = None
+    ) -> None:
         self.model = model
+        self.beam = beam
         self.top = _Top(top)
         self.replicas = tuple(replicas)
         self.schedule = schedule
@@ -284,6 +305,7 @@ class _Search:
         counts = [r for r in self.replicas if r <= most]
         samples_of = [0] + [model.samples(m, r) for r in range(1, world + 1)]
         top = self.top
+        beam = self.beam
         # Under "fresh" and "scatter", servers with equal (free devices, devices of the first
         # stage) are interchangeable (see _placement), so a state lists its servers sorted by
         # that pair, and placements equal up to renaming servers become one state. "append"
@@ -429,9 +451,11 @@ class _Search:
                                 # stages before, and whether the next one has K - 1: up to M.
                                 new.stages = 0 if gpipe else min(new.stages, m)
                                 if target is None or target_stages != new.stages:
+                                    # A beam keeps one front whatever the stage count.
                                     target_stages = new.stages
-                                    target = states[i].setdefault(left_free, {}).setdefault((take, new.stages), [])
-                                _insert(target, new, k)
+                                    sub = (take, 0 if beam else new.stages)
+                                    target = states[i].setdefault(left_free, {}).setdefault(sub, [])
+                                _insert(target, new, k, beam)
             states[j].clear()
         self.end_bound = top.bound
         return self.best_offered
@@ -486,6 +510,7 @@ def plan_dapple(
     optimizer_factor: float = 2.0,
     replicas: Sequence[int] | None = None,
     max_cuts: int | None = 64,
+    exact: bool | None = None,
 ) -> list[PlannedPlan]:
     """The ``top`` fastest plans under the cost model of ``_cost``, fastest first.
 
@@ -503,6 +528,9 @@ def plan_dapple(
         max_cuts: With more layers than ``max_cuts + 1``, stages begin only at ``max_cuts``
             points that split the forward+backward time evenly (the search is exact over those
             plans); ``None`` allows every layer, slower on long profiles.
+        exact: Keep every partial plan that may still win (exact for the cost model), or only
+            the few of lowest ``Z`` per state (a beam of ``_BEAM``: fast, not guaranteed
+            optimal). ``None``: exact up to 16 devices.
 
     Raises:
         ValueError: When no plan fits in device memory; the message gives the least memory
@@ -530,12 +558,19 @@ def plan_dapple(
     # cut points spread evenly over the work; its plans are plans of the full space, so the
     # full pass may cut anything slower than them and stays exact. The full pass visits the
     # (micro-batches, placement) pairs best first, so that its bound is tight from the start.
+    # Beyond 16 devices the states keep a beam of partial plans unless asked to be exact.
     runs = [(m, policy) for m in candidates for policy in placements]
     cuts = None if max_cuts is None or profile.num_layers - 1 <= max_cuts else _even_cuts(model, max_cuts)
-    search = _Search(model, 1, counts, schedule)
+    if exact is None:
+        exact = cluster.world_size <= 16
+    beam = None if exact else _BEAM
+    search = _Search(model, 1, counts, schedule, beam)
     rank: dict[tuple[int, str], float] = {}
     if len(cuts if cuts is not None else range(1, profile.num_layers)) > _COARSE:
         coarse = _even_cuts(model, _COARSE)
+        if cuts is not None:
+            # Stay inside the search space: the nearest allowed cut points.
+            coarse = sorted({min(cuts, key=lambda a, c=c: (abs(a - c), a)) for c in coarse})
         for m, policy in runs:
             rank[(m, policy)] = search.run(policy, m, coarse)
         runs.sort(key=lambda run: rank[run])
@@ -549,7 +584,7 @@ def plan_dapple(
     # its plans below that bound (its own bound never fell under it) and none was.
     if top > 1 and search.top.items:
         seen = search.top.seen
-        search = _Search(model, top, counts, schedule)
+        search = _Search(model, top, counts, schedule, beam)
         for key, (z, payload) in seen.items():
             search.top.offer(z, key, payload)
         bound = search.top.bound
@@ -558,7 +593,7 @@ def plan_dapple(
                 continue
             search.run(policy, m, cuts)
     if not search.top.items:
-        raise ValueError(_no_fit_message(model, candidates, counts, schedule))
+        raise ValueError(_no_fit_message(model, candidates, counts, schedule, cuts))
 
     dp_step = _data_parallel_step(model, candidates)
     out: list[PlannedPlan] = []
@@ -569,7 +604,9 @@ def plan_dapple(
             raise RuntimeError(f"planner and cost model disagree on {plan.to_dict()}: {z} vs {est.step_s}")
         # Consecutive ranks are what "append" gives, whichever policy found the plan first.
         label = policy if plan.stages[0].ranks is not None else "append"
-        out.append(PlannedPlan(plan, est.step_s, est.memory_bytes, None, label, "dapple", est).with_speedup(dp_step))
+        simulated = simulate_plan(model, plan).step_s
+        planned = PlannedPlan(plan, est.step_s, est.memory_bytes, None, label, "dapple", est, simulated)
+        out.append(planned.with_speedup(dp_step))
     return out
 
 
@@ -586,15 +623,20 @@ def _micro_batches(micro_batches: Sequence[int] | None, global_batch: int) -> tu
 
 
 def least_memory(
-    model: CostModel, candidates: Sequence[int], replicas: Sequence[int], schedule: str = "dapple"
+    model: CostModel,
+    candidates: Sequence[int],
+    replicas: Sequence[int],
+    schedule: str = "dapple",
+    cuts: Sequence[int] | None = None,
 ) -> tuple[float, Plan | None]:
     """The smallest per-device peak memory of any plan in the search space, and one such plan.
 
     Placement does not change memory, so this is a min-max dynamic program over stages,
-    replica counts, stage counts and micro-batch counts.
+    replica counts, stage counts and micro-batch counts. ``cuts`` restricts where stages begin.
     """
     world = model.cluster.world_size
     layers = model.num_layers
+    allowed = set(cuts or ())
     best: tuple[float, Plan | None] = (math.inf, None)
     for m in candidates:
         most = model.max_replicas(m)
@@ -615,7 +657,7 @@ def least_memory(
                     samples = model.samples(m, r)
                     depth = m if schedule == "gpipe" else min(n + 1, m)
                     for i in range(j - 1, -1, -1):
-                        if closing != (i == 0):
+                        if closing != (i == 0) or (i and cuts is not None and i not in allowed):
                             continue
                         mem = model.static_memory(i, j) + depth * model.activation_memory(i, j, samples)
                         if mem >= best[0]:
@@ -634,8 +676,10 @@ def least_memory(
     return best
 
 
-def _no_fit_message(model: CostModel, candidates: Sequence[int], replicas: Sequence[int], schedule: str) -> str:
-    need, plan = least_memory(model, candidates, replicas, schedule)
+def _no_fit_message(
+    model: CostModel, candidates: Sequence[int], replicas: Sequence[int], schedule: str, cuts: Sequence[int] | None
+) -> str:
+    need, plan = least_memory(model, candidates, replicas, schedule, cuts)
     cap = model.cluster.memory_bytes
     if plan is None:
         return (

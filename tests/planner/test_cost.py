@@ -73,7 +73,7 @@ def test_recurrence_matches_the_written_out_chains():
     written = max(c[0] for c in chains(est.forward_s, est.backward_s, est.allreduce_s, est.send_forward_s, [2, 1], 2))
     assert written == est.step_s
     tail = combine(1.5, 1.5, 1.0, 0.0, 0.0, 2, 1, None)
-    d, z, rt, x, fb = combine(1.0, 2.0, 1.0, 0.5, 0.5, 2, 2, tail, next_depth=1)
+    _d, z, rt, _x, fb = combine(1.0, 2.0, 1.0, 0.5, 0.5, 2, 2, tail, next_depth=1)
     assert z == est.step_s and rt == 1.0 + 2.0 + 0.5 + 0.5 + 3.0 and fb == 3.0
 
 

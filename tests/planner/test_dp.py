@@ -120,6 +120,7 @@ def test_scatter_keeps_heavy_activations_inside_servers():
     assert [p.predicted_step_s for p in got] == pytest.approx(expected[:3], rel=1e-12)
 
 
+@pytest.mark.reference
 def test_vgg19_on_two_servers_replicates_the_convolutions():
     profile = read_pipedream(REFERENCE / "vgg-19-pbs-32.txt")
     best = plan_dapple(profile, Cluster.paper_2x8(), 1024)[0]
@@ -130,6 +131,7 @@ def test_vgg19_on_two_servers_replicates_the_convolutions():
     assert isinstance(best, PlannedPlan)
 
 
+@pytest.mark.reference
 def test_every_plan_fits_and_the_estimate_agrees():
     profile = read_pipedream(REFERENCE / "bert-48-pbs-2.txt")
     cluster = Cluster.paper_2x8()
@@ -190,6 +192,7 @@ def test_bad_arguments_say_what_to_do(kwargs, message):
         plan_dapple(profile, Cluster.v100(1, 2), 4, **kwargs)
 
 
+@pytest.mark.reference
 def test_speedup_is_data_parallel_over_plan():
     profile = read_pipedream(REFERENCE / "vgg-19-pbs-32.txt")
     cluster = Cluster.paper_16x1()

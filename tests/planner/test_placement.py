@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -55,7 +57,7 @@ def test_every_device_is_used_once(shape, policy, data):
     world = cluster.world_size
     cuts = data.draw(st.lists(st.integers(1, world - 1), unique=True, max_size=world - 1)) if world > 1 else []
     bounds = [0, *sorted(cuts), world]
-    replicas = [b - a for a, b in zip(bounds, bounds[1:])]
+    replicas = [b - a for a, b in itertools.pairwise(bounds)]
     ranks = place(cluster, policy, replicas)
     assert [len(r) for r in ranks] == replicas
     assert sorted(x for r in ranks for x in r) == list(range(world))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -67,7 +69,7 @@ def test_links_queue_in_each_direction():
     sends = sorted((e.start, e.end) for e in sim.events if e.kind == "send-act")
     assert sends == [(0.25, 1.25), (1.25, 2.25), (2.25, 3.25), (3.25, 4.25)]
     grads = sorted((e.start, e.end) for e in sim.events if e.kind == "send-grad")
-    assert all(a[1] <= b[0] for a, b in zip(grads, grads[1:]))
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(grads))
     assert model.estimate(plan).step_s <= sim.step_s
 
 
@@ -82,7 +84,7 @@ def test_events_cover_every_action_once():
     assert kinds.count(("allreduce", 0)) == 1 and ("allreduce", 1) not in kinds
     for s in range(3):
         mine = sorted((e.start, e.end) for e in sim.events if e.stage == s and e.kind in "FB")
-        assert all(a[1] <= b[0] for a, b in zip(mine, mine[1:]))  # one action at a time
+        assert all(a[1] <= b[0] for a, b in itertools.pairwise(mine))  # one action at a time
 
 
 @st.composite
@@ -98,7 +100,7 @@ def random_plans(draw):
     stages = draw(st.integers(1, min(count, world)))
     bounds = [0, *sorted(draw(st.permutations(range(1, count)))[: stages - 1]), count]
     split = [0, *sorted(draw(st.permutations(range(1, world)))[: stages - 1]), world]
-    replicas = [b - a for a, b in zip(split, split[1:])]
+    replicas = [b - a for a, b in itertools.pairwise(split)]
     ranks = place(cluster, draw(st.sampled_from(["append", "fresh", "scatter"])), replicas)
     m = draw(st.sampled_from([1, 2, 3, 4, 8, 16]))
     plan = Plan(

@@ -1,0 +1,78 @@
+"""The command line: tables, JSON, profile formats and errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dapple_lightning.plan import Plan
+from dapple_lightning.planner import LayerProfile, ModelProfile
+from dapple_lightning.planner.__main__ import main
+
+from .conftest import REFERENCE
+
+VGG = str(REFERENCE / "vgg-19-pbs-32.txt")
+
+
+@pytest.mark.reference
+def test_table_lists_plans_and_baselines(capsys):
+    assert main(["--profile", VGG, "--cluster", "16x1", "--global-batch", "1024", "--top", "2", "--baselines"]) == 0
+    out = capsys.readouterr().out
+    assert "26 layers at batch 32" in out
+    lines = out.splitlines()
+    header = next(line for line in lines if line.startswith("#"))
+    for column in ("plan", "cuts", "M", "step s", "sim s", "mem GB", "vs DP", "pivot"):
+        assert column in header
+    methods = ("dapple", "pipedream", "straight", "data-parallel")
+    rows = [line for line in lines if len(line.split()) > 2 and line.split()[1] in methods]
+    assert [r.split()[1] for r in rows] == ["dapple", "dapple", "pipedream", "straight", "data-parallel"]
+    assert rows[0].split()[2] == "15:1"  # the paper's VGG-19 plan, on V100 constants
+    assert "replicas: 15" in out
+
+
+@pytest.mark.reference
+def test_json_is_the_best_plan(capsys):
+    assert main(["--profile", VGG, "--cluster", "2x8", "--global-batch", "1024", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    plan = Plan.from_dict(data["plan"])
+    assert plan.world_size == 16 and plan.num_layers == 26
+    assert data["predicted_step_s"] > 0 and data["speedup_vs_dp"] > 1
+    assert data["cluster"] == "2x8" and data["global_batch"] == 1024
+    assert {"pivot", "warmup_s", "steady_s", "ending_s", "simulated_step_s", "stage_memory_bytes"} <= set(data)
+
+
+def test_json_profile_and_overrides(tmp_path, capsys):
+    layers = tuple(LayerProfile(f"l{i}", 1e-3, 2e-3, 10**6, 10**8) for i in range(4))
+    path = tmp_path / "model.json"
+    ModelProfile(layers, 8).save(path)
+    args = ["--profile", str(path), "--cluster", "1x4", "--global-batch", "32", "--json"]
+    assert main([*args, "--micro-batches", "2,4", "--p2p-gbps", "50,2", "--allreduce-gbps", "10"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["plan"]["micro_batches"] in (2, 4)
+    assert main([*args, "--schedule", "gpipe", "--placements", "append"]) == 0
+    assert json.loads(capsys.readouterr().out)["plan"]["schedule"] == "gpipe"
+
+
+def test_errors_exit_2_with_a_message(tmp_path, capsys):
+    layers = (LayerProfile("big", 1e-3, 2e-3, 10**6, 10**10),)  # 40 GB with Adam
+    path = tmp_path / "big.json"
+    ModelProfile(layers, 8).save(path)
+    assert main(["--profile", str(path), "--cluster", "1x2", "--global-batch", "8"]) == 2
+    assert "no plan fits in 16.00 GB" in capsys.readouterr().err
+    assert main(["--profile", str(tmp_path / "missing.json"), "--global-batch", "8"]) == 2
+    assert "missing.json" in capsys.readouterr().err
+    text = tmp_path / "model.txt"
+    text.write_text(
+        "node1 -- A -- forward_compute_time=1, backward_compute_time=1, activation_size=1, parameter_size=1\n"
+    )
+    assert main(["--profile", str(text), "--global-batch", "8"]) == 2
+    assert "--profile-batch" in capsys.readouterr().err
+    assert main(["--profile", str(text), "--profile-batch", "1", "--cluster", "1x1", "--global-batch", "8"]) == 0
+
+
+def test_bad_bandwidth_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--profile", "x", "--global-batch", "8", "--p2p-gbps", "fast"])
+    assert info.value.code == 2
+    assert "GB/s" in capsys.readouterr().err

@@ -82,3 +82,15 @@ def test_single_device_lightning_resumes_a_dapple_checkpoint(reference, dapple_c
     _, _, ref_resumed = reference
     got = fit(models.ScheduledMLP, tmp_path, max_steps=8, ckpt_path=str(dapple_checkpoint[0]))
     assert_same(got, ref_resumed)
+
+
+def test_a_kill_while_saving_leaves_the_previous_checkpoint_intact(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    path = tmp_path / "last.ckpt"
+    script = Path(__file__).parent / "scripts" / "killed_while_saving.py"
+    proc = subprocess.run([sys.executable, str(script), str(path)], capture_output=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    torch.testing.assert_close(torch.load(path)["weights"], torch.ones(3))

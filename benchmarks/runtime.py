@@ -1,0 +1,774 @@
+"""Runtime benchmark: a 2-stage pipeline on 2 CPU processes, dapple against its peers.
+
+Six systems train the reference transformer of the runtime issue (embedding 512x256, 8
+``TransformerEncoderLayer(256, 4, 1024)``, head to 512; batch 64, sequence 64) side by side:
+
+    single        one process, one thread, M micro-batches of gradient accumulation (T1)
+    ddp           Lightning ``strategy="ddp"``, 2 processes, 32 rows each, no micro-batching
+    torch-gpipe   ``torch.distributed.pipelining.ScheduleGPipe``, 2 stages, M micro-batches
+    torch-1f1b    ``torch.distributed.pipelining.Schedule1F1B``, same
+    dapple-gpipe  ``Trainer(strategy=DappleStrategy(plan))``, schedule ``gpipe``
+    dapple        same, schedule ``dapple`` (early backward)
+
+The model is one ``nn.Sequential`` of 10 layers; both pipelines split it ``[0, 5) | [5, 10)``.
+Every process runs one thread (``OMP_NUM_THREADS=1`` and ``torch.set_num_threads(1)``); SGD
+(lr 1e-3) everywhere. Rounds alternate: each round starts every system once (a fresh set of
+processes, in an order rotated per round) for ``warmup + steps`` optimizer steps. Rank 0 times
+each step as the wall time between the ends of consecutive optimizer steps (so whatever a
+framework does between steps counts), with no barrier in any system. A system's time is the
+median over rounds of its per-round median over the steps after warm-up.
+
+Multi-process systems are started as plain subprocesses of this script with the usual
+``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` variables (what ``torchrun``
+would set, without its agent process polling on the shared cores); Lightning sees them as an
+externally launched cluster.
+
+After the rounds, the script measures peak live activation bytes per stage of dapple's GPipe
+and DAPPLE schedules at M = 8 and 16 (``DappleStrategy(track_memory=True)``) and writes a Chrome
+trace of one dapple run (``DappleStrategy(trace=...)``), from which it reports the bubble
+fraction per stage and where each stage's step time goes.
+
+    python benchmarks/runtime.py                 # defaults: ~10 min on 2 idle cores, ~15 min when shared
+    python benchmarks/runtime.py --quick         # smoke run, about 2 minutes
+    python benchmarks/runtime.py --rounds 3 --steps 4 --warmup 2 --systems single,dapple
+    python benchmarks/runtime.py --recv-latency  # adds a ~20 s probe of late-posted receives
+
+Besides wall time, every launch reports CPU seconds per step summed over ranks (work, not
+waiting: a rank blocked in a gloo receive sleeps) and how many cores' worth of CPU other
+processes used meanwhile (from /proc/stat): on a shared machine the wall times measure that
+load as much as the runtime, and the CPU column is the steadier comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+# Set before torch is imported so every worker's intra-op pool has one thread.
+if "--worker" in sys.argv:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("MKL_NUM_THREADS", "1")
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+VOCAB, D_MODEL, HEADS, FFN, BLOCKS = 512, 256, 4, 1024, 8
+BATCH, SEQ = 64, 64
+SPLIT = 5  # stage 0: layers [0, 5) = embedding + 4 blocks; stage 1: [5, 10) = 4 blocks + head
+STAGES = 2
+SYSTEMS = ("single", "ddp", "torch-gpipe", "torch-1f1b", "dapple-gpipe", "dapple")
+PIPELINES = ("torch-gpipe", "torch-1f1b", "dapple-gpipe", "dapple")
+LR = 1e-3
+SEED = 1234
+
+
+# ============================================================================ workers
+
+
+def build_layers():
+    import torch
+    from torch import nn
+
+    torch.manual_seed(SEED)
+    blocks = [
+        nn.TransformerEncoderLayer(D_MODEL, HEADS, dim_feedforward=FFN, dropout=0.0, batch_first=True)
+        for _ in range(BLOCKS)
+    ]
+    return nn.Sequential(nn.Embedding(VOCAB, D_MODEL), *blocks, nn.Linear(D_MODEL, VOCAB))
+
+
+def make_data(num_batches: int):
+    """Seeded random tokens; the target of position t is the token at t + 1."""
+    import torch
+
+    gen = torch.Generator().manual_seed(SEED)
+    tokens = torch.randint(0, VOCAB, (num_batches * BATCH, SEQ + 1), generator=gen)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def busy_seconds() -> float:
+    """CPU seconds the whole machine has spent busy since boot (all processes, all cores)."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    except OSError:
+        return float("nan")
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+class StepRecorder:
+    """What rank code records at the start and end of every optimizer step.
+
+    ``ends``/``starts``: wall clock; ``cpu``: this process's CPU seconds (all its threads);
+    ``busy``: the whole machine's busy CPU seconds (to tell how much other processes used);
+    ``faults``: page faults; ``switches``: voluntary context switches (sleeps in blocking calls).
+    """
+
+    def __init__(self) -> None:
+        self.data: dict[str, list[float]] = {k: [] for k in ("starts", "ends", "cpu", "busy", "faults", "switches")}
+
+    def start(self) -> None:
+        self.data["starts"].append(time.perf_counter())
+
+    def end(self) -> None:
+        import resource
+
+        self.data["ends"].append(time.perf_counter())
+        self.data["cpu"].append(time.process_time())
+        self.data["busy"].append(busy_seconds())
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        self.data["faults"].append(usage.ru_minflt + usage.ru_majflt)
+        self.data["switches"].append(usage.ru_nvcsw)
+
+
+def _write(out: Path, rank: int, record: dict[str, Any]) -> None:
+    import torch
+
+    record.setdefault("threads", torch.get_num_threads())
+    record["rank"] = rank
+    (out / f"rank{rank}.json").write_text(json.dumps(record))
+
+
+def worker_single(args: argparse.Namespace, out: Path) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    model = build_layers()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    x, y = make_data(args.total_steps)
+    m = args.micro_batches
+    rec = StepRecorder()
+    for step in range(args.total_steps):
+        xb, yb = x[step * BATCH : (step + 1) * BATCH], y[step * BATCH : (step + 1) * BATCH]
+        rec.start()
+        for xm, ym in zip(xb.chunk(m), yb.chunk(m)):
+            loss = F.cross_entropy(model(xm).flatten(0, 1), ym.flatten()) / m
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        rec.end()
+    _write(out, 0, rec.data)
+
+
+def worker_torch_pipeline(args: argparse.Namespace, out: Path) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    layers = build_layers()
+    local = layers[:SPLIT] if rank == 0 else layers[SPLIT:]
+    stage = PipelineStage(local, rank, STAGES, torch.device("cpu"))
+
+    def loss_fn(output, target):
+        return F.cross_entropy(output.flatten(0, 1), target.flatten())
+
+    cls = ScheduleGPipe if args.worker == "torch-gpipe" else Schedule1F1B
+    sched = cls(stage, n_microbatches=args.micro_batches, loss_fn=loss_fn)
+    opt = torch.optim.SGD(local.parameters(), lr=LR)
+    x, y = make_data(args.total_steps)
+    rec = StepRecorder()
+    for step in range(args.total_steps):
+        xb, yb = x[step * BATCH : (step + 1) * BATCH], y[step * BATCH : (step + 1) * BATCH]
+        rec.start()
+        if rank == 0:
+            sched.step(xb)
+        else:
+            sched.step(target=yb)
+        opt.step()
+        opt.zero_grad()
+        rec.end()
+    _write(out, rank, rec.data)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def worker_lightning(args: argparse.Namespace, out: Path) -> None:
+    import lightning.pytorch as pl
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader, TensorDataset
+
+    torch.set_num_threads(1)
+
+    class Reference(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = build_layers()
+
+        def training_step(self, batch, batch_idx):
+            tokens, targets = batch
+            return F.cross_entropy(self.layers(tokens).flatten(0, 1), targets.flatten())
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=LR)
+
+    class StepTimer(pl.Callback):
+        def __init__(self) -> None:
+            self.rec = StepRecorder()
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            self.rec.start()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            self.rec.end()
+
+    x, y = make_data(args.total_steps)
+    if args.worker == "ddp":
+        strategy: Any = "ddp"
+        batch_size = BATCH // 2  # the injected DistributedSampler gives each rank half the rows
+    else:
+        from dapple_lightning import DappleStrategy
+
+        plan = {
+            "micro_batches": args.micro_batches,
+            "schedule": "gpipe" if args.worker == "dapple-gpipe" else "dapple",
+            "stages": [{"layers": [0, SPLIT]}, {"layers": [SPLIT, BLOCKS + 2]}],
+        }
+        strategy = DappleStrategy(plan, start_method="popen", trace=args.trace, track_memory=args.track_memory)
+        batch_size = BATCH  # the plan acts as one device: every rank sees the global batch
+    timer = StepTimer()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=args.total_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        callbacks=[timer],
+    )
+    loader = DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False)
+    trainer.fit(Reference(), train_dataloaders=loader)
+    rank = trainer.global_rank
+    record: dict[str, Any] = dict(timer.rec.data)
+    if args.worker != "ddp":
+        stats = trainer.strategy.step_stats
+        record.update(
+            stage=trainer.strategy.plan.stage_of(rank),
+            peak_live_bytes=stats.peak_live_bytes,
+            peak_live_microbatches=stats.peak_live_microbatches,
+        )
+    _write(out, rank, record)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+RECV_MODES = (
+    "dapple comm.recv (header, then payload) posted when needed",
+    "one message, recv posted when needed",
+    "one message, irecv posted before the compute",
+)
+
+
+def worker_recv_latency(args: argparse.Namespace, out: Path) -> None:
+    """How long a receive waits for data its peer sent ~60 ms earlier, while the peer computes.
+
+    Rank 0 sends one micro-batch's activation (8 x 64 x 256 fp32) and computes 60 ms; rank 1
+    computes 60 ms, then receives it. Gloo moves an unbound buffer only once the receive is
+    posted and the sender's gloo thread answers, so a receive posted late waits for a busy peer.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from dapple_lightning import comm
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    a, x = torch.randn(128, 128), torch.randn(8, BATCH, D_MODEL)
+    buf = torch.empty_like(x)
+
+    def compute(ms: float) -> None:
+        t = time.perf_counter()
+        while (time.perf_counter() - t) * 1e3 < ms:
+            a @ a
+
+    waits: dict[str, list[float]] = {m: [] for m in RECV_MODES}
+    for mode in RECV_MODES * 2:  # twice, interleaved
+        dist.barrier()
+        pending = comm.Pending()
+        for _ in range(args.total_steps):
+            if rank == 0:
+                if mode == RECV_MODES[0]:
+                    comm.send([x], 1, pending, as_tuple=False)
+                else:
+                    pending.works.append(dist.isend(x, 1))
+                compute(60)
+            else:
+                early = dist.irecv(buf, 0) if mode == RECV_MODES[2] else None
+                compute(60)
+                t = time.perf_counter()
+                if mode == RECV_MODES[0]:
+                    comm.recv(0, torch.device("cpu"))
+                elif early is not None:
+                    early.wait()
+                else:
+                    dist.recv(buf, 0)
+                waits[mode].append((time.perf_counter() - t) * 1e3)
+        pending.wait()
+    _write(out, rank, {"waits_ms": waits})
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_worker(args: argparse.Namespace) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    out = Path(os.environ["BENCH_OUT"])
+    if args.worker == "single":
+        worker_single(args, out)
+    elif args.worker == "recv-latency":
+        worker_recv_latency(args, out)
+    elif args.worker in ("torch-gpipe", "torch-1f1b"):
+        worker_torch_pipeline(args, out)
+    else:
+        worker_lightning(args, out)
+
+
+# ======================================================================= orchestration
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(
+    system: str,
+    total_steps: int,
+    micro_batches: int,
+    *,
+    timeout: float,
+    track_memory: bool = False,
+    trace: str | None = None,
+) -> list[dict[str, Any]]:
+    """Run ``system`` on fresh processes; every rank's record, by rank."""
+    nprocs = 1 if system == "single" else 2
+    with tempfile.TemporaryDirectory(prefix="dapple-bench-") as out:
+        cmd = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--worker",
+            system,
+            "--total-steps",
+            str(total_steps),
+            "--micro-batches",
+            str(micro_batches),
+        ]
+        if track_memory:
+            cmd.append("--track-memory")
+        if trace:
+            cmd += ["--trace", trace]
+        port = free_port()
+        procs = []
+        logs = []
+        for rank in range(nprocs):
+            env = dict(os.environ, BENCH_OUT=out, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+            if nprocs > 1:
+                env.update(
+                    MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT=str(port),
+                    RANK=str(rank),
+                    LOCAL_RANK=str(rank),
+                    WORLD_SIZE=str(nprocs),
+                    LOCAL_WORLD_SIZE=str(nprocs),
+                    NODE_RANK="0",
+                )
+            log = open(Path(out, f"log{rank}.txt"), "w+")  # noqa: SIM115 (closed below)
+            logs.append(log)
+            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
+        deadline = time.monotonic() + timeout
+        try:
+            for p in procs:
+                p.wait(timeout=max(deadline - time.monotonic(), 1))
+        except subprocess.TimeoutExpired:
+            pass
+        failed = False
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+                failed = True
+            elif p.returncode != 0:
+                failed = True
+        records = []
+        for rank in range(nprocs):
+            path = Path(out, f"rank{rank}.json")
+            if path.exists():
+                records.append(json.loads(path.read_text()))
+            else:
+                failed = True
+        if failed:
+            tail = ""
+            for rank, log in enumerate(logs):
+                log.seek(0)
+                tail += f"--- rank {rank} ---\n" + log.read()[-3000:]
+            for log in logs:
+                log.close()
+            raise RuntimeError(f"{system} failed:\n{tail}")
+        for log in logs:
+            log.close()
+        return sorted(records, key=lambda r: r["rank"])
+
+
+def step_times(record: dict[str, Any], warmup: int) -> tuple[list[float], list[float]]:
+    """Steps after warm-up: (period between ends of consecutive steps, time inside the step)."""
+    starts, ends = record["starts"], record["ends"]
+    first = max(warmup, 1)
+    periods = [ends[i] - ends[i - 1] for i in range(first, len(ends))]
+    inside = [ends[i] - starts[i] for i in range(first, len(ends))]
+    return periods, inside
+
+
+def load_trace(path: str | Path):
+    """The Chrome trace written by ``DappleStrategy(trace=...)`` as ``timeline.Event`` objects."""
+    from dapple_lightning.timeline import Event
+
+    data = json.loads(Path(path).read_text())
+    stage_of_rank: dict[int, int] = {}
+    events = []
+    for e in data["traceEvents"]:
+        if e.get("ph") != "X":
+            continue
+        a = e["args"]
+        stage_of_rank[e["pid"]] = a["stage"]
+        start = e["ts"] / 1e6
+        events.append(Event(e["cat"], e["pid"], a["stage"], a["micro_batch"], start, start + e["dur"] / 1e6, a["step"]))
+    return events
+
+
+def trace_breakdown(events, warmup: int) -> dict[int, dict[str, float]]:
+    """Per stage, mean seconds per step after warm-up: spent in each kind of span, and outside them.
+
+    ``step`` is the wall time between the first events of consecutive steps on that rank, so
+    ``outside`` (step minus all spans) is what happens between the schedule's actions: the
+    optimizer step, Lightning's loop, the loss broadcast, Python between spans.
+    """
+    out: dict[int, dict[str, float]] = {}
+    for rank in sorted({e.rank for e in events}):
+        mine = [e for e in events if e.rank == rank]
+        steps = sorted({e.step for e in mine})
+        firsts = {s: min(e.start for e in mine if e.step == s) for s in steps}
+        kept = [s for s in steps if s >= warmup and s + 1 in firsts]
+        if not kept:
+            continue
+        row: dict[str, float] = {}
+        for s in kept:
+            in_step = [e for e in mine if e.step == s]
+            for e in in_step:
+                row[e.name] = row.get(e.name, 0.0) + (e.end - e.start) / len(kept)
+            row["step"] = row.get("step", 0.0) + (firsts[s + 1] - firsts[s]) / len(kept)
+            last = max(e.end for e in in_step)
+            row["after last span"] = row.get("after last span", 0.0) + (firsts[s + 1] - last) / len(kept)
+        row["outside spans"] = row["step"] - sum(v for k, v in row.items() if k not in ("step", "after last span"))
+        out[mine[0].stage] = row
+    return out
+
+
+def counter_per_step(records: list[dict[str, Any]], key: str, warmup: int) -> float:
+    """Increase of a per-step counter after warm-up, summed over ranks (median step of each rank).
+
+    For ``"cpu"`` this counts work (compute, copies, framework code), not waiting: a rank blocked
+    in a gloo receive sleeps (about 1% CPU measured). It is far less sensitive than wall time to
+    other load on the machine.
+    """
+    first = max(warmup, 1)
+    return sum(median([r[key][i] - r[key][i - 1] for i in range(first, len(r[key]))]) for r in records)
+
+
+def other_load(records: list[dict[str, Any]], warmup: int) -> float:
+    """Cores' worth of CPU that processes other than the benchmark's used during the timed steps."""
+    first = max(warmup, 1) - 1
+    r0 = records[0]
+    wall = r0["ends"][-1] - r0["ends"][first]
+    machine = r0["busy"][-1] - r0["busy"][first]
+    ours = sum(r["cpu"][-1] - r["cpu"][first] for r in records)
+    return max(machine - ours, 0.0) / wall if wall > 0 else float("nan")
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds (default 5)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per system per round (default 5)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first, at least 1 (default 2)")
+    parser.add_argument("--micro-batches", type=int, default=8, help="M (default 8)")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of " + ",".join(SYSTEMS))
+    parser.add_argument("--memory-micro-batches", default="8,16", help="M values for the memory runs ('' skips)")
+    parser.add_argument("--trace-path", default=None, help="where the dapple Chrome trace goes (default: a temp dir)")
+    parser.add_argument("--trace-steps", type=int, default=6, help="steps of the traced dapple run ('0' skips)")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds before one launch is killed")
+    parser.add_argument("--quick", action="store_true", help="1 round, 2 timed steps, 1 warm-up, short trace")
+    parser.add_argument(
+        "--quiet-load",
+        type=float,
+        default=0.25,
+        help="also summarise the launches during which other processes used at most this many cores (0.25)",
+    )
+    parser.add_argument(
+        "--recv-latency",
+        action="store_true",
+        help="also probe how long a receive posted late waits for a busy sender (about 20 s)",
+    )
+    parser.add_argument("--json", default=None, help="also write all measurements to this JSON file")
+    # Worker-side options (the script re-runs itself with --worker).
+    parser.add_argument("--worker", choices=(*SYSTEMS, "recv-latency"), help=argparse.SUPPRESS)
+    parser.add_argument("--total-steps", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--track-memory", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--trace", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        run_worker(args)
+        return
+
+    if args.quick:
+        args.rounds, args.steps, args.warmup, args.trace_steps = 1, 2, 1, 3
+    args.warmup = max(args.warmup, 1)
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = set(systems) - set(SYSTEMS)
+    if unknown:
+        parser.error(f"unknown systems {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
+    M, total = args.micro_batches, args.warmup + args.steps
+    t_start = time.monotonic()
+    print(
+        f"# runtime benchmark: {os.cpu_count()} CPUs, torch threads 1/process, batch {BATCH}x{SEQ}, M={M}, "
+        f"{args.rounds} rounds x {args.steps} steps (+{args.warmup} warm-up)",
+        flush=True,
+    )
+
+    # metric -> system -> one value per round (None where the launch failed)
+    metric_names = ("wall", "inside", "cpu", "other", "faults", "switches")
+    rounds: dict[str, dict[str, list[float | None]]] = {k: {s: [] for s in systems} for k in metric_names}
+    threads: dict[str, int] = {}
+    for r in range(args.rounds):
+        order = systems[r % len(systems) :] + systems[: r % len(systems)]
+        for system in order:
+            load = os.getloadavg()[0]
+            try:
+                records = launch(system, total, M, timeout=args.timeout)
+            except RuntimeError as e:
+                print(f"round {r}: {e}", file=sys.stderr, flush=True)
+                for k in metric_names:
+                    rounds[k][system].append(None)
+                continue
+            periods, inside = step_times(records[0], args.warmup)
+            values = {
+                "wall": median(periods),
+                "inside": median(inside),
+                "cpu": counter_per_step(records, "cpu", args.warmup),
+                "other": other_load(records, args.warmup),
+                "faults": counter_per_step(records, "faults", args.warmup),
+                "switches": counter_per_step(records, "switches", args.warmup),
+            }
+            for k, v in values.items():
+                rounds[k][system].append(v)
+            threads[system] = max(rec["threads"] for rec in records)
+            print(
+                f"round {r}  {system:<13} median {values['wall']:.3f} s/step  "
+                f"steps {' '.join(f'{p:.3f}' for p in periods)}  cpu {values['cpu']:.3f} s/step  "
+                f"other load {values['other']:.2f} cores (loadavg {load:.1f})",
+                flush=True,
+            )
+    per_round, per_round_cpu = rounds["wall"], rounds["cpu"]
+
+    def ok(values: list[float | None]) -> list[float]:
+        return [v for v in values if v is not None]
+
+    def paired(metric: dict[str, list[float | None]], a: str, b: str) -> list[float]:
+        return [x / y for x, y in zip(metric[a], metric[b]) if x is not None and y is not None]
+
+    results = {s: median(ok(v)) for s, v in per_round.items()}
+    cpu = {s: median(ok(v)) for s, v in per_round_cpu.items()}
+    t1 = results.get("single", float("nan"))
+    bound = (t1 / STAGES) * (1 + (STAGES - 1) / M)
+    names = {
+        "single": "single process, 1 thread, grad. accumulation (T1)",
+        "ddp": "Lightning DDP, 2 processes x 32 rows",
+        "torch-gpipe": "torch.distributed.pipelining ScheduleGPipe",
+        "torch-1f1b": "torch.distributed.pipelining Schedule1F1B",
+        "dapple-gpipe": "dapple, schedule gpipe",
+        "dapple": "dapple, schedule dapple",
+    }
+    print()
+    print(f"bubble bound (T1/S)(1+(S-1)/M) = ({t1:.3f}/{STAGES})(1+{STAGES - 1}/{M}) = {bound:.3f} s/step")
+    print(
+        "| system | s/step (median) | min-max over rounds | samples/s | efficiency vs bound | CPU s/step, all ranks |"
+    )
+    print("|---|---|---|---|---|---|")
+    for s in systems:
+        v = ok(per_round[s])
+        if not v:
+            print(f"| {names[s]} | failed | | | | |")
+            continue
+        eff = f"{bound / results[s]:.1%}" if s in PIPELINES else ""
+        print(
+            f"| {names[s]} | {results[s]:.3f} | {min(v):.3f}-{max(v):.3f} | {BATCH / results[s]:.1f} | {eff} "
+            f"| {cpu[s]:.3f} |"
+        )
+    print()
+    ratios = {}
+    for ours, theirs in (("dapple", "torch-1f1b"), ("dapple-gpipe", "torch-gpipe")):
+        if ok(per_round.get(ours, [])) and ok(per_round.get(theirs, [])):
+            ratios[f"{ours} / {theirs}"] = results[ours] / results[theirs]
+            # Paired per round (adjacent launches): less exposed to slow drifts of the load.
+            wall, work = paired(per_round, ours, theirs), paired(per_round_cpu, ours, theirs)
+            print(
+                f"{ours} / {theirs}: step time {results[ours] / results[theirs]:.3f} "
+                f"(per-round paired {' '.join(f'{p:.2f}' for p in wall)}; median {median(wall):.3f}), "
+                f"CPU per step paired median {median(work):.3f}"
+            )
+    print()
+    print(
+        "| system | in-step s (rank 0) | page faults/step | sleeps/step (voluntary context switches) | other load, cores |"
+    )
+    print("|---|---|---|---|---|")
+    for s in systems:
+        if ok(per_round[s]):
+            print(
+                f"| {s} | {median(ok(rounds['inside'][s])):.3f} | {median(ok(rounds['faults'][s])):.0f} "
+                f"| {median(ok(rounds['switches'][s])):.0f} | {median(ok(rounds['other'][s])):.2f} |"
+            )
+    print(f"threads per process seen by the workers: {threads}")
+
+    # The same summary over the launches during which other processes used little CPU.
+    clean = {
+        s: [t for t, o in zip(per_round[s], rounds["other"][s]) if t is not None and o <= args.quiet_load]
+        for s in systems
+    }
+    if any(clean.values()):
+        t1q = median(clean.get("single", []))
+        bound_q = (t1q / STAGES) * (1 + (STAGES - 1) / M)
+        print(f"\nquiet launches only (other load <= {args.quiet_load} cores): bound {bound_q:.3f} s/step")
+        print("| system | quiet launches | s/step (median) | samples/s | efficiency vs bound |")
+        print("|---|---|---|---|---|")
+        for s in systems:
+            if clean[s]:
+                t = median(clean[s])
+                eff = f"{bound_q / t:.1%}" if s in PIPELINES and clean.get("single") else ""
+                print(f"| {names[s]} | {len(clean[s])} | {t:.3f} | {BATCH / t:.1f} | {eff} |")
+            else:
+                print(f"| {names[s]} | 0 | | | |")
+
+    memory: dict[str, Any] = {}
+    for mb in [int(v) for v in args.memory_micro_batches.split(",") if v.strip()]:
+        for system in ("dapple-gpipe", "dapple"):
+            try:
+                records = launch(system, 1 if args.quick else 2, mb, timeout=args.timeout, track_memory=True)
+            except RuntimeError as e:
+                print(e, file=sys.stderr, flush=True)
+                continue
+            memory[f"{system} M={mb}"] = {
+                rec["stage"]: (rec["peak_live_bytes"], rec["peak_live_microbatches"]) for rec in records
+            }
+    if memory:
+        print()
+        print(
+            "| M | stage | GPipe peak live MiB (micro-batches) | DAPPLE peak live MiB (micro-batches) "
+            "| DAPPLE/GPipe | K_s/M | S/M | <= 1.15 S/M |"
+        )
+        print("|---|---|---|---|---|---|---|---|")
+        for mb in [int(v) for v in args.memory_micro_batches.split(",") if v.strip()]:
+            g, d = memory.get(f"dapple-gpipe M={mb}"), memory.get(f"dapple M={mb}")
+            if not g or not d:
+                continue
+            for stage in sorted(g):
+                (gb, gm), (db, dm) = g[stage], d[stage]
+                k = min(STAGES - stage, mb)
+                ok = "yes" if db / gb <= 1.15 * STAGES / mb else "NO"
+                print(
+                    f"| {mb} | {stage} | {gb / 2**20:.1f} ({gm}) | {db / 2**20:.1f} ({dm}) | "
+                    f"{db / gb:.3f} | {k / mb:.3f} | {STAGES / mb:.3f} | {ok} |"
+                )
+
+    bubbles: dict[int, float] = {}
+    breakdown: dict[int, dict[str, float]] = {}
+    if args.trace_steps > 0:
+        from dapple_lightning.timeline import bubble_fractions
+
+        trace_dir = None
+        if args.trace_path is None:
+            trace_dir = tempfile.mkdtemp(prefix="dapple-trace-")
+            args.trace_path = str(Path(trace_dir, "dapple-trace.json"))
+        trace_warmup = min(args.warmup, args.trace_steps - 1)
+        try:
+            launch("dapple", trace_warmup + args.trace_steps, M, timeout=args.timeout, trace=args.trace_path)
+            events = load_trace(args.trace_path)
+            timed = [e for e in events if e.step >= trace_warmup]
+            bubbles = bubble_fractions(timed)
+            breakdown = trace_breakdown(events, trace_warmup)
+        except (RuntimeError, FileNotFoundError) as e:
+            print(e, file=sys.stderr, flush=True)
+        if bubbles:
+            ideal = (STAGES - 1) / (M + STAGES - 1)
+            print()
+            print(f"Chrome trace of a dapple run (schedule dapple, M={M}): {args.trace_path}")
+            print(
+                f"bubble fraction per stage (timeline.bubble_fractions, steps >= {trace_warmup}): "
+                + ", ".join(f"stage {s}: {b:.1%}" for s, b in bubbles.items())
+                + f"; ideal (S-1)/(M+S-1) = {ideal:.1%}"
+            )
+            kinds = ["forward", "backward", "recv", "send", "outside spans", "after last span", "step"]
+            print("| stage | " + " | ".join(kinds) + " |")
+            print("|---|" + "---|" * len(kinds))
+            for stage, row in breakdown.items():
+                print(f"| {stage} | " + " | ".join(f"{row.get(k, 0.0):.3f}" for k in kinds) + " |")
+            print("(seconds per step, mean over traced steps after warm-up; 'recv' includes waiting for the peer)")
+
+    latency: dict[str, list[float]] = {}
+    if args.recv_latency:
+        try:
+            latency = launch("recv-latency", 30, M, timeout=args.timeout)[1]["waits_ms"]
+        except RuntimeError as e:
+            print(e, file=sys.stderr, flush=True)
+        if latency:
+            print()
+            print("receive of a 512 KiB activation sent ~60 ms earlier, sender busy computing (30 x 2 transfers):")
+            print("| receive | wait ms, median | mean | max |")
+            print("|---|---|---|---|")
+            for mode, waits in latency.items():
+                print(f"| {mode} | {median(waits):.2f} | {statistics.mean(waits):.2f} | {max(waits):.2f} |")
+
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "args": vars(args),
+                    "per_round": rounds,
+                    "results": results,
+                    "bound": bound,
+                    "ratios": ratios,
+                    "memory": memory,
+                    "bubbles": bubbles,
+                    "breakdown": breakdown,
+                    "recv_latency_ms": latency,
+                },
+                indent=1,
+            )
+        )
+    print(f"\ntotal wall time {time.monotonic() - t_start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hydra
 from cnn_model import GratingsData, VGGNet
-from common import job_result, make_trainer, output_dir
+from common import fit, job_result, output_dir
 from configs import register
 from lightning.pytorch import seed_everything
 from omegaconf import DictConfig
@@ -49,10 +49,7 @@ def main(cfg: DictConfig) -> dict[str, float] | None:
         lr=m.lr,
         weight_decay=m.weight_decay,
     )
-    if len(model.layers) != m.num_layers:  # the plan files count on it
-        raise ValueError(f"model.num_layers={m.num_layers} but the model has {len(model.layers)} layers; do not set it")
-    trainer = make_trainer(cfg)
-    trainer.fit(model, datamodule=data)
+    fit(cfg, model, data)
     return job_result(output_dir())  # what a sweep over plans compares
 
 

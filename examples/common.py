@@ -128,6 +128,17 @@ def job_result(out_dir: str | Path) -> dict[str, float] | None:
     return result
 
 
+def fit(cfg: DictConfig, model: LightningModule, data: Any) -> Trainer:
+    """Check the model against the config the plan files count on, then train it with ``cfg.plan``."""
+    if len(model.layers) != cfg.model.num_layers:
+        raise ValueError(
+            f"model.num_layers={cfg.model.num_layers} but the model has {len(model.layers)} layers; do not set it"
+        )
+    trainer = make_trainer(cfg)
+    trainer.fit(model, datamodule=data)
+    return trainer
+
+
 def make_trainer(cfg: DictConfig) -> Trainer:
     """A Trainer running ``cfg.plan`` with DappleStrategy; logs and reports go to the job's output dir."""
     out = output_dir()

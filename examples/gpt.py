@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import hydra
-from common import job_result, make_trainer, output_dir
+from common import fit, job_result, output_dir
 from configs import register
 from gpt_model import CharData, CharGPT
 from lightning.pytorch import seed_everything
@@ -53,10 +53,7 @@ def main(cfg: DictConfig) -> dict[str, float] | None:
         lr=m.lr,
         weight_decay=m.weight_decay,
     )
-    if len(model.layers) != m.num_layers:  # the plan files count on it
-        raise ValueError(f"model.num_layers={m.num_layers} but the model has {len(model.layers)} layers; do not set it")
-    trainer = make_trainer(cfg)
-    trainer.fit(model, datamodule=data)
+    trainer = fit(cfg, model, data)
 
     # With spawn the ranks hand the trained weights back to this process; with popen this process
     # is rank 0, which holds the whole model again after fit.

@@ -189,3 +189,11 @@ class EvalMLP(MLP):
     def configure_optimizers(self):
         optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
         return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)]  # per epoch
+
+
+class BarMLP(MLP):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.layers(x), y)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss

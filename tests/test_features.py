@@ -140,3 +140,36 @@ def test_epoch_interval_scheduler_matches_single_device(tmp_path):
     want = fit(models.EvalMLP, tmp_path / "single", max_steps=12)
     got = fit(models.EvalMLP, tmp_path / "dapple", plan=PLAN, max_steps=12)
     assert_same(got, want)
+
+
+class RecordBar(Callback):
+    """Rank 0 writes what the progress bar shows for train_loss after each step."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.is_global_zero:
+            shown = trainer.progress_bar_callback.get_metrics(trainer, pl_module)["train_loss"]
+            with self.path.open("a") as f:
+                f.write(f"{float(shown)!r}\n")
+
+
+def test_progress_bar_shows_the_global_loss(tmp_path):
+    def run(name, **placement):
+        path = tmp_path / f"{name}.txt"
+        Trainer(
+            accelerator="cpu",
+            max_steps=4,
+            logger=False,
+            enable_checkpointing=False,
+            enable_model_summary=False,
+            callbacks=[RecordBar(path)],
+            **placement,
+        ).fit(models.BarMLP(), models.loader())
+        return [float(line) for line in path.read_text().split()]
+
+    want = run("single", devices=1)
+    got = run("dapple", devices=3, strategy=DappleStrategy(PLAN, start_method="spawn"))
+    assert len(got) == len(want) == 4
+    assert got == pytest.approx(want, rel=1e-5)

@@ -145,3 +145,37 @@ def test_short_last_batch_changes_activation_shapes(tmp_path):
         fit(models.MLP, tmp_path / "d", plan=plan, batch_size=10, max_steps=5),
         fit(models.MLP, tmp_path / "s", batch_size=10, max_steps=5),
     )
+
+
+def test_slurm_environment_matches_single_device(tmp_path, single_device):
+    """Ranks started as srun would start them: Lightning's SLURM environment, no launcher of ours."""
+    import os
+    import subprocess
+    import sys
+
+    from distributed import free_port
+
+    plan_path = tmp_path / "plan.yaml"
+    plan_path.write_text(make_plan("2x1", "dapple").to_yaml())
+    script = Path(__file__).parent / "scripts" / "fit_mlp.py"
+    port = str(free_port())
+    procs = []
+    for rank in range(2):
+        env = {
+            **os.environ,
+            "SLURM_NTASKS": "2",
+            "SLURM_NTASKS_PER_NODE": "2",
+            "SLURM_PROCID": str(rank),
+            "SLURM_LOCALID": str(rank),
+            "SLURM_NODEID": "0",
+            "SLURM_NODELIST": "localhost",
+            "SLURM_JOB_ID": "4242",
+            "SLURM_JOB_NAME": "dapple-test",
+            "MASTER_PORT": port,
+        }
+        procs.append(
+            subprocess.Popen([sys.executable, str(script), str(tmp_path), str(plan_path)], env=env, cwd=tmp_path)
+        )
+    assert [p.wait(timeout=300) for p in procs] == [0, 0]
+    got = read_metrics(tmp_path / "run" / "version_0" / "metrics.csv"), torch.load(tmp_path / "final.pt")
+    assert_same(got, single_device(models.MLP))

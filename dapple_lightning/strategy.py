@@ -555,13 +555,10 @@ class DappleStrategy(ParallelStrategy):
             for key, value in local.items()
             if (first_replica if key.startswith(prefix) else self.global_rank == 0)
         }
-        gathered: list[Any] = [None] * self.world_size if self.global_rank == 0 else []
-        dist.gather_object(mine, gathered if self.global_rank == 0 else None, dst=0)
-        if self.global_rank != 0:
+        gathered = _gather_on_zero(mine)
+        if gathered is None:
             return local
-        merged: dict[str, Any] = {}
-        for part in gathered:
-            merged.update(part)
+        merged = {k: v for part in gathered for k, v in part.items()}
         order = {k: i for i, k in enumerate(self._full_state_keys)}
         return dict(sorted(merged.items(), key=lambda kv: order.get(kv[0], len(order))))
 
@@ -576,13 +573,10 @@ class DappleStrategy(ParallelStrategy):
         owned = self._owned()
         owned_names = {n for n, p in self.lightning_module.named_parameters() if id(p) in owned}
         mine = {name: _to_cpu(value) for name, value in by_name(local, local_names).items() if name in owned_names}
-        gathered: list[Any] = [None] * self.world_size if self.global_rank == 0 else []
-        dist.gather_object(mine, gathered if self.global_rank == 0 else None, dst=0)
-        if self.global_rank != 0:
+        gathered = _gather_on_zero(mine)
+        if gathered is None:
             return local
-        states: dict[str, Any] = {}
-        for part in gathered:
-            states.update(part)
+        states = {k: v for part in gathered for k, v in part.items()}
         return to_single_device(states, local["param_groups"], self._full_optimizer_names[index])
 
     @override
@@ -655,9 +649,8 @@ class DappleStrategy(ParallelStrategy):
     def _write_trace(self) -> None:
         assert self._pipeline is not None
         events = self._pipeline.timeline.events
-        gathered: list[Any] = [None] * self.world_size if self.global_rank == 0 else []
-        dist.gather_object(events, gathered if self.global_rank == 0 else None, dst=0)
-        if self.global_rank == 0:
+        gathered = _gather_on_zero(events)
+        if gathered is not None:
             path = write_chrome_trace([e for part in gathered for e in part], self._trace_path)
             rank_zero_info(f"dapple: wrote Chrome trace to {path}")
 
@@ -763,6 +756,14 @@ class _DappleSpawnLauncher(_MultiProcessingLauncher):
 StrategyRegistry.register(
     "dapple", DappleStrategy, description="DAPPLE synchronous pipeline + data parallel training (plan='auto')"
 )
+
+
+def _gather_on_zero(obj: Any) -> list[Any] | None:
+    """Every rank's ``obj``, in rank order, on rank 0 (``None`` elsewhere); collective."""
+    rank = dist.get_rank()
+    gathered: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(obj, gathered, dst=0)
+    return gathered
 
 
 def _to_cpu(value: Any) -> Any:

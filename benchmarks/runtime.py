@@ -272,7 +272,7 @@ def worker_lightning(args: argparse.Namespace, out: Path) -> None:
 
 
 RECV_MODES = (
-    "dapple comm.recv (header, then payload) posted when needed",
+    "dapple comm.Link (header and payload) posted before the compute",
     "one message, recv posted when needed",
     "one message, irecv posted before the compute",
 )
@@ -300,6 +300,7 @@ def worker_recv_latency(args: argparse.Namespace, out: Path) -> None:
         while (time.perf_counter() - t) * 1e3 < ms:
             a @ a
 
+    link = comm.Link(torch.device("cpu"))
     waits: dict[str, list[float]] = {m: [] for m in RECV_MODES}
     for mode in RECV_MODES * 2:  # twice, interleaved
         dist.barrier()
@@ -307,16 +308,17 @@ def worker_recv_latency(args: argparse.Namespace, out: Path) -> None:
         for _ in range(args.total_steps):
             if rank == 0:
                 if mode == RECV_MODES[0]:
-                    comm.send([x], 1, pending, as_tuple=False)
+                    link.send([x], 1, len(x), pending, as_tuple=False)
                 else:
                     pending.works.append(dist.isend(x, 1))
                 compute(60)
             else:
                 early = dist.irecv(buf, 0) if mode == RECV_MODES[2] else None
+                incoming = link.post(0, len(x)) if mode == RECV_MODES[0] else None
                 compute(60)
                 t = time.perf_counter()
-                if mode == RECV_MODES[0]:
-                    comm.recv(0, torch.device("cpu"))
+                if incoming is not None:
+                    incoming.wait()
                 elif early is not None:
                     early.wait()
                 else:

@@ -19,7 +19,7 @@ over a stage's replicas once per step.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import nullcontext, suppress
 from dataclasses import dataclass, field
@@ -150,6 +150,7 @@ class Pipeline:
         self.shared_params = list(shared_params)
         self.stats = StepStats()
         module._pipeline = self
+        self.link = comm.Link(device)
         self._param_storages = {p.untyped_storage().data_ptr() for p in module.parameters()}
         # Per-call state, set by `run` around each user step call.
         self._input: list[torch.Tensor] | None = None
@@ -204,22 +205,31 @@ class Pipeline:
             actions = [Action("F", m) for m in range(self.plan.micro_batches)]
         self.stats = StepStats()
         live: dict[int, _InFlight] = {}
-        pending = comm.Pending()
+        sent: dict[int, comm.Pending] = {}  # activation sends per micro-batch, until its gradient is back
+        pending = comm.Pending()  # gradient sends, until the step ends
+        inbox = _Inbox(self.link, [self._sources(a, len(micro[a.micro_batch])) for a in actions])
         try:
-            for action in actions:
+            for index, action in enumerate(actions):
                 m = action.micro_batch
                 if action.kind == "F":
-                    live[m] = self._forward(m, rows[m], len(micro[m]), forward, forward_context, pending, train)
+                    sent[m] = comm.Pending()
+                    live[m] = self._forward(
+                        m, rows[m], len(micro[m]), forward, forward_context, inbox, index, sent[m], train
+                    )
                     if not train:
                         live.pop(m)
                     self._note_peak(live)
                 else:
-                    self._backward(m, len(micro[m]), live.pop(m), pending)
-            pending.wait()
+                    self._backward(m, len(micro[m]), live.pop(m), inbox, index, pending)
+                    # The peers have received activation m: they sent its gradient back.
+                    sent.pop(m).wait()
+            for outstanding in (*sent.values(), pending):
+                outstanding.wait()
         except BaseException:
             # The step is lost; pending sends to a failed peer would only raise again and bury
             # the original error.
-            pending.abandon()
+            for outstanding in (*sent.values(), pending):
+                outstanding.abandon()
             raise
         finally:
             self._input = self._output = None
@@ -257,10 +267,10 @@ class Pipeline:
 
     # ----------------------------------------------------------------------- forward pass
 
-    def _forward(self, m, rows, micro_rows, forward, forward_context, pending, train) -> _InFlight:
+    def _forward(self, m, rows, micro_rows, forward, forward_context, inbox, index, pending, train) -> _InFlight:
         if not self.is_first:
             with self.timeline.span("recv", m):
-                tensors, as_tuple = self._recv_pieces(m, micro_rows, self.prev_ranks, downstream=False)
+                tensors, as_tuple = self._concat(m, inbox.take(index))
             if train and torch.is_grad_enabled():
                 for t in tensors:
                     if t.is_floating_point():
@@ -309,7 +319,9 @@ class Pipeline:
 
     # ---------------------------------------------------------------------- backward pass
 
-    def _backward(self, m: int, micro_rows: int, state: _InFlight, pending: comm.Pending) -> None:
+    def _backward(
+        self, m: int, micro_rows: int, state: _InFlight, inbox: _Inbox, index: int, pending: comm.Pending
+    ) -> None:
         if self.is_last:
             assert state.loss is not None
             with self.timeline.span("backward", m):
@@ -318,7 +330,7 @@ class Pipeline:
             self.stats.losses.append(state.loss.detach())
         else:
             with self.timeline.span("recv", m):
-                grads, _ = self._recv_pieces(m, micro_rows, self.next_ranks, downstream=True)
+                grads, _ = self._concat(m, inbox.take(index))
             outs = [t for t in state.outputs or [] if t.is_floating_point()]
             if len(outs) != len(grads):
                 raise RuntimeError(
@@ -351,15 +363,28 @@ class Pipeline:
             moves.sort()
         for peer, rows in moves:
             piece = [t[rows.start : rows.stop] for t in tensors]
-            comm.send(piece, peers[peer], pending, as_tuple=as_tuple)
+            self.link.send(piece, peers[peer], len(rows), pending, as_tuple=as_tuple)
 
-    def _recv_pieces(self, m, micro_rows, peers, *, downstream: bool) -> tuple[list[torch.Tensor], bool]:
-        """Receive and concatenate the rows of this replica's slice from the peer stage."""
-        if downstream:  # gradients from the next stage, for the rows this replica sent
-            sources = sorted(t.dst for t in transfers(micro_rows, self.replicas, len(peers)) if t.src == self.replica)
-        else:  # activations from the previous stage
-            sources = [t.src for t in transfers(micro_rows, len(peers), self.replicas) if t.dst == self.replica]
-        pieces = [comm.recv(peers[p], self.device) for p in sources]
+    def _sources(self, action: Action, micro_rows: int) -> list[tuple[int, int]]:
+        """What ``action`` receives: (global rank, rows) per piece, in concatenation order."""
+        if action.kind == "F":
+            if self.is_first:
+                return []
+            # activations from the previous stage
+            moves = transfers(micro_rows, len(self.prev_ranks), self.replicas)
+            return [(self.prev_ranks[t.src], len(t.dst_rows)) for t in moves if t.dst == self.replica]
+        if self.is_last:
+            return []
+        # gradients from the next stage, for the rows this replica sent
+        moves = transfers(micro_rows, self.replicas, len(self.next_ranks))
+        return [
+            (self.next_ranks[t.dst], len(t.src_rows))
+            for t in sorted(moves, key=lambda t: t.dst)
+            if t.src == self.replica
+        ]
+
+    def _concat(self, m: int, pieces: list[tuple[list[torch.Tensor], bool]]) -> tuple[list[torch.Tensor], bool]:
+        """Concatenate the pieces of this replica's slice received from the peer stage's replicas."""
         as_tuple = pieces[0][1]
         counts = {len(p[0]) for p in pieces}
         if len(counts) != 1:
@@ -367,6 +392,39 @@ class Pipeline:
         if len(pieces) == 1:
             return pieces[0][0], as_tuple
         return [torch.cat(parts) for parts in zip(*(p[0] for p in pieces))], as_tuple
+
+
+class _Inbox:
+    """Receives of one step, each posted as soon as the previous one from the same peer is in.
+
+    ``needs[i]`` lists what action ``i`` receives, as (global rank, rows) per piece. Messages
+    from one peer are matched in posting order, so at most one per peer is posted ahead.
+    """
+
+    def __init__(self, link: comm.Link, needs: list[list[tuple[int, int]]]) -> None:
+        self.link, self.needs = link, needs
+        self.queues: dict[int, deque[tuple[int, int]]] = {}
+        for index, need in enumerate(needs):
+            for peer, rows in need:
+                self.queues.setdefault(peer, deque()).append((index, rows))
+        self.posted: dict[int, tuple[int, comm.Incoming]] = {}
+        for peer in self.queues:
+            self._post_next(peer)
+
+    def _post_next(self, peer: int) -> None:
+        if self.queues[peer]:
+            index, rows = self.queues[peer].popleft()
+            self.posted[peer] = (index, self.link.post(peer, rows))
+
+    def take(self, index: int) -> list[tuple[list[torch.Tensor], bool]]:
+        """Wait for action ``index``'s messages, posting each peer's next receive as its message lands."""
+        out = []
+        for peer, _ in self.needs[index]:
+            posted_for, incoming = self.posted.pop(peer)
+            assert posted_for == index, f"receive posted for action {posted_for}, taken by action {index}"
+            out.append(incoming.wait())
+            self._post_next(peer)
+        return out
 
 
 def allreduce_gradients(

@@ -44,9 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -61,6 +59,17 @@ if "--worker" in sys.argv:
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from benchmarks import _harness  # noqa: E402
+from benchmarks._harness import (  # noqa: E402
+    StepRecorder,
+    counter_per_step,
+    lightning_timer,
+    median,
+    other_load,
+    step_times,
+    write_record,
+)
 
 VOCAB, D_MODEL, HEADS, FFN, BLOCKS = 512, 256, 4, 1024, 8
 BATCH, SEQ = 64, 64
@@ -96,50 +105,7 @@ def make_data(num_batches: int):
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
-def busy_seconds() -> float:
-    """CPU seconds the whole machine has spent busy since boot (all processes, all cores)."""
-    try:
-        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
-    except OSError:
-        return float("nan")
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in fields[:8])
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-
-
-class StepRecorder:
-    """What rank code records at the start and end of every optimizer step.
-
-    ``ends``/``starts``: wall clock; ``cpu``: this process's CPU seconds (all its threads);
-    ``busy``: the whole machine's busy CPU seconds (to tell how much other processes used);
-    ``faults``: page faults; ``switches``: voluntary context switches (sleeps in blocking calls).
-    """
-
-    def __init__(self) -> None:
-        self.data: dict[str, list[float]] = {k: [] for k in ("starts", "ends", "cpu", "busy", "faults", "switches")}
-
-    def start(self) -> None:
-        self.data["starts"].append(time.perf_counter())
-
-    def end(self) -> None:
-        import resource
-
-        self.data["ends"].append(time.perf_counter())
-        self.data["cpu"].append(time.process_time())
-        self.data["busy"].append(busy_seconds())
-        usage = resource.getrusage(resource.RUSAGE_SELF)
-        self.data["faults"].append(usage.ru_minflt + usage.ru_majflt)
-        self.data["switches"].append(usage.ru_nvcsw)
-
-
-def _write(out: Path, rank: int, record: dict[str, Any]) -> None:
-    import torch
-
-    record.setdefault("threads", torch.get_num_threads())
-    record["rank"] = rank
-    (out / f"rank{rank}.json").write_text(json.dumps(record))
-
-
-def worker_single(args: argparse.Namespace, out: Path) -> None:
+def worker_single(args: argparse.Namespace) -> None:
     import torch
     import torch.nn.functional as F
 
@@ -157,10 +123,10 @@ def worker_single(args: argparse.Namespace, out: Path) -> None:
         opt.step()
         opt.zero_grad()
         rec.end()
-    _write(out, 0, rec.data)
+    write_record(0, rec.data)
 
 
-def worker_torch_pipeline(args: argparse.Namespace, out: Path) -> None:
+def worker_torch_pipeline(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -190,12 +156,12 @@ def worker_torch_pipeline(args: argparse.Namespace, out: Path) -> None:
         opt.step()
         opt.zero_grad()
         rec.end()
-    _write(out, rank, rec.data)
+    write_record(rank, rec.data)
     dist.barrier()
     dist.destroy_process_group()
 
 
-def worker_lightning(args: argparse.Namespace, out: Path) -> None:
+def worker_lightning(args: argparse.Namespace) -> None:
     import lightning.pytorch as pl
     import torch
     import torch.distributed as dist
@@ -216,16 +182,6 @@ def worker_lightning(args: argparse.Namespace, out: Path) -> None:
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=LR)
 
-    class StepTimer(pl.Callback):
-        def __init__(self) -> None:
-            self.rec = StepRecorder()
-
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-            self.rec.start()
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            self.rec.end()
-
     x, y = make_data(args.total_steps)
     if args.worker == "ddp":
         strategy: Any = "ddp"
@@ -240,7 +196,7 @@ def worker_lightning(args: argparse.Namespace, out: Path) -> None:
         }
         strategy = DappleStrategy(plan, start_method="popen", trace=args.trace, track_memory=args.track_memory)
         batch_size = BATCH  # the plan acts as one device: every rank sees the global batch
-    timer = StepTimer()
+    timer = lightning_timer()
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
@@ -265,7 +221,7 @@ def worker_lightning(args: argparse.Namespace, out: Path) -> None:
             peak_live_bytes=stats.peak_live_bytes,
             peak_live_microbatches=stats.peak_live_microbatches,
         )
-    _write(out, rank, record)
+    write_record(rank, record)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
@@ -278,7 +234,7 @@ RECV_MODES = (
 )
 
 
-def worker_recv_latency(args: argparse.Namespace, out: Path) -> None:
+def worker_recv_latency(args: argparse.Namespace) -> None:
     """How long a receive waits for data its peer sent ~60 ms earlier, while the peer computes.
 
     Rank 0 sends one micro-batch's activation (8 x 64 x 256 fp32) and computes 60 ms; rank 1
@@ -325,7 +281,7 @@ def worker_recv_latency(args: argparse.Namespace, out: Path) -> None:
                     dist.recv(buf, 0)
                 waits[mode].append((time.perf_counter() - t) * 1e3)
         pending.wait()
-    _write(out, rank, {"waits_ms": waits})
+    write_record(rank, {"waits_ms": waits})
     dist.barrier()
     dist.destroy_process_group()
 
@@ -334,24 +290,17 @@ def run_worker(args: argparse.Namespace) -> None:
     import torch
 
     torch.set_num_threads(1)
-    out = Path(os.environ["BENCH_OUT"])
     if args.worker == "single":
-        worker_single(args, out)
+        worker_single(args)
     elif args.worker == "recv-latency":
-        worker_recv_latency(args, out)
+        worker_recv_latency(args)
     elif args.worker in ("torch-gpipe", "torch-1f1b"):
-        worker_torch_pipeline(args, out)
+        worker_torch_pipeline(args)
     else:
-        worker_lightning(args, out)
+        worker_lightning(args)
 
 
 # ======================================================================= orchestration
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(
@@ -364,81 +313,12 @@ def launch(
     trace: str | None = None,
 ) -> list[dict[str, Any]]:
     """Run ``system`` on fresh processes; every rank's record, by rank."""
-    nprocs = 1 if system == "single" else 2
-    with tempfile.TemporaryDirectory(prefix="dapple-bench-") as out:
-        cmd = [
-            sys.executable,
-            str(Path(__file__).resolve()),
-            "--worker",
-            system,
-            "--total-steps",
-            str(total_steps),
-            "--micro-batches",
-            str(micro_batches),
-        ]
-        if track_memory:
-            cmd.append("--track-memory")
-        if trace:
-            cmd += ["--trace", trace]
-        port = free_port()
-        procs = []
-        logs = []
-        for rank in range(nprocs):
-            env = dict(os.environ, BENCH_OUT=out, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-            if nprocs > 1:
-                env.update(
-                    MASTER_ADDR="127.0.0.1",
-                    MASTER_PORT=str(port),
-                    RANK=str(rank),
-                    LOCAL_RANK=str(rank),
-                    WORLD_SIZE=str(nprocs),
-                    LOCAL_WORLD_SIZE=str(nprocs),
-                    NODE_RANK="0",
-                )
-            log = open(Path(out, f"log{rank}.txt"), "w+")  # noqa: SIM115 (closed below)
-            logs.append(log)
-            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
-        deadline = time.monotonic() + timeout
-        try:
-            for p in procs:
-                p.wait(timeout=max(deadline - time.monotonic(), 1))
-        except subprocess.TimeoutExpired:
-            pass
-        failed = False
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-                failed = True
-            elif p.returncode != 0:
-                failed = True
-        records = []
-        for rank in range(nprocs):
-            path = Path(out, f"rank{rank}.json")
-            if path.exists():
-                records.append(json.loads(path.read_text()))
-            else:
-                failed = True
-        if failed:
-            tail = ""
-            for rank, log in enumerate(logs):
-                log.seek(0)
-                tail += f"--- rank {rank} ---\n" + log.read()[-3000:]
-            for log in logs:
-                log.close()
-            raise RuntimeError(f"{system} failed:\n{tail}")
-        for log in logs:
-            log.close()
-        return sorted(records, key=lambda r: r["rank"])
-
-
-def step_times(record: dict[str, Any], warmup: int) -> tuple[list[float], list[float]]:
-    """Steps after warm-up: (period between ends of consecutive steps, time inside the step)."""
-    starts, ends = record["starts"], record["ends"]
-    first = max(warmup, 1)
-    periods = [ends[i] - ends[i - 1] for i in range(first, len(ends))]
-    inside = [ends[i] - starts[i] for i in range(first, len(ends))]
-    return periods, inside
+    args = ["--worker", system, "--total-steps", str(total_steps), "--micro-batches", str(micro_batches)]
+    if track_memory:
+        args.append("--track-memory")
+    if trace:
+        args += ["--trace", trace]
+    return _harness.launch(__file__, args, 1 if system == "single" else 2, timeout=timeout, what=system)
 
 
 def load_trace(path: str | Path):
@@ -484,31 +364,6 @@ def trace_breakdown(events, warmup: int) -> dict[int, dict[str, float]]:
         row["outside spans"] = row["step"] - sum(v for k, v in row.items() if k not in ("step", "after last span"))
         out[mine[0].stage] = row
     return out
-
-
-def counter_per_step(records: list[dict[str, Any]], key: str, warmup: int) -> float:
-    """Increase of a per-step counter after warm-up, summed over ranks (median step of each rank).
-
-    For ``"cpu"`` this counts work (compute, copies, framework code), not waiting: a rank blocked
-    in a gloo receive sleeps (about 1% CPU measured). It is far less sensitive than wall time to
-    other load on the machine.
-    """
-    first = max(warmup, 1)
-    return sum(median([r[key][i] - r[key][i - 1] for i in range(first, len(r[key]))]) for r in records)
-
-
-def other_load(records: list[dict[str, Any]], warmup: int) -> float:
-    """Cores' worth of CPU that processes other than the benchmark's used during the timed steps."""
-    first = max(warmup, 1) - 1
-    r0 = records[0]
-    wall = r0["ends"][-1] - r0["ends"][first]
-    machine = r0["busy"][-1] - r0["busy"][first]
-    ours = sum(r["cpu"][-1] - r["cpu"][first] for r in records)
-    return max(machine - ours, 0.0) / wall if wall > 0 else float("nan")
-
-
-def median(values: list[float]) -> float:
-    return statistics.median(values) if values else float("nan")
 
 
 def main() -> None:

@@ -13,8 +13,8 @@ user's own step function still calls it once per micro-batch:
 :class:`Pipeline` walks the rank's schedule (see :mod:`dapple_lightning.schedule`), receives
 and sends activations and gradients (split-concat between stages with different replica
 counts, see :mod:`dapple_lightning.microbatch`), and runs each backward as the schedule says.
-Gradients accumulate in ``.grad`` over the micro-batches; :func:`allreduce_gradients` sums them
-over a stage's replicas once per step.
+Gradients accumulate in ``.grad`` over the micro-batches; a :class:`GradientReducer` sums them
+over a stage's replicas once per step, bucket by bucket while the step's last backward runs.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from dapple_lightning.plan import Plan
 from dapple_lightning.schedule import Action, schedule
 from dapple_lightning.timeline import Timeline
 
-__all__ = ["Pipeline", "StageExit", "StageModule", "allreduce_gradients"]
+__all__ = ["GradientReducer", "Pipeline", "StageExit", "StageModule", "allreduce_gradients"]
 
 
 class StageExit(BaseException):
@@ -151,6 +151,8 @@ class Pipeline:
         self.stats = StepStats()
         module._pipeline = self
         self.link = comm.Link(device)
+        # Replicated stages sum their gradients while the step's last backward still runs.
+        self.reducer = GradientReducer(module.parameters(), stage_group) if stage_group is not None else None
         self._param_storages = {p.untyped_storage().data_ptr() for p in module.parameters()}
         # Per-call state, set by `run` around each user step call.
         self._input: list[torch.Tensor] | None = None
@@ -208,9 +210,12 @@ class Pipeline:
         sent: dict[int, comm.Pending] = {}  # activation sends per micro-batch, until its gradient is back
         pending = comm.Pending()  # gradient sends, until the step ends
         inbox = _Inbox(self.link, [self._sources(a, len(micro[a.micro_batch])) for a in actions])
+        last_backward = max((i for i, a in enumerate(actions) if a.kind == "B"), default=-1)
         try:
             for index, action in enumerate(actions):
                 m = action.micro_batch
+                if index == last_backward and self.reducer is not None:
+                    self.reducer.arm()
                 if action.kind == "F":
                     sent[m] = comm.Pending()
                     live[m] = self._forward(
@@ -230,6 +235,8 @@ class Pipeline:
             # the original error.
             for outstanding in (*sent.values(), pending):
                 outstanding.abandon()
+            if self.reducer is not None:
+                self.reducer.abandon()
             raise
         finally:
             self._input = self._output = None
@@ -238,10 +245,17 @@ class Pipeline:
         self.timeline.step += 1
         return self.stats
 
+    def close(self) -> None:
+        """Detach from the module: remove the gradient hooks and the stage call's redirection."""
+        if self.reducer is not None:
+            self.reducer.remove()
+        if self.module._pipeline is self:
+            self.module._pipeline = None
+
     def _sync_gradients(self) -> None:
         with self.timeline.span("allreduce"):
-            if self.stage_group is not None:
-                allreduce_gradients(self.module.parameters(), self.stage_group)
+            if self.reducer is not None:
+                self.reducer.finish()
             if self.shared_params and dist.is_initialized() and dist.get_world_size() > 1:
                 allreduce_gradients(self.shared_params, None)
 
@@ -425,6 +439,104 @@ class _Inbox:
             out.append(incoming.wait())
             self._post_next(peer)
         return out
+
+
+class GradientReducer:
+    """Sums a stage's gradients over its replicas, starting while the step's last backward runs.
+
+    Parameters are cut into buckets in reverse registration order (about the order in which
+    backward finishes their gradients; the first bucket is small so that communication starts
+    early). Once :meth:`arm` is called, each parameter's post-accumulate hook marks it final; a
+    bucket's asynchronous all-reduce starts when all its parameters are final and every earlier
+    bucket has started, so every replica issues the same collectives in the same order, as DDP's
+    reducer does. :meth:`finish` starts what backward did not reach (parameters without a
+    gradient in the last micro-batch), waits, and writes the sums back into ``.grad``; a
+    parameter keeps ``grad=None`` only if no replica produced a gradient for it, as on one
+    device.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[nn.Parameter],
+        group: dist.ProcessGroup | None,
+        *,
+        bucket_bytes: int = 25 * 2**20,
+        first_bucket_bytes: int = 2**20,
+    ) -> None:
+        self.params = [p for p in params if p.requires_grad]
+        self.group = group
+        self.buckets: list[list[nn.Parameter]] = []
+        size, limit = 0, first_bucket_bytes
+        for p in reversed(self.params):
+            last = self.buckets[-1] if self.buckets else None
+            nbytes = p.numel() * p.element_size()
+            if last is None or (size and size + nbytes > limit) or last[0].dtype != p.dtype:
+                if last is not None:
+                    limit = bucket_bytes
+                self.buckets.append([])
+                size = 0
+            self.buckets[-1].append(p)
+            size += nbytes
+        self._bucket_of = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket}
+        self._armed = False
+        self._missing: list[int] = []
+        self._launched: list[tuple[torch.Tensor, Any]] = []
+
+        def ready(param: torch.Tensor) -> None:  # a closure, not a bound method: deepcopy keeps it shared
+            if self._armed:
+                self._ready(param)
+
+        self._handles = [p.register_post_accumulate_grad_hook(ready) for p in self.params]
+
+    def arm(self) -> None:
+        """The next backward is the step's last on this rank: start all-reduces as gradients land."""
+        self._missing = [len(bucket) for bucket in self.buckets]
+        self._launched = []
+        self._armed = True
+
+    def _ready(self, param: torch.Tensor) -> None:
+        b = self._bucket_of.get(id(param))
+        if b is None:
+            return
+        self._missing[b] -= 1
+        while len(self._launched) < len(self.buckets) and self._missing[len(self._launched)] <= 0:
+            self._launch(len(self._launched))
+
+    def _launch(self, b: int) -> None:
+        bucket = self.buckets[b]
+        pieces = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket]
+        # One flag per parameter rides along: after the sum it counts the replicas that had a gradient.
+        flags = torch.tensor([p.grad is not None for p in bucket], dtype=bucket[0].dtype, device=bucket[0].device)
+        flat = torch.cat([*pieces, flags])
+        self._launched.append((flat, dist.all_reduce(flat, group=self.group, async_op=True)))
+
+    def finish(self) -> None:
+        """Start the remaining buckets, wait for all, and write the sums into ``.grad``."""
+        if not self._armed:  # no backward this step (nothing to sum), as for a forward-only step
+            self.arm()
+        self._armed = False
+        while len(self._launched) < len(self.buckets):
+            self._launch(len(self._launched))
+        for bucket, (flat, work) in zip(self.buckets, self._launched):
+            work.wait()
+            flags = flat[flat.numel() - len(bucket) :].tolist()
+            offset = 0
+            for p, flag in zip(bucket, flags):
+                n = p.numel()
+                # The sum becomes the gradient in place: a view into the bucket, no copy.
+                p.grad = flat[offset : offset + n].view_as(p) if flag else None
+                offset += n
+        self._launched = []
+
+    def abandon(self) -> None:
+        """Forget outstanding all-reduces (the step failed; a peer may be gone)."""
+        self._armed = False
+        self._launched = []
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
 
 def allreduce_gradients(

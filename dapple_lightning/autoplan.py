@@ -6,15 +6,19 @@ Runs inside the strategy's ``setup`` on every rank, before the model is partitio
    order are saved and restored, so training still sees the batches it would have seen);
 2. run the user's ``training_step`` until it reaches the Sequential, to learn the
    Sequential's input;
-3. time every layer's forward and backward on this rank's device (the ranks' times are
-   averaged, so every rank plans from the same numbers);
+3. time every layer's forward and backward on this rank's device, at two batch sizes (so that
+   small micro-batches are priced at what they cost), and the user's optimizer's step over
+   each layer's parameters (the ranks' times are averaged, so every rank plans from the same
+   numbers);
 4. time point-to-point and all-reduce messages on the real process group;
 5. run the DAPPLE planner on rank 0 and broadcast its choice.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
+import statistics
 import time
 from collections.abc import Callable
 from contextlib import contextmanager, suppress
@@ -30,7 +34,15 @@ from dapple_lightning.planner import GB, Cluster, ModelProfile, PlannedPlan, est
 from dapple_lightning.planner._measure import profile_layers
 from dapple_lightning.runtime import StageExit
 
-__all__ = ["AutoPlan", "capture_sequential_input", "choose_plan", "draw_batch", "measure_cluster"]
+__all__ = [
+    "AutoPlan",
+    "capture_sequential_input",
+    "choose_plan",
+    "draw_batch",
+    "measure_cluster",
+    "optimizer_factory",
+    "time_step_outside",
+]
 
 
 @dataclass(frozen=True)
@@ -82,6 +94,14 @@ def _preserved_rng(dataloader: Any):
             generator.set_state(gen_state)
 
 
+def _batch_rows(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.shape[0] if value.dim() else 1
+    if isinstance(value, list | tuple) and value:
+        return _batch_rows(value[0])
+    return 1
+
+
 def draw_batch(dataloader: Any) -> Any:
     """The first batch of ``dataloader``, leaving the order of later iterations as it was."""
     with _preserved_rng(dataloader):
@@ -121,6 +141,75 @@ def capture_sequential_input(
             "dapple needs each step to pass the batch through the Sequential exactly once"
         )
     return capture.value
+
+
+class _Replay(nn.Module):
+    """Stands in for the Sequential: returns a stored output as a fresh leaf on every call."""
+
+    def __init__(self, output: torch.Tensor) -> None:
+        super().__init__()
+        self.output = output
+
+    def forward(self, x: Any) -> torch.Tensor:
+        out = self.output.detach()
+        return out.requires_grad_(True) if out.is_floating_point() else out
+
+
+def time_step_outside(
+    module: nn.Module,
+    set_sequential: Callable[[nn.Module], None],
+    sequential: nn.Module,
+    step: Callable[[], Any],
+    sequential_input: Any,
+    *,
+    repeats: int = 3,
+    warmup: int = 1,
+) -> tuple[float, float]:
+    """Median forward and backward seconds of the user's step outside the Sequential (the loss,
+    metrics, logging calls): the last stage runs them for every micro-batch, as if they were one
+    more layer. ``step`` runs the training step on the batch whose Sequential input is
+    ``sequential_input``."""
+    with torch.no_grad():
+        output = sequential(sequential_input)
+    if not isinstance(output, torch.Tensor):
+        return 0.0, 0.0  # a tuple output: the step's own code is not timed (rare; small)
+    set_sequential(_Replay(output))
+    module.log = lambda *args, **kwargs: None
+    forward: list[float] = []
+    backward: list[float] = []
+    try:
+        for run in range(warmup + repeats):
+            t0 = time.perf_counter()
+            result = step()
+            t1 = time.perf_counter()
+            loss = result.get("loss") if isinstance(result, dict) else result
+            if isinstance(loss, torch.Tensor) and loss.requires_grad:
+                loss.backward()
+            t2 = time.perf_counter()
+            if run >= warmup:
+                forward.append(t1 - t0)
+                backward.append(t2 - t1)
+    finally:
+        del module.log
+        set_sequential(sequential)
+        module.zero_grad(set_to_none=True)
+    return statistics.median(forward), statistics.median(backward)
+
+
+def _with_step_outside(
+    profile: ModelProfile, big: tuple[int, float, float], small: tuple[int, float, float] | None
+) -> ModelProfile:
+    """``profile`` with the step's own time (at two batch sizes) added to its last layer."""
+    data = profile.to_dict()
+    last = data["layers"][-1]
+    _, fwd, bwd = big
+    last["forward_s"] += fwd
+    last["backward_s"] += bwd
+    if small is not None:
+        for part, value, index in (("forward", fwd, 1), ("backward", bwd, 2)):
+            slope = max(value - small[index], 0.0) / (big[0] - small[0])
+            last[f"{part}_fixed_s"] += min(max(value - slope * big[0], 0.0), value)
+    return ModelProfile.from_dict(data)
 
 
 def _timed(fn: Callable[[], Any], repeats: int) -> float:
@@ -203,19 +292,58 @@ def measure_cluster(device: torch.device, *, nodes: int = 1, repeats: int = 5) -
     )
 
 
+_TIMES = ("forward_s", "backward_s", "forward_fixed_s", "backward_fixed_s", "update_s")
+
+
 def _averaged(profile: ModelProfile) -> ModelProfile:
-    """The ranks' mean forward and backward times, so that every rank plans from the same numbers."""
+    """The ranks' mean times, so that every rank plans from the same numbers."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return profile
     times = torch.tensor(
-        [[layer.forward_s, layer.backward_s] for layer in profile.layers], dtype=torch.float64
+        [[getattr(layer, key) for key in _TIMES] for layer in profile.layers], dtype=torch.float64
     ).reshape(-1)
     dist.all_reduce(times)
-    times = (times / dist.get_world_size()).reshape(-1, 2).tolist()
+    times = (times / dist.get_world_size()).reshape(-1, len(_TIMES)).tolist()
     data = profile.to_dict()
-    for layer, (fwd, bwd) in zip(data["layers"], times):
-        layer["forward_s"], layer["backward_s"] = fwd, bwd
+    for layer, values in zip(data["layers"], times):
+        layer.update(zip(_TIMES, values))
+        for part in ("forward", "backward"):  # a mean of fixed parts can round above the mean time
+            layer[f"{part}_fixed_s"] = min(layer[f"{part}_fixed_s"], layer[f"{part}_s"])
     return ModelProfile.from_dict(data)
+
+
+def optimizer_factory(module: nn.Module) -> Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None:
+    """Builds the kind of optimizer the module's ``configure_optimizers`` returns (its first one,
+    with its defaults) over given parameters, for timing optimizer steps; ``None`` if there is none."""
+    configure = getattr(module, "configure_optimizers", None)
+    if configure is None:
+        return None
+    found = _first_optimizer(configure())
+    if found is None:
+        return None
+    kind = type(found)
+    # ``defaults`` may hold settings the constructor does not take (AdamW's decoupled_weight_decay).
+    accepted = inspect.signature(kind.__init__).parameters
+    defaults = {k: v for k, v in found.defaults.items() if k in accepted}
+
+    def build(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        return kind(params, **defaults)
+
+    build([nn.Parameter(torch.zeros(1))])  # fail here, where the caller can do without, not mid-profile
+    return build
+
+
+def _first_optimizer(value: Any) -> torch.optim.Optimizer | None:
+    if isinstance(value, torch.optim.Optimizer):
+        return value
+    if isinstance(value, dict):
+        return _first_optimizer(value.get("optimizer"))
+    if isinstance(value, list | tuple):
+        for item in value:
+            found = _first_optimizer(item)
+            if found is not None:
+                return found
+    return None
 
 
 def choose_plan(
@@ -226,10 +354,26 @@ def choose_plan(
     nodes: int = 1,
     global_batch: int,
     optimizer_factor: float = 2.0,
+    optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
+    step_outside: Callable[[int], tuple[float, float]] | None = None,
 ) -> AutoPlan:
-    """Profile, measure and plan (collective on every rank); the plan is rank 0's choice."""
+    """Profile, measure and plan (collective on every rank); the plan is rank 0's choice.
+
+    ``sample_input`` should have about as many rows as a device runs per micro-batch at most;
+    the layers are timed on it and on a quarter of it. ``optimizer`` (see
+    :func:`optimizer_factory`) lets the profile include each layer's optimizer step;
+    ``step_outside(rows)`` (see :func:`time_step_outside`) the step's own time on ``rows`` rows.
+    """
     start = time.perf_counter()
-    profile = _averaged(profile_layers(list(sequential), sample_input, repeats=3, warmup=1))
+    rows = _batch_rows(sample_input)
+    small = max(1, rows // 4) if rows > 1 else None
+    profile = profile_layers(
+        list(sequential), sample_input, repeats=3, warmup=1, small_batch=small, optimizer=optimizer
+    )
+    if step_outside is not None:
+        big = (rows, *step_outside(rows))
+        profile = _with_step_outside(profile, big, (small, *step_outside(small)) if small else None)
+    profile = _averaged(profile)
     cluster = measure_cluster(device, nodes=nodes)
     world = dist.get_world_size() if dist.is_initialized() else 1
     box: list[Any] = [None]

@@ -26,6 +26,7 @@ import os
 import warnings
 from collections.abc import Callable, Mapping
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -46,7 +47,7 @@ from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import _augment_message
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -312,7 +313,13 @@ class DappleStrategy(ParallelStrategy):
         if trainer.state.fn != TrainerFn.FITTING:
             # Forward-only loops have no training batch to profile; every rank holds every layer.
             return Plan.data_parallel(len(sequential), world)
-        from dapple_lightning.autoplan import capture_sequential_input, choose_plan, draw_batch
+        from dapple_lightning.autoplan import (
+            capture_sequential_input,
+            choose_plan,
+            draw_batch,
+            optimizer_factory,
+            time_step_outside,
+        )
 
         module = self.lightning_module
         batch = self.batch_to_device(draw_batch(trainer.fit_loop._data_source.dataloader()))
@@ -320,13 +327,35 @@ class DappleStrategy(ParallelStrategy):
         # Profile on a micro-batch-sized slice: whole global batches make profiling slow, and the
         # cost model scales times with the micro-batch size.
         sample = slice_batch(batch, Rows(0, max(1, rows // max(world, 2))))
+        set_sequential = partial(_set_submodule, module, name)
         sample_input = capture_sequential_input(
-            module,
-            lambda seq: _set_submodule(module, name, seq),
-            sequential,
-            lambda: module.training_step(sample, 0),
+            module, set_sequential, sequential, lambda: module.training_step(sample, 0)
         )
-        chosen = choose_plan(sequential, sample_input, self.root_device, nodes=self.num_nodes, global_batch=rows)
+
+        def step_outside(n: int) -> tuple[float, float]:
+            part = slice_batch(sample, Rows(0, n))
+            return time_step_outside(
+                module,
+                set_sequential,
+                sequential,
+                lambda: module.training_step(part, 0),
+                slice_batch(sample_input, Rows(0, n)),
+            )
+
+        try:
+            optimizer = optimizer_factory(module)
+        except Exception as err:  # the plan can do without optimizer timings; say so and go on
+            rank_zero_warn(f"dapple plan='auto' could not time optimizer steps ({err!r}); planning without them")
+            optimizer = None
+        chosen = choose_plan(
+            sequential,
+            sample_input,
+            self.root_device,
+            nodes=self.num_nodes,
+            global_batch=rows,
+            optimizer=optimizer,
+            step_outside=step_outside,
+        )
         rank_zero_info(chosen.report())
         self.auto_plan = chosen
         return chosen.plan
@@ -494,7 +523,7 @@ class DappleStrategy(ParallelStrategy):
             dist.all_reduce(flat, group=self._stage_group)
             loss = float(flat[0])
             values = {n: (float(v), values[n][1]) for n, v in zip(names, flat[1:].tolist())}
-        if self.world_size > 1:
+        if self.world_size > len(last_ranks):  # ranks outside the last stage learn the values
             box = [(loss, values)]
             dist.broadcast_object_list(box, src=last_ranks[0])
             loss, values = box[0]
@@ -622,6 +651,8 @@ class DappleStrategy(ParallelStrategy):
     def teardown(self) -> None:
         if self._pipeline is not None and self._trace_path is not None and not self._failed:
             self._write_trace()
+        if self._pipeline is not None:
+            self._pipeline.close()
         if self._stage_module is not None:
             self._stage_module._pipeline = None
         if self._partitioned and not self._failed:

@@ -187,6 +187,12 @@ def _grouped(profile: ModelProfile, most: int) -> tuple[ModelProfile, list[int]]
                 backward_s=sum(x.backward_s for x in chunk),
                 activation_bytes=sum(x.activation_bytes for x in chunk),
                 param_bytes=sum(x.param_bytes for x in chunk),
+                forward_fixed_s=sum(x.forward_fixed_s for x in chunk),
+                backward_fixed_s=sum(x.backward_fixed_s for x in chunk),
+                update_s=sum(x.update_s for x in chunk),
+                optimizer_state_bytes=None
+                if any(x.optimizer_state_bytes is None for x in chunk)
+                else sum(x.optimizer_state_bytes for x in chunk),
             )
         )
     cuts = tuple(profile.cut_bytes[b] for b in bounds)

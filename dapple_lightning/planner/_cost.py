@@ -5,8 +5,10 @@ Notation: ``S`` stages, ``M`` micro-batches, global batch ``G``. A micro-batch h
 replica runs ``n_s = ceil(G / (M r_s))`` samples; times and activation bytes scale linearly
 from the profile batch (see ``_profile``).
 
-Per stage ``s`` and micro-batch: ``F_s``, ``B_s`` (forward, backward of the slowest replica),
-``AR_s`` (ring all-reduce of the stage's gradients over its replica group, once per step).
+Per stage ``s`` and micro-batch: ``F_s``, ``B_s`` (forward, backward of the slowest replica;
+affine in its samples, see ``_profile``), ``AR_s`` (ring all-reduce of the stage's gradients
+over its replica group, then the optimizer step over its parameters, once per step; written
+``AR`` below for both).
 Between stages ``s`` and ``s + 1`` the whole micro-batch's activations cross the cut
 (``cut_bytes``), re-split when the replica counts differ (split-concat): ``C^F_s`` forward,
 ``C^B_s`` for the gradients coming back (same bytes). Rows that the receiving replicas need
@@ -210,6 +212,9 @@ class Estimate:
     forward_s: tuple[float, ...]
     backward_s: tuple[float, ...]
     allreduce_s: tuple[float, ...]
+    """Gradient all-reduce per stage (0 for one replica)."""
+    update_s: tuple[float, ...]
+    """Optimizer step per stage, after its all-reduce."""
     send_forward_s: tuple[float, ...]
     """Activation transfer time across each cut (``S - 1`` entries)."""
     send_backward_s: tuple[float, ...]
@@ -248,6 +253,11 @@ class CostModel:
     _activation: tuple[float, ...] = field(init=False, repr=False, compare=False)
     _params: tuple[float, ...] = field(init=False, repr=False, compare=False)
     _static: tuple[float, ...] = field(init=False, repr=False, compare=False)
+    _forward_fixed: tuple[float, ...] = field(init=False, repr=False, compare=False)
+    _backward_fixed: tuple[float, ...] = field(init=False, repr=False, compare=False)
+    _update: tuple[float, ...] = field(init=False, repr=False, compare=False)
+    _forward_var: tuple[float, ...] = field(init=False, repr=False, compare=False)
+    _backward_var: tuple[float, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.profile, ModelProfile):
@@ -275,6 +285,11 @@ class CostModel:
         object.__setattr__(self, "_activation", prefix([float(x.activation_bytes) for x in layers]))
         object.__setattr__(self, "_params", prefix([float(x.param_bytes) for x in layers]))
         object.__setattr__(self, "_static", prefix([2.0 * x.param_bytes + x.optimizer_bytes(factor) for x in layers]))
+        object.__setattr__(self, "_forward_fixed", prefix([x.forward_fixed_s for x in layers]))
+        object.__setattr__(self, "_backward_fixed", prefix([x.backward_fixed_s for x in layers]))
+        object.__setattr__(self, "_update", prefix([x.update_s for x in layers]))
+        object.__setattr__(self, "_forward_var", tuple(a - b for a, b in zip(self._forward, self._forward_fixed)))
+        object.__setattr__(self, "_backward_var", tuple(a - b for a, b in zip(self._backward, self._backward_fixed)))
 
     # ---------------------------------------------------------------------------- pieces
 
@@ -288,6 +303,13 @@ class CostModel:
         """Prefix sums over layers of forward s, backward s, activation bytes, parameter bytes and
         static bytes (parameters + gradients + optimizer state), at the profile batch."""
         return self._forward, self._backward, self._activation, self._params, self._static
+
+    def affine_prefix_sums(
+        self,
+    ) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
+        """Prefix sums over layers, at the profile batch, of the batch-independent forward and
+        backward seconds, of the per-sample rest of each, and of the optimizer step seconds."""
+        return self._forward_fixed, self._backward_fixed, self._forward_var, self._backward_var, self._update
 
     def micro_batch_size(self, micro_batches: int) -> int:
         return -(-self.global_batch // micro_batches)
@@ -304,12 +326,21 @@ class CostModel:
         """Forward and backward seconds of layers ``[start, end)`` on ``samples`` samples."""
         scale = samples / self.profile.profile_batch_size
         return (
-            (self._forward[end] - self._forward[start]) * scale,
-            (self._backward[end] - self._backward[start]) * scale,
+            self._forward_fixed[end]
+            - self._forward_fixed[start]
+            + (self._forward_var[end] - self._forward_var[start]) * scale,
+            self._backward_fixed[end]
+            - self._backward_fixed[start]
+            + (self._backward_var[end] - self._backward_var[start]) * scale,
         )
 
     def allreduce(self, start: int, end: int, place: Placement) -> float:
+        """Gradient all-reduce of layers ``[start, end)`` over the stage's replicas."""
         return self.cluster.allreduce_time(self._params[end] - self._params[start], place.replicas, place.servers)
+
+    def update(self, start: int, end: int) -> float:
+        """Optimizer step over the parameters of layers ``[start, end)``."""
+        return self._update[end] - self._update[start]
 
     def static_memory(self, start: int, end: int) -> float:
         """Parameters, gradients and optimizer state of layers ``[start, end)``."""
@@ -363,6 +394,8 @@ class CostModel:
         samples = tuple(self.samples(m, s.replicas) for s in stages)
         fwd, bwd = zip(*(self.compute(s.start, s.end, n) for s, n in zip(stages, samples)))
         ar = tuple(self.allreduce(s.start, s.end, p) for s, p in zip(stages, places))
+        update = tuple(self.update(s.start, s.end) for s in stages)
+        closing = tuple(a + u for a, u in zip(ar, update))
         send = tuple(self.transfer(stages[k].end, m, places[k], places[k + 1]) for k in range(count - 1))
         depth = [min(count - k, m) if plan.schedule == "dapple" else m for k in range(count)]
         memory = tuple(
@@ -373,9 +406,9 @@ class CostModel:
         for k in range(count - 1, -1, -1):
             sf = send[k] if k < count - 1 else 0.0
             after = depth[k + 1] if k < count - 1 else 0
-            tail = combine(fwd[k], bwd[k], ar[k], sf, sf, m, depth[k], tail, after, plan.schedule == "gpipe")
+            tail = combine(fwd[k], bwd[k], closing[k], sf, sf, m, depth[k], tail, after, plan.schedule == "gpipe")
         step = tail[1] if tail is not None else 0.0
-        pivot, warm_s, steady_s = _pivot(fwd, bwd, ar, send, depth, m, plan.schedule == "gpipe")
+        pivot, warm_s, steady_s = _pivot(fwd, bwd, closing, send, depth, m, plan.schedule == "gpipe")
         ending_s = step - warm_s - steady_s
         return Estimate(
             plan=plan,
@@ -389,6 +422,7 @@ class CostModel:
             forward_s=tuple(fwd),
             backward_s=tuple(bwd),
             allreduce_s=ar,
+            update_s=update,
             send_forward_s=send,
             send_backward_s=send,
             memory_bytes=memory,

@@ -298,9 +298,11 @@ class _Search:
         gpipe = self.schedule == "gpipe"
         k = self.top.k
         most = model.max_replicas(m)
-        pf, pb, pa, pp, ps = model.prefix_sums()
-        fwd_lb = [x / pbs for x in pf]
-        work_lb = [model.global_batch * (pf[i] + pb[i]) / pbs for i in range(layers + 1)]
+        _, _, pa, pp, ps = model.prefix_sums()
+        # A stage's time on n samples is its fixed part + its per-sample part * n / pbs.
+        pff, pbf, vf, vb, pu = model.affine_prefix_sums()
+        fwd_lb = [x / pbs for x in vf]
+        work_lb = [model.global_batch * (vf[i] + vb[i]) / pbs + m * (pff[i] + pbf[i]) for i in range(layers + 1)]
         allowed = sorted(set(range(1, layers)) if cuts is None else {c for c in cuts if 0 < c < layers})
         counts = [r for r in self.replicas if r <= most]
         samples_of = [0] + [model.samples(m, r) for r in range(1, world + 1)]
@@ -348,7 +350,7 @@ class _Search:
                 bound = top.bound
                 if work_lb[j] / left_total > bound:
                     continue
-                ahead = fwd_lb[j] * samples_of[left_total]
+                ahead = fwd_lb[j] * samples_of[left_total] + pff[j]
                 self.states_expanded += 1
                 options = [r for r in counts if r < left_total]
                 if left_total <= most:
@@ -398,8 +400,9 @@ class _Search:
                             hi = min(below_j, bisect.bisect_right(allowed, top_i))
                             starts = (allowed[x] for x in range(hi - 1, -1, -1))
                         for i in starts:
-                            fwd = (pf[j] - pf[i]) * scale
-                            bwd = (pb[j] - pb[i]) * scale
+                            # CostModel.compute inlined: the same operations in the same order.
+                            fwd = pff[j] - pff[i] + (vf[j] - vf[i]) * scale
+                            bwd = pbf[j] - pbf[i] + (vb[j] - vb[i]) * scale
                             static = ps[j] - ps[i]
                             act = (pa[j] - pa[i]) * scale
                             if static + act > cap:
@@ -407,6 +410,7 @@ class _Search:
                             params = pp[j] - pp[i]
                             # Cluster.allreduce_time inlined: the same operations in the same order.
                             ar = params * ar_byte + ar_fixed if r > 1 and params > 0 else 0.0
+                            ar += pu[j] - pu[i]  # then the optimizer step
                             fb = fwd + bwd
                             own = m * fb
                             bound = top.bound
@@ -414,7 +418,7 @@ class _Search:
                                 break  # and so does the stage's own chain
                             if i and work_lb[i] / rest > bound:
                                 continue
-                            ahead_i = fwd_lb[i] * ahead_n
+                            ahead_i = fwd_lb[i] * ahead_n + pff[i]
                             target: list[_Entry] | None = None
                             target_stages = -1
                             for stages, d_link, z_link, rt_link, x_link, zm_link, partner, e in merged:

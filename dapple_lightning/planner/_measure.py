@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from dapple_lightning.planner._profile import LayerProfile, ModelProfile
@@ -63,6 +63,8 @@ def profile_layers(
     *,
     repeats: int = 5,
     warmup: int = 2,
+    small_batch: int | None = None,
+    optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None = None,
 ) -> ModelProfile:
     """Time each layer's forward and backward on the device of ``sample_input``.
 
@@ -78,10 +80,18 @@ def profile_layers(
         sample_input: A tensor or tuple of tensors with the batch in dim 0, on the target device.
         repeats: Timed runs per layer (the median is kept).
         warmup: Untimed runs per layer first (allocator, kernel selection).
+        small_batch: Also time the layers on the first ``small_batch`` rows, and split each time
+            into a part that does not depend on the batch and a per-sample part (a straight line
+            through the two measurements, clamped so that neither part is negative): the cost
+            model then prices small micro-batches at what they really cost.
+        optimizer: Builds an optimizer over given parameters (the user's kind and settings);
+            each layer's ``update_s`` is then the median time of its ``step()`` over the
+            layer's parameters. Parameter values and gradients are restored afterwards.
 
     Raises:
         TypeError: When a layer takes or returns something other than tensors.
-        ValueError: For no layers, ``repeats < 1`` or ``warmup < 0``.
+        ValueError: For no layers, ``repeats < 1``, ``warmup < 0`` or a ``small_batch`` outside
+            ``[1, batch)``.
     """
     import torch
 
@@ -100,11 +110,49 @@ def profile_layers(
         raise ValueError("sample_input must hold a tensor with the batch in dim 0")
     batch = first[0].shape[0]
     device = first[0].device
+    if small_batch is not None and (isinstance(small_batch, bool) or not isinstance(small_batch, int)
+                                    or not 1 <= small_batch < batch):  # fmt: skip
+        raise ValueError(f"small_batch must be an integer in [1, {batch}), got {small_batch!r}")
 
+    timed, output_bytes = _time_layers(modules, sample_input, repeats, warmup, device)
+    fixed = [(0.0, 0.0)] * len(modules)
+    if small_batch is not None:
+        small, _ = _time_layers(modules, _rows(sample_input, small_batch), repeats, warmup, device)
+        fixed = [
+            (_intercept(big_f, small_f, batch, small_batch), _intercept(big_b, small_b, batch, small_batch))
+            for (big_f, big_b), (small_f, small_b) in zip(timed, small)
+        ]
     profiles: list[LayerProfile] = []
+    for index, (module, (fwd, bwd), (fwd_fixed, bwd_fixed), nbytes) in enumerate(
+        zip(modules, timed, fixed, output_bytes)
+    ):
+        params = [p for p in module.parameters() if p.requires_grad]
+        profiles.append(
+            LayerProfile(
+                name=f"{index}:{type(module).__name__}",
+                forward_s=fwd,
+                backward_s=bwd,
+                activation_bytes=nbytes,
+                param_bytes=sum(p.numel() * p.element_size() for p in module.parameters()),
+                forward_fixed_s=fwd_fixed,
+                backward_fixed_s=bwd_fixed,
+                update_s=_time_update(params, optimizer, repeats, warmup, device) if optimizer and params else 0.0,
+            )
+        )
+    return ModelProfile(layers=tuple(profiles), profile_batch_size=int(batch), device=_device_name(device))
+
+
+def _time_layers(
+    modules: list[torch.nn.Module], sample_input: Any, repeats: int, warmup: int, device: torch.device
+) -> tuple[list[tuple[float, float]], list[int]]:
+    """Median forward and backward seconds of each layer, and the bytes of each layer's output."""
+    import torch
+
+    times: list[tuple[float, float]] = []
+    output_bytes: list[int] = []
     value = sample_input
     generator = torch.Generator(device=device).manual_seed(0)
-    for index, module in enumerate(modules):
+    for module in modules:
         forward_times: list[float] = []
         backward_times: list[float] = []
         output: Any = None
@@ -127,18 +175,59 @@ def profile_layers(
             if run >= warmup:
                 forward_times.append(t1 - t0)
                 backward_times.append(t3 - t2 if outs else 0.0)
-        tensors = _tensors(output)
-        profiles.append(
-            LayerProfile(
-                name=f"{index}:{type(module).__name__}",
-                forward_s=statistics.median(forward_times),
-                backward_s=statistics.median(backward_times),
-                activation_bytes=sum(t.numel() * t.element_size() for t in tensors),
-                param_bytes=sum(p.numel() * p.element_size() for p in module.parameters()),
-            )
-        )
+        times.append((statistics.median(forward_times), statistics.median(backward_times)))
+        output_bytes.append(sum(t.numel() * t.element_size() for t in _tensors(output)))
         value = _detached(output)
-    return ModelProfile(layers=tuple(profiles), profile_batch_size=int(batch), device=_device_name(device))
+    return times, output_bytes
+
+
+def _intercept(big: float, small: float, big_rows: int, small_rows: int) -> float:
+    """Time at zero rows of the line through (small_rows, small) and (big_rows, big), within [0, big]."""
+    slope = max(big - small, 0.0) / (big_rows - small_rows)
+    return min(max(big - slope * big_rows, 0.0), big)
+
+
+def _time_update(
+    params: list[torch.nn.Parameter],
+    optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
+    repeats: int,
+    warmup: int,
+    device: torch.device,
+) -> float:
+    """Median seconds of one ``step()`` of a fresh optimizer over ``params`` (values restored after)."""
+    import torch
+
+    saved = [p.detach().clone() for p in params]
+    grads = [p.grad for p in params]
+    try:
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        opt = optimizer(params)
+        times = []
+        for run in range(max(warmup, 1) + repeats):  # the first step creates the optimizer's state
+            _sync(device)
+            start = time.perf_counter()
+            opt.step()
+            _sync(device)
+            if run >= max(warmup, 1):
+                times.append(time.perf_counter() - start)
+        return statistics.median(times)
+    finally:
+        with torch.no_grad():
+            for p, value, grad in zip(params, saved, grads):
+                p.copy_(value)
+                p.grad = grad
+
+
+def _rows(value: Any, rows: int) -> Any:
+    """The first ``rows`` rows of every tensor in ``value`` (the batch is dim 0)."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value[:rows]
+    if isinstance(value, tuple | list):
+        return type(value)(_rows(v, rows) for v in value)
+    return value
 
 
 def _detached(value: Any) -> Any:

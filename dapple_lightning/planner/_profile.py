@@ -4,11 +4,14 @@ A profile lists, for each layer of the pipelined ``nn.Sequential`` (in order), i
 backward time for one batch of ``profile_batch_size`` samples, the bytes of its output and the
 bytes of its parameters, plus the bytes that cross each possible cut of the chain.
 
-**Scaling.** The planner assumes time and activation bytes grow linearly with the number of
-samples: a layer that took ``forward_s`` for the profile batch ``P`` takes
-``forward_s * b / P`` for ``b`` samples, and its output holds ``activation_bytes * b / P``
-bytes. Parameter bytes do not depend on the batch. Real devices are less efficient at small
-batches, so profile at a batch near the micro-batch size you expect per device.
+**Scaling.** Time is affine in the number of samples: a layer that took ``forward_s`` for the
+profile batch ``P``, of which ``forward_fixed_s`` does not depend on the batch (per-call
+overhead; real devices are less efficient at small batches), takes
+``forward_fixed_s + (forward_s - forward_fixed_s) * b / P`` for ``b`` samples (likewise
+backward). With the fixed parts 0 (the default, and all a single-batch profile can tell) time
+is linear in ``b``: profile at a batch near the micro-batch size you expect per device. The
+output holds ``activation_bytes * b / P`` bytes; parameter bytes and the optimizer's
+``update_s`` (one optimizer step over the layer's parameters) do not depend on the batch.
 
 **JSON schema** (``ModelProfile.save`` / ``ModelProfile.load``; version 1)::
 
@@ -20,7 +23,9 @@ batches, so profile at a batch near the micro-batch size you expect per device.
       "layers": [
         {"name": "conv1", "forward_s": 0.0034, "backward_s": 0.0068,
          "activation_bytes": 384000000, "param_bytes": 6835,
-         "optimizer_state_bytes": null},  # null: the planner's optimizer factor x param_bytes
+         "optimizer_state_bytes": null,   # null: the planner's optimizer factor x param_bytes
+         "forward_fixed_s": 0.0001, "backward_fixed_s": 0.0002,   # optional, default 0
+         "update_s": 0.00002},            # optional, default 0
         ...
       ],
       "cut_bytes": [0, 384000000, ..., 0]   # len(layers) + 1 entries, see ModelProfile.cut_bytes
@@ -86,6 +91,12 @@ class LayerProfile:
     """Bytes of the layer's parameters (the gradients take as many again)."""
     optimizer_state_bytes: int | None = None
     """Bytes of optimizer state, or ``None`` to use the planner's factor times ``param_bytes``."""
+    forward_fixed_s: float = 0.0
+    """The part of ``forward_s`` that does not scale with the samples (at most ``forward_s``)."""
+    backward_fixed_s: float = 0.0
+    """The part of ``backward_s`` that does not scale with the samples (at most ``backward_s``)."""
+    update_s: float = 0.0
+    """Seconds of one optimizer step over the layer's parameters."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
@@ -102,6 +113,15 @@ class LayerProfile:
                 "optimizer_state_bytes",
                 _bytes(self.optimizer_state_bytes, f"layer {self.name!r} optimizer_state_bytes"),
             )
+        for part in ("forward", "backward"):
+            fixed = _number(getattr(self, f"{part}_fixed_s"), f"layer {self.name!r} {part}_fixed_s")
+            if fixed > getattr(self, f"{part}_s"):
+                raise ValueError(
+                    f"layer {self.name!r}: {part}_fixed_s ({fixed}) exceeds {part}_s ({getattr(self, f'{part}_s')}); "
+                    "the fixed part is a share of the time at the profile batch"
+                )
+            object.__setattr__(self, f"{part}_fixed_s", fixed)
+        object.__setattr__(self, "update_s", _number(self.update_s, f"layer {self.name!r} update_s"))
 
     def optimizer_bytes(self, factor: float) -> float:
         """Optimizer state bytes: the explicit value, else ``factor * param_bytes`` (Adam: 2)."""
@@ -117,6 +137,9 @@ class LayerProfile:
             "activation_bytes": self.activation_bytes,
             "param_bytes": self.param_bytes,
             "optimizer_state_bytes": self.optimizer_state_bytes,
+            "forward_fixed_s": self.forward_fixed_s,
+            "backward_fixed_s": self.backward_fixed_s,
+            "update_s": self.update_s,
         }
 
     @classmethod
@@ -127,9 +150,12 @@ class LayerProfile:
         missing = [k for k in required if k not in data]
         if missing:
             raise ValueError(f"layer profile {dict(data)!r} lacks keys {missing}; required: {list(required)}")
-        unknown = set(data) - {*required, "optimizer_state_bytes"}
+        optional = ("optimizer_state_bytes", "forward_fixed_s", "backward_fixed_s", "update_s")
+        unknown = set(data) - {*required, *optional}
         if unknown:
-            raise ValueError(f"unknown layer profile keys {sorted(map(str, unknown))}; allowed: {list(required)}")
+            raise ValueError(
+                f"unknown layer profile keys {sorted(map(str, unknown))}; allowed: {[*required, *optional]}"
+            )
         return cls(**{k: data[k] for k in data})
 
 

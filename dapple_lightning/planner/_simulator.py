@@ -33,7 +33,7 @@ class Event:
 
     kind: str
     """``"F"``/``"B"`` (compute), ``"send-act"``/``"send-grad"`` (activations or gradients
-    crossing a link), or ``"allreduce"``."""
+    crossing a link), ``"allreduce"`` or ``"update"`` (the optimizer step after it)."""
     stage: int
     """The stage; for a transfer, the earlier stage of the link ``stage -> stage + 1``."""
     micro_batch: int | None
@@ -117,5 +117,8 @@ def simulate_plan(model: CostModel, plan: Plan) -> Simulation:
     for s in range(count):
         if est.allreduce_s[s] > 0:
             events.append(Event("allreduce", s, None, clock[s], clock[s] + est.allreduce_s[s]))
+            clock[s] += est.allreduce_s[s]
+        if est.update_s[s] > 0:
+            events.append(Event("update", s, None, clock[s], clock[s] + est.update_s[s]))
     events.sort(key=lambda e: (e.start, e.end, e.stage))
     return Simulation(plan=plan, step_s=max(e.end for e in events), events=tuple(events))

@@ -105,3 +105,23 @@ def test_memory_over_the_device_does_not_fit():
     est = estimate(Plan(TWO_BY_TWO, 2), PROFILE, small, 8)
     assert not est.fits
     assert est.memory_limit == 4e9
+
+
+def test_fixed_time_per_call_and_the_optimizer_step():
+    # Per call: 1 s forward and 2 s backward whatever the samples; per sample at the profile
+    # batch of 8: the other 3 s and 6 s. Then 0.5 s of optimizer step after the all-reduce.
+    layer = LayerProfile("a", 4.0, 8.0, 0, 10**9, forward_fixed_s=1.0, backward_fixed_s=2.0, update_s=0.5)
+    profile = ModelProfile((layer,), profile_batch_size=8)
+    # Two replicas, M = 2 micro-batches of 4 rows: 2 rows per replica, a quarter of the batch.
+    est = estimate(Plan((Stage(0, 1, 2),), 2), profile, SLOW, 8)
+    assert (est.forward_s, est.backward_s) == ((1.0 + 3.0 / 4,), (2.0 + 6.0 / 4,))
+    assert (est.allreduce_s, est.update_s) == ((1.0,), (0.5,))
+    assert est.step_s == 2 * (1.75 + 3.5) + 1.0 + 0.5
+    # With the fixed parts 0 the same times scale linearly, as before.
+    linear = ModelProfile((LayerProfile("a", 4.0, 8.0, 0, 10**9),), profile_batch_size=8)
+    assert estimate(Plan((Stage(0, 1, 2),), 2), linear, SLOW, 8).forward_s == (1.0,)
+
+
+def test_fixed_part_cannot_exceed_the_time():
+    with pytest.raises(ValueError, match=r"forward_fixed_s .* exceeds forward_s"):
+        LayerProfile("a", 1.0, 1.0, 0, 0, forward_fixed_s=2.0)

@@ -62,16 +62,24 @@ def brute_force(profile, cluster, batch, candidates, policies, schedule="dapple"
 @st.composite
 def profiles(draw):
     count = draw(st.integers(1, 5))
-    layers = tuple(
-        LayerProfile(
-            f"l{i}",
-            draw(st.floats(0.0, 5e-3)),
-            draw(st.floats(0.0, 1e-2)),
-            draw(st.integers(0, 400_000_000)),
-            draw(st.integers(0, 2_000_000_000)),
+    layers = []
+    for i in range(count):
+        forward, backward = draw(st.floats(0.0, 5e-3)), draw(st.floats(0.0, 1e-2))
+        # Half the profiles have per-call time that does not scale with samples, and optimizer steps.
+        affine = draw(st.booleans())
+        layers.append(
+            LayerProfile(
+                f"l{i}",
+                forward,
+                backward,
+                draw(st.integers(0, 400_000_000)),
+                draw(st.integers(0, 2_000_000_000)),
+                forward_fixed_s=forward * draw(st.floats(0.0, 1.0)) if affine else 0.0,
+                backward_fixed_s=backward * draw(st.floats(0.0, 1.0)) if affine else 0.0,
+                update_s=draw(st.floats(0.0, 5e-3)) if affine else 0.0,
+            )
         )
-        for i in range(count)
-    )
+    layers = tuple(layers)
     # Bytes crossing each cut drawn apart from the activations, as in a graph with branches.
     cuts = (0, *(draw(st.integers(0, 2_000_000_000)) for _ in range(count - 1)), 0)
     return ModelProfile(layers, draw(st.sampled_from([1, 4, 32])), cut_bytes=cuts)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 from dapple_lightning.planner._measure import profile_layers
 
@@ -54,3 +55,33 @@ def test_outputs_without_gradient_take_no_backward_time():
 def test_bad_input_is_rejected(layers, sample, kwargs, error, message):
     with pytest.raises(error, match=message):
         profile_layers(layers, sample, **kwargs)
+
+
+def test_small_batch_splits_each_time_into_fixed_and_per_sample_parts():
+    torch.manual_seed(0)
+    layers = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8))
+    profile = profile_layers(layers, torch.randn(64, 64), repeats=3, warmup=1, small_batch=8)
+    for layer in profile.layers:
+        assert 0.0 <= layer.forward_fixed_s <= layer.forward_s
+        assert 0.0 <= layer.backward_fixed_s <= layer.backward_s
+    plain = profile_layers(layers, torch.randn(64, 64), repeats=1, warmup=0)
+    assert all(x.forward_fixed_s == x.backward_fixed_s == 0.0 for x in plain.layers)
+    for bad in (0, 64, 100, 2.5):
+        with pytest.raises(ValueError, match="small_batch"):
+            profile_layers(layers, torch.randn(64, 64), small_batch=bad)
+
+
+def test_optimizer_step_is_timed_and_leaves_weights_and_gradients_alone():
+    torch.manual_seed(0)
+    layers = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+    before = {k: v.clone() for k, v in layers.state_dict().items()}
+
+    def adamw(params):
+        return torch.optim.AdamW(params, lr=0.1, weight_decay=0.5)  # would move every weight
+
+    profile = profile_layers(layers, torch.randn(16, 32), repeats=2, warmup=1, optimizer=adamw)
+    assert profile.layers[0].update_s > 0 and profile.layers[2].update_s > 0
+    assert profile.layers[1].update_s == 0.0  # ReLU has no parameters
+    for key, value in layers.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    assert all(p.grad is None for p in layers.parameters())  # cleared, as documented

@@ -35,7 +35,7 @@ from dapple_lightning.plan import Plan
 from dapple_lightning.schedule import Action, schedule
 from dapple_lightning.timeline import Timeline
 
-__all__ = ["GradientReducer", "Pipeline", "StageExit", "StageModule", "allreduce_gradients"]
+__all__ = ["GradientReducer", "Pipeline", "StageExit", "StageModule", "allreduce_gradients", "p2p_groups"]
 
 
 class StageExit(BaseException):
@@ -122,6 +122,9 @@ class Pipeline:
             gradients are summed over all ranks at the end of each training step.
         track_memory: count the bytes autograd saves per micro-batch (costs a hook call per
             saved tensor); the peak is reported in :attr:`stats`.
+        p2p_groups: process groups (over all ranks) for activations and for gradients; ``None``
+            uses the default group. With gloo, a connection per direction matters (see
+            :func:`p2p_groups`).
     """
 
     def __init__(
@@ -135,6 +138,7 @@ class Pipeline:
         stage_group: dist.ProcessGroup | None = None,
         shared_params: Sequence[nn.Parameter] = (),
         track_memory: bool = False,
+        p2p_groups: tuple[dist.ProcessGroup | None, dist.ProcessGroup | None] = (None, None),
     ) -> None:
         self.plan, self.rank, self.module, self.device = plan, rank, module, device
         self.stage = plan.stage_of(rank)
@@ -150,7 +154,9 @@ class Pipeline:
         self.shared_params = list(shared_params)
         self.stats = StepStats()
         module._pipeline = self
-        self.link = comm.Link(device)
+        # Activations go downstream on one link, gradients upstream on the other.
+        self.activations = comm.Link(device, p2p_groups[0])
+        self.gradients = comm.Link(device, p2p_groups[1])
         # Replicated stages sum their gradients while the step's last backward still runs.
         self.reducer = GradientReducer(module.parameters(), stage_group) if stage_group is not None else None
         self._param_storages = {p.untyped_storage().data_ptr() for p in module.parameters()}
@@ -209,7 +215,7 @@ class Pipeline:
         live: dict[int, _InFlight] = {}
         sent: dict[int, comm.Pending] = {}  # activation sends per micro-batch, until its gradient is back
         pending = comm.Pending()  # gradient sends, until the step ends
-        inbox = _Inbox(self.link, [self._sources(a, len(micro[a.micro_batch])) for a in actions])
+        inbox = _Inbox([self._sources(a, len(micro[a.micro_batch])) for a in actions])
         last_backward = max((i for i, a in enumerate(actions) if a.kind == "B"), default=-1)
         try:
             for index, action in enumerate(actions):
@@ -377,22 +383,23 @@ class Pipeline:
             moves.sort()
         for peer, rows in moves:
             piece = [t[rows.start : rows.stop] for t in tensors]
-            self.link.send(piece, peers[peer], len(rows), pending, as_tuple=as_tuple)
+            link = self.activations if downstream else self.gradients
+            link.send(piece, peers[peer], len(rows), pending, as_tuple=as_tuple)
 
-    def _sources(self, action: Action, micro_rows: int) -> list[tuple[int, int]]:
-        """What ``action`` receives: (global rank, rows) per piece, in concatenation order."""
+    def _sources(self, action: Action, micro_rows: int) -> list[tuple[comm.Link, int, int]]:
+        """What ``action`` receives: (link, global rank, rows) per piece, in concatenation order."""
         if action.kind == "F":
             if self.is_first:
                 return []
             # activations from the previous stage
             moves = transfers(micro_rows, len(self.prev_ranks), self.replicas)
-            return [(self.prev_ranks[t.src], len(t.dst_rows)) for t in moves if t.dst == self.replica]
+            return [(self.activations, self.prev_ranks[t.src], len(t.dst_rows)) for t in moves if t.dst == self.replica]
         if self.is_last:
             return []
         # gradients from the next stage, for the rows this replica sent
         moves = transfers(micro_rows, self.replicas, len(self.next_ranks))
         return [
-            (self.next_ranks[t.dst], len(t.src_rows))
+            (self.gradients, self.next_ranks[t.dst], len(t.src_rows))
             for t in sorted(moves, key=lambda t: t.dst)
             if t.src == self.replica
         ]
@@ -409,35 +416,37 @@ class Pipeline:
 
 
 class _Inbox:
-    """Receives of one step, each posted as soon as the previous one from the same peer is in.
+    """Receives of one step, each posted as soon as the previous one on the same channel is in.
 
-    ``needs[i]`` lists what action ``i`` receives, as (global rank, rows) per piece. Messages
-    from one peer are matched in posting order, so at most one per peer is posted ahead.
+    ``needs[i]`` lists what action ``i`` receives, as (link, global rank, rows) per piece; a
+    channel is a link and a peer. Messages on a channel are matched in posting order, so at
+    most one per channel is posted ahead.
     """
 
-    def __init__(self, link: comm.Link, needs: list[list[tuple[int, int]]]) -> None:
-        self.link, self.needs = link, needs
-        self.queues: dict[int, deque[tuple[int, int]]] = {}
+    def __init__(self, needs: list[list[tuple[comm.Link, int, int]]]) -> None:
+        self.needs = needs
+        self.queues: dict[tuple[int, int], deque[tuple[int, comm.Link, int]]] = {}
         for index, need in enumerate(needs):
-            for peer, rows in need:
-                self.queues.setdefault(peer, deque()).append((index, rows))
-        self.posted: dict[int, tuple[int, comm.Incoming]] = {}
-        for peer in self.queues:
-            self._post_next(peer)
+            for link, peer, rows in need:
+                self.queues.setdefault((id(link), peer), deque()).append((index, link, rows))
+        self.posted: dict[tuple[int, int], tuple[int, comm.Incoming]] = {}
+        for channel in self.queues:
+            self._post_next(channel)
 
-    def _post_next(self, peer: int) -> None:
-        if self.queues[peer]:
-            index, rows = self.queues[peer].popleft()
-            self.posted[peer] = (index, self.link.post(peer, rows))
+    def _post_next(self, channel: tuple[int, int]) -> None:
+        if self.queues[channel]:
+            index, link, rows = self.queues[channel].popleft()
+            self.posted[channel] = (index, link.post(channel[1], rows))
 
     def take(self, index: int) -> list[tuple[list[torch.Tensor], bool]]:
-        """Wait for action ``index``'s messages, posting each peer's next receive as its message lands."""
+        """Wait for action ``index``'s messages, posting each channel's next receive as its message lands."""
         out = []
-        for peer, _ in self.needs[index]:
-            posted_for, incoming = self.posted.pop(peer)
+        for link, peer, _ in self.needs[index]:
+            channel = (id(link), peer)
+            posted_for, incoming = self.posted.pop(channel)
             assert posted_for == index, f"receive posted for action {posted_for}, taken by action {index}"
             out.append(incoming.wait())
-            self._post_next(peer)
+            self._post_next(channel)
         return out
 
 
@@ -574,6 +583,19 @@ def allreduce_gradients(
     for p, flag in zip(params, has.tolist()):
         if flag == 0:
             p.grad = None
+
+
+def p2p_groups(**kwargs: Any) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """Two process groups over all ranks: one for activations, one for gradients (collective).
+
+    Gloo keeps one connection per pair of ranks and group. With both directions of a pipeline
+    on one connection, posting a receive took 1.3-1.9 ms on average (up to 7 ms) in a
+    2-process 1F1B probe on 2 CPU cores, and a micro-batch cost 12.8 ms against 10.3 ms of
+    compute; with a connection per direction, 0.03-0.05 ms and 10.6 ms. Activations flow only
+    downstream and gradients only upstream, so one group per kind gives each direction its own
+    connection.
+    """
+    return dist.new_group(**kwargs), dist.new_group(**kwargs)
 
 
 def stage_group(plan: Plan, rank: int, **kwargs: Any) -> dist.ProcessGroup | None:

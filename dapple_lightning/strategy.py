@@ -57,7 +57,7 @@ from typing_extensions import override
 from dapple_lightning.checkpoint import by_name, to_local, to_single_device
 from dapple_lightning.microbatch import Rows, batch_size_of, slice_batch
 from dapple_lightning.plan import Plan
-from dapple_lightning.runtime import Pipeline, StageModule, StepStats, partition, stage_group
+from dapple_lightning.runtime import Pipeline, StageModule, StepStats, p2p_groups, partition, stage_group
 from dapple_lightning.timeline import Timeline, write_chrome_trace
 
 __all__ = ["DappleStrategy"]
@@ -292,6 +292,7 @@ class DappleStrategy(ParallelStrategy):
             stage_group=self._stage_group,
             shared_params=self._outside_params,
             track_memory=self._track_memory,
+            p2p_groups=p2p_groups(timeout=self._timeout) if self.plan.num_stages > 1 else (None, None),
         )
         seed = torch.tensor([torch.initial_seed() % 2**62], dtype=torch.int64)
         dist.broadcast(seed, 0)

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from dapple_lightning.plan import Plan
-from dapple_lightning.runtime import Pipeline, partition, stage_group
+from dapple_lightning.runtime import Pipeline, p2p_groups, partition, stage_group
 
 from distributed import run_ranks
 
@@ -43,7 +43,13 @@ def reference() -> tuple[float, dict[str, torch.Tensor]]:
 def pipelined(rank: int, world_size: int, plan: Plan) -> tuple[float, dict[str, torch.Tensor], int]:
     stage = partition(make_model(), plan, rank)
     pipe = Pipeline(
-        plan, rank, stage, device=torch.device("cpu"), stage_group=stage_group(plan, rank), track_memory=True
+        plan,
+        rank,
+        stage,
+        device=torch.device("cpu"),
+        stage_group=stage_group(plan, rank),
+        track_memory=True,
+        p2p_groups=p2p_groups(),
     )
     x, y = make_batch()
 

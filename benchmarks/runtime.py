@@ -28,8 +28,8 @@ and DAPPLE schedules at M = 8 and 16 (``DappleStrategy(track_memory=True)``) and
 trace of one dapple run (``DappleStrategy(trace=...)``), from which it reports the bubble
 fraction per stage and where each stage's step time goes.
 
-    python benchmarks/runtime.py                 # defaults: ~10 min on 2 idle cores, ~15 min when shared
-    python benchmarks/runtime.py --quick         # smoke run, about 2 minutes
+    python benchmarks/runtime.py                 # defaults: about 6 min on 2 idle cores
+    python benchmarks/runtime.py --quick         # smoke run, about 1 minute
     python benchmarks/runtime.py --rounds 3 --steps 4 --warmup 2 --systems single,dapple
     python benchmarks/runtime.py --recv-latency  # adds a ~20 s probe of late-posted receives
 

@@ -76,6 +76,28 @@ def lightning_timer():
     return StepTimer()
 
 
+def timed_trainer(strategy: Any, devices: int, max_steps: int):
+    """A bare Lightning ``Trainer`` (no logger, progress bar, checkpoints, validation) that
+    records every training step; returns it and the timer callback (``timer.rec.data``)."""
+    import lightning.pytorch as pl
+
+    timer = lightning_timer()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        callbacks=[timer],
+    )
+    return trainer, timer
+
+
 def write_record(rank: int, record: dict[str, Any]) -> None:
     """Hand this rank's record to :func:`launch` (through the directory it named)."""
     import torch

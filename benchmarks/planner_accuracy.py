@@ -47,7 +47,7 @@ for path in (ROOT, ROOT / "examples"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-from benchmarks._harness import counter_per_step, launch, lightning_timer, median, other_load, step_times, write_record  # noqa: E402
+from benchmarks._harness import counter_per_step, launch, median, other_load, step_times, timed_trainer, write_record  # noqa: E402
 
 BATCH = 64
 WORLD = 2
@@ -122,7 +122,6 @@ def build(model: str, total_steps: int):
 
 
 def worker(args: argparse.Namespace) -> None:
-    import lightning.pytorch as pl
     import torch
     import torch.distributed as dist
     from torch.utils.data import DataLoader
@@ -137,20 +136,7 @@ def worker(args: argparse.Namespace) -> None:
 
         strategy = DappleStrategy("auto" if args.system == "auto" else json.loads(args.system), start_method="popen")
         batch_size = BATCH  # every rank sees the global batch
-    timer = lightning_timer()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=WORLD,
-        strategy=strategy,
-        max_steps=args.total_steps,
-        logger=False,
-        enable_progress_bar=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        callbacks=[timer],
-    )
+    trainer, timer = timed_trainer(strategy, WORLD, args.total_steps)
     trainer.fit(module, train_dataloaders=DataLoader(data, batch_size=batch_size, shuffle=False))
     record: dict[str, Any] = dict(timer.rec.data)
     auto = getattr(trainer.strategy, "auto_plan", None)

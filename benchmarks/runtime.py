@@ -64,10 +64,10 @@ from benchmarks import _harness  # noqa: E402
 from benchmarks._harness import (  # noqa: E402
     StepRecorder,
     counter_per_step,
-    lightning_timer,
     median,
     other_load,
     step_times,
+    timed_trainer,
     write_record,
 )
 
@@ -196,20 +196,7 @@ def worker_lightning(args: argparse.Namespace) -> None:
         }
         strategy = DappleStrategy(plan, start_method="popen", trace=args.trace, track_memory=args.track_memory)
         batch_size = BATCH  # the plan acts as one device: every rank sees the global batch
-    timer = lightning_timer()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
-        max_steps=args.total_steps,
-        logger=False,
-        enable_progress_bar=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        callbacks=[timer],
-    )
+    trainer, timer = timed_trainer(strategy, 2, args.total_steps)
     loader = DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False)
     trainer.fit(Reference(), train_dataloaders=loader)
     rank = trainer.global_rank

@@ -13,8 +13,9 @@ user's own step function still calls it once per micro-batch:
 :class:`Pipeline` walks the rank's schedule (see :mod:`dapple_lightning.schedule`), receives
 and sends activations and gradients (split-concat between stages with different replica
 counts, see :mod:`dapple_lightning.microbatch`), and runs each backward as the schedule says.
-Gradients accumulate in ``.grad`` over the micro-batches; a :class:`GradientReducer` sums them
-over a stage's replicas once per step, bucket by bucket while the step's last backward runs.
+Gradients accumulate in ``.grad`` over the micro-batches; :class:`GradientReducer` sums them
+once per step, bucket by bucket while the step's last backward runs: a stage's over its
+replicas, the parameters outside the Sequential over every rank.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from dapple_lightning.plan import Plan
 from dapple_lightning.schedule import Action, schedule
 from dapple_lightning.timeline import Timeline
 
-__all__ = ["GradientReducer", "Pipeline", "StageExit", "StageModule", "allreduce_gradients", "p2p_groups"]
+__all__ = ["GradientReducer", "Pipeline", "StageExit", "StageModule", "p2p_groups"]
 
 
 class StageExit(BaseException):
@@ -150,15 +151,19 @@ class Pipeline:
         self.next_ranks = plan.stage_ranks(self.stage + 1) if not self.is_last else ()
         self.timeline = timeline or Timeline(rank, self.stage, enabled=False)
         self.track_memory = track_memory
-        self.stage_group = stage_group
-        self.shared_params = list(shared_params)
         self.stats = StepStats()
         module._pipeline = self
         # Activations go downstream on one link, gradients upstream on the other.
         self.activations = comm.Link(device, p2p_groups[0])
         self.gradients = comm.Link(device, p2p_groups[1])
-        # Replicated stages sum their gradients while the step's last backward still runs.
-        self.reducer = GradientReducer(module.parameters(), stage_group) if stage_group is not None else None
+        # Gradients are summed while the step's last backward still runs: the stage's over its
+        # replicas, the parameters outside the Sequential over every rank.
+        self.reducers: list[GradientReducer] = []
+        if stage_group is not None:
+            self.reducers.append(GradientReducer(module.parameters(), stage_group))
+        shared = [p for p in shared_params if p.requires_grad]
+        if shared and dist.is_initialized() and dist.get_world_size() > 1:
+            self.reducers.append(GradientReducer(shared, None))
         self._param_storages = {p.untyped_storage().data_ptr() for p in module.parameters()}
         # Per-call state, set by `run` around each user step call.
         self._input: list[torch.Tensor] | None = None
@@ -220,8 +225,9 @@ class Pipeline:
         try:
             for index, action in enumerate(actions):
                 m = action.micro_batch
-                if index == last_backward and self.reducer is not None:
-                    self.reducer.arm()
+                if index == last_backward:
+                    for reducer in self.reducers:
+                        reducer.arm()
                 if action.kind == "F":
                     sent[m] = comm.Pending()
                     live[m] = self._forward(
@@ -241,8 +247,8 @@ class Pipeline:
             # the original error.
             for outstanding in (*sent.values(), pending):
                 outstanding.abandon()
-            if self.reducer is not None:
-                self.reducer.abandon()
+            for reducer in self.reducers:
+                reducer.abandon()
             raise
         finally:
             self._input = self._output = None
@@ -253,17 +259,15 @@ class Pipeline:
 
     def close(self) -> None:
         """Detach from the module: remove the gradient hooks and the stage call's redirection."""
-        if self.reducer is not None:
-            self.reducer.remove()
+        for reducer in self.reducers:
+            reducer.remove()
         if self.module._pipeline is self:
             self.module._pipeline = None
 
     def _sync_gradients(self) -> None:
         with self.timeline.span("allreduce"):
-            if self.reducer is not None:
-                self.reducer.finish()
-            if self.shared_params and dist.is_initialized() and dist.get_world_size() > 1:
-                allreduce_gradients(self.shared_params, None)
+            for reducer in self.reducers:
+                reducer.finish()
 
     # --------------------------------------------------------------------- the stage call
 
@@ -546,43 +550,6 @@ class GradientReducer:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-
-
-def allreduce_gradients(
-    params: Iterable[nn.Parameter], group: dist.ProcessGroup | None, *, bucket_bytes: int = 25 * 2**20
-) -> None:
-    """Sum ``.grad`` of ``params`` over ``group``; a rank without a gradient contributes zeros.
-
-    A parameter keeps ``grad=None`` only if no rank produced a gradient for it (as on one device).
-    """
-    params = [p for p in params if p.requires_grad]
-    if not params:
-        return
-    has = torch.tensor([p.grad is not None for p in params], dtype=torch.float32)
-    dist.all_reduce(has, group=group)
-    buckets: list[list[nn.Parameter]] = [[]]
-    size = 0
-    for p in params:
-        if size and size + p.numel() * p.element_size() > bucket_bytes:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(p)
-        size += p.numel() * p.element_size()
-    for bucket in buckets:
-        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
-        for p in bucket:
-            by_dtype.setdefault(p.dtype, []).append(p)
-        for same in by_dtype.values():
-            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in same])
-            dist.all_reduce(flat, group=group)
-            offset = 0
-            for p in same:
-                n = p.numel()
-                p.grad = flat[offset : offset + n].view_as(p).clone() if len(same) > 1 else flat.view_as(p)
-                offset += n
-    for p, flag in zip(params, has.tolist()):
-        if flag == 0:
-            p.grad = None
 
 
 def p2p_groups(**kwargs: Any) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:

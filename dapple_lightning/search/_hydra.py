@@ -40,12 +40,11 @@ from dapple_lightning.search._study import (
     best_trial,
     create_sampler,
     distinct_finished,
+    draw_plan,
     finished_count,
     mark_interrupted,
     recover_stale_trials,
     repeat_trial,
-    runner_info,
-    same_plan,
     trial_plan,
 )
 
@@ -245,13 +244,7 @@ def run_sweep(sweeper: Any, settings: SweepSettings, arguments: list[str]) -> li
         batch: list[tuple[optuna.Trial, Plan]] = []
         for _ in range(min(settings.n_jobs, settings.n_trials - done)):
             trial = study.ask()
-            trial.set_user_attr("runner", runner_info())
-            if "source" not in trial.user_attrs:
-                trial.set_user_attr("source", "sampler")
-            plan = space.suggest(trial)
-            trial.set_user_attr("plan", plan.to_dict())
-            trial.set_user_attr("plan_str", describe_plan(plan))
-            previous = same_plan(study, trial)
+            plan, previous = draw_plan(study, trial, space)
             if previous is not None:
                 log.info(f"trial {trial.number}: {repeat_trial(study, trial, previous)}")
                 repeats.repeated(study, space)

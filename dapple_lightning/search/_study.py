@@ -393,6 +393,19 @@ def recover_stale_trials(study: optuna.Study) -> list[int]:
     return [t.number for t in stale]
 
 
+def draw_plan(study: optuna.Study, trial: optuna.Trial, space: PlanSpace) -> tuple[Plan, FrozenTrial | None]:
+    """Draw ``trial``'s plan from ``space`` and record on the trial who runs it, where the plan
+    came from (the sampler unless a queued trial says otherwise) and the plan itself; also the
+    earlier finished trial of the same plan, if there is one (see :func:`same_plan`)."""
+    trial.set_user_attr("runner", runner_info())
+    if "source" not in trial.user_attrs:
+        trial.set_user_attr("source", "sampler")
+    plan = space.suggest(trial)
+    trial.set_user_attr("plan", plan.to_dict())
+    trial.set_user_attr("plan_str", describe_plan(plan))
+    return plan, same_plan(study, trial)
+
+
 def same_plan(study: optuna.Study, trial: optuna.Trial) -> FrozenTrial | None:
     """An earlier counted finished trial of the same plan: measuring it again would only re-sample noise."""
     skip = interrupted_trials(study)
@@ -673,13 +686,7 @@ class PlanSearch:
         cfg = self.config
         trial = study.ask()
         try:
-            trial.set_user_attr("runner", runner_info())
-            if "source" not in trial.user_attrs:
-                trial.set_user_attr("source", "sampler")
-            plan = space.suggest(trial)
-            trial.set_user_attr("plan", plan.to_dict())
-            trial.set_user_attr("plan_str", describe_plan(plan))
-            previous = same_plan(study, trial)
+            plan, previous = draw_plan(study, trial, space)
             if previous is not None:
                 self._progress(study, trial.number, repeat_trial(study, trial, previous))
                 explore = self._repeats.repeated(study, space)

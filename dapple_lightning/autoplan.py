@@ -31,7 +31,7 @@ from torch import nn
 
 from dapple_lightning.plan import Plan
 from dapple_lightning.planner import GB, Cluster, ModelProfile, PlannedPlan, estimate, plan_dapple
-from dapple_lightning.planner._measure import profile_layers
+from dapple_lightning.planner._measure import fixed_part, profile_layers
 from dapple_lightning.runtime import StageExit
 
 __all__ = [
@@ -122,19 +122,28 @@ class _Capture(nn.Module):
         raise StageExit
 
 
+@contextmanager
+def _standing_in(
+    module: nn.Module, set_sequential: Callable[[nn.Module], None], sequential: nn.Module, stand_in: nn.Module
+):
+    """Within the block, ``stand_in`` replaces the Sequential and ``module.log`` does nothing
+    (the user's step may log); both are put back after."""
+    set_sequential(stand_in)
+    module.log = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        del module.log
+        set_sequential(sequential)
+
+
 def capture_sequential_input(
     module: nn.Module, set_sequential: Callable[[nn.Module], None], sequential: nn.Module, step: Callable[[], Any]
 ) -> Any:
     """Run ``step`` (the user's training_step on a batch) until it calls the Sequential; return its input."""
     capture = _Capture()
-    set_sequential(capture)
-    module.log = lambda *args, **kwargs: None  # the step may log before it reaches the layers
-    try:
-        with torch.no_grad(), suppress(StageExit):
-            step()
-    finally:
-        del module.log
-        set_sequential(sequential)
+    with _standing_in(module, set_sequential, sequential, capture), torch.no_grad(), suppress(StageExit):
+        step()
     if capture.value is None:
         raise RuntimeError(
             "plan='auto' ran training_step once to find the Sequential's input, but the step never called it; "
@@ -173,25 +182,22 @@ def time_step_outside(
         output = sequential(sequential_input)
     if not isinstance(output, torch.Tensor):
         return 0.0, 0.0  # a tuple output: the step's own code is not timed (rare; small)
-    set_sequential(_Replay(output))
-    module.log = lambda *args, **kwargs: None
     forward: list[float] = []
     backward: list[float] = []
     try:
-        for run in range(warmup + repeats):
-            t0 = time.perf_counter()
-            result = step()
-            t1 = time.perf_counter()
-            loss = result.get("loss") if isinstance(result, dict) else result
-            if isinstance(loss, torch.Tensor) and loss.requires_grad:
-                loss.backward()
-            t2 = time.perf_counter()
-            if run >= warmup:
-                forward.append(t1 - t0)
-                backward.append(t2 - t1)
+        with _standing_in(module, set_sequential, sequential, _Replay(output)):
+            for run in range(warmup + repeats):
+                t0 = time.perf_counter()
+                result = step()
+                t1 = time.perf_counter()
+                loss = result.get("loss") if isinstance(result, dict) else result
+                if isinstance(loss, torch.Tensor) and loss.requires_grad:
+                    loss.backward()
+                t2 = time.perf_counter()
+                if run >= warmup:
+                    forward.append(t1 - t0)
+                    backward.append(t2 - t1)
     finally:
-        del module.log
-        set_sequential(sequential)
         module.zero_grad(set_to_none=True)
     return statistics.median(forward), statistics.median(backward)
 
@@ -206,9 +212,8 @@ def _with_step_outside(
     last["forward_s"] += fwd
     last["backward_s"] += bwd
     if small is not None:
-        for part, value, index in (("forward", fwd, 1), ("backward", bwd, 2)):
-            slope = max(value - small[index], 0.0) / (big[0] - small[0])
-            last[f"{part}_fixed_s"] += min(max(value - slope * big[0], 0.0), value)
+        last["forward_fixed_s"] += fixed_part(fwd, small[1], big[0], small[0])
+        last["backward_fixed_s"] += fixed_part(bwd, small[2], big[0], small[0])
     return ModelProfile.from_dict(data)
 
 

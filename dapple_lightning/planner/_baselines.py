@@ -47,8 +47,16 @@ def _planned(model: CostModel, est: Estimate | None, method: str, dp_step: float
     return planned.with_speedup(dp_step)
 
 
-def _model(profile: ModelProfile, cluster: Cluster, global_batch: int, optimizer_factor: float) -> CostModel:
-    return CostModel(profile, cluster, global_batch, optimizer_factor)
+def _setup(
+    profile: ModelProfile,
+    cluster: Cluster,
+    global_batch: int,
+    optimizer_factor: float,
+    micro_batches: Sequence[int] | None,
+) -> tuple[CostModel, tuple[int, ...]]:
+    """The cost model every baseline is judged by, and the micro-batch counts to try."""
+    candidates = tuple(micro_batches) if micro_batches is not None else micro_batch_candidates(global_batch)
+    return CostModel(profile, cluster, global_batch, optimizer_factor), candidates
 
 
 def data_parallel_plan(
@@ -63,8 +71,7 @@ def data_parallel_plan(
 
     Micro-batches here are gradient accumulation: one micro-batch of activations at a time.
     """
-    model = _model(profile, cluster, global_batch, optimizer_factor)
-    candidates = tuple(micro_batches) if micro_batches is not None else micro_batch_candidates(global_batch)
+    model, candidates = _setup(profile, cluster, global_batch, optimizer_factor, micro_batches)
     world = cluster.world_size
     plans = (Plan.data_parallel(profile.num_layers, world, m) for m in candidates)
     est = best_over_micro_batches(model, plans)
@@ -81,8 +88,7 @@ def straight_plan(
     optimizer_factor: float = 2.0,
 ) -> PlannedPlan | None:
     """A balanced straight pipeline (see the module docstring) with its best micro-batch count."""
-    model = _model(profile, cluster, global_batch, optimizer_factor)
-    candidates = tuple(micro_batches) if micro_batches is not None else micro_batch_candidates(global_batch)
+    model, candidates = _setup(profile, cluster, global_batch, optimizer_factor, micro_batches)
     world, layers = cluster.world_size, profile.num_layers
     count = max(s for s in range(1, min(world, layers) + 1) if world % s == 0)
     weights = [x.forward_s + x.backward_s for x in profile.layers]
@@ -155,11 +161,10 @@ def pipedream_plan(
     Profiles longer than ``max_layers`` are planned on groups of consecutive layers of about
     equal forward + backward time (PipeDream's dynamic program is cubic in layers).
     """
-    model = _model(profile, cluster, global_batch, optimizer_factor)
-    candidates = tuple(micro_batches) if micro_batches is not None else micro_batch_candidates(global_batch)
+    model, candidates = _setup(profile, cluster, global_batch, optimizer_factor, micro_batches)
     counts = replica_candidates(cluster)
     coarse, bounds = _grouped(profile, max_layers)
-    coarse_model = _model(coarse, cluster, global_batch, optimizer_factor)
+    coarse_model = CostModel(coarse, cluster, global_batch, optimizer_factor)
     plans: list[Plan] = []
     for m in candidates:
         stages = _pipedream_stages(coarse_model, m, counts)

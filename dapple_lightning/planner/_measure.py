@@ -16,7 +16,7 @@ from dapple_lightning.planner._profile import LayerProfile, ModelProfile
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["profile_layers"]
+__all__ = ["fixed_part", "profile_layers"]
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -119,7 +119,7 @@ def profile_layers(
     if small_batch is not None:
         small, _ = _time_layers(modules, _rows(sample_input, small_batch), repeats, warmup, device)
         fixed = [
-            (_intercept(big_f, small_f, batch, small_batch), _intercept(big_b, small_b, batch, small_batch))
+            (fixed_part(big_f, small_f, batch, small_batch), fixed_part(big_b, small_b, batch, small_batch))
             for (big_f, big_b), (small_f, small_b) in zip(timed, small)
         ]
     profiles: list[LayerProfile] = []
@@ -181,7 +181,7 @@ def _time_layers(
     return times, output_bytes
 
 
-def _intercept(big: float, small: float, big_rows: int, small_rows: int) -> float:
+def fixed_part(big: float, small: float, big_rows: int, small_rows: int) -> float:
     """Time at zero rows of the line through (small_rows, small) and (big_rows, big), within [0, big]."""
     slope = max(big - small, 0.0) / (big_rows - small_rows)
     return min(max(big - slope * big_rows, 0.0), big)

@@ -61,7 +61,6 @@ def _plan(cuts: list[int], layers: int, m: int, schedule: str = "dapple", replic
 
 MODELS: dict[str, dict[str, Any]] = {
     "transformer": {
-        "layers": 10,
         "plans": {
             "dp M=1": _plan([], 10, 1, replicas=2),
             "dp M=4": _plan([], 10, 4, replicas=2),
@@ -74,7 +73,6 @@ MODELS: dict[str, dict[str, Any]] = {
         },
     },
     "vgg": {
-        "layers": 7,
         "plans": {
             "dp M=1": _plan([], 7, 1, replicas=2),
             "dp M=2": _plan([], 7, 2, replicas=2),
@@ -101,16 +99,15 @@ def label(plan: dict) -> str:
 
 
 def build(model: str, total_steps: int):
-    """The LightningModule and a DataLoader of ``total_steps`` global batches (generated, seeded)."""
+    """The LightningModule and a dataset of ``total_steps`` global batches (generated, seeded)."""
     import torch
     from torch.utils.data import TensorDataset
 
     if model == "transformer":
-        from benchmarks.search_models import Transformer
+        from benchmarks.search_models import transformer
 
-        gen = torch.Generator().manual_seed(1234)
-        tokens = torch.randint(0, 512, (total_steps * BATCH, 65), generator=gen)
-        return Transformer(), TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+        module, loader = transformer(BATCH, batches=total_steps)
+        return module, loader.dataset
     from cnn_model import Gratings, VGGNet
 
     torch.manual_seed(1234)

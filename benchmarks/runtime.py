@@ -71,38 +71,34 @@ from benchmarks._harness import (  # noqa: E402
     write_record,
 )
 
-VOCAB, D_MODEL, HEADS, FFN, BLOCKS = 512, 256, 4, 1024, 8
+D_MODEL, BLOCKS = 256, 8  # the reference model of benchmarks/search_models.py: vocab 512, 4 heads, FFN 1024
 BATCH, SEQ = 64, 64
 SPLIT = 5  # stage 0: layers [0, 5) = embedding + 4 blocks; stage 1: [5, 10) = 4 blocks + head
 STAGES = 2
 SYSTEMS = ("single", "ddp", "torch-gpipe", "torch-1f1b", "dapple-gpipe", "dapple")
 PIPELINES = ("torch-gpipe", "torch-1f1b", "dapple-gpipe", "dapple")
 LR = 1e-3
-SEED = 1234
 
 
 # ============================================================================ workers
 
 
-def build_layers():
-    import torch
-    from torch import nn
+def reference(num_batches: int):
+    """The reference LightningModule (``benchmarks/search_models.py``: the model, seeded weights
+    and SGD every system uses) and its data: seeded random tokens, the target of position t the
+    token at t + 1, as ``(inputs, targets)`` of ``num_batches`` global batches."""
+    from benchmarks.search_models import transformer
 
-    torch.manual_seed(SEED)
-    blocks = [
-        nn.TransformerEncoderLayer(D_MODEL, HEADS, dim_feedforward=FFN, dropout=0.0, batch_first=True)
-        for _ in range(BLOCKS)
-    ]
-    return nn.Sequential(nn.Embedding(VOCAB, D_MODEL), *blocks, nn.Linear(D_MODEL, VOCAB))
+    module, loader = transformer(BATCH, seq=SEQ, batches=num_batches, blocks=BLOCKS)
+    return module, loader.dataset.tensors
+
+
+def build_layers():
+    return reference(0)[0].layers
 
 
 def make_data(num_batches: int):
-    """Seeded random tokens; the target of position t is the token at t + 1."""
-    import torch
-
-    gen = torch.Generator().manual_seed(SEED)
-    tokens = torch.randint(0, VOCAB, (num_batches * BATCH, SEQ + 1), generator=gen)
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    return reference(num_batches)[1]
 
 
 def worker_single(args: argparse.Namespace) -> None:
@@ -162,27 +158,12 @@ def worker_torch_pipeline(args: argparse.Namespace) -> None:
 
 
 def worker_lightning(args: argparse.Namespace) -> None:
-    import lightning.pytorch as pl
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
     from torch.utils.data import DataLoader, TensorDataset
 
     torch.set_num_threads(1)
-
-    class Reference(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layers = build_layers()
-
-        def training_step(self, batch, batch_idx):
-            tokens, targets = batch
-            return F.cross_entropy(self.layers(tokens).flatten(0, 1), targets.flatten())
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=LR)
-
-    x, y = make_data(args.total_steps)
+    module, (x, y) = reference(args.total_steps)
     if args.worker == "ddp":
         strategy: Any = "ddp"
         batch_size = BATCH // 2  # the injected DistributedSampler gives each rank half the rows
@@ -198,7 +179,7 @@ def worker_lightning(args: argparse.Namespace) -> None:
         batch_size = BATCH  # the plan acts as one device: every rank sees the global batch
     trainer, timer = timed_trainer(strategy, 2, args.total_steps)
     loader = DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False)
-    trainer.fit(Reference(), train_dataloaders=loader)
+    trainer.fit(module, train_dataloaders=loader)
     rank = trainer.global_rank
     record: dict[str, Any] = dict(timer.rec.data)
     if args.worker != "ddp":

@@ -26,12 +26,14 @@ after the current one has been fully received.
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["MAX_DIMS", "MAX_TENSORS", "Incoming", "Link", "Pending", "Signature"]
+__all__ = ["MAX_DIMS", "MAX_TENSORS", "Incoming", "Link", "Pending", "Signature", "share"]
 
 MAX_TENSORS = 16
 MAX_DIMS = 8
@@ -188,3 +190,25 @@ class Link:
     def recv(self, src: int, rows: int) -> tuple[list[torch.Tensor], bool]:
         """Receive the next message from ``src`` now (post and wait)."""
         return self.post(src, rows).wait()
+
+
+def share(value: Any, src: int, device: torch.device, pending: Pending) -> Any:
+    """``value`` of rank ``src`` on every rank of the default group (collective).
+
+    Unlike ``broadcast_object_list``, ``src`` does not wait: its broadcasts go into ``pending``
+    (wait on it before the tensors may be reused, e.g. at the next call). A pipeline's last
+    stage shares its loss this way and goes on to its optimizer step while the first stages
+    still drain their last backwards.
+    """
+    if dist.get_rank() == src:
+        payload = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8).to(device)
+        size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+        for tensor in (size, payload):
+            pending.works.append(dist.broadcast(tensor, src, async_op=True))
+            pending.tensors.append(tensor)
+        return value
+    size = torch.empty(1, dtype=torch.int64, device=device)
+    dist.broadcast(size, src)
+    payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(payload, src)
+    return pickle.loads(payload.cpu().numpy().tobytes())

@@ -54,6 +54,7 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader, RandomSampler
 from typing_extensions import override
 
+from dapple_lightning import comm
 from dapple_lightning.checkpoint import by_name, to_local, to_single_device
 from dapple_lightning.microbatch import Rows, batch_size_of, slice_batch
 from dapple_lightning.plan import Plan
@@ -142,6 +143,7 @@ class DappleStrategy(ParallelStrategy):
         self._full_optimizer_names: list[list[list[str]]] = []
         self._sequential: tuple[str, nn.Sequential] | None = None
         self._failed = False
+        self._shared = comm.Pending()  # the last stage's loss broadcasts, in flight
         self.auto_plan: Any = None
         """With ``plan="auto"``: the profile, cluster and prediction behind the chosen plan."""
         self._shuffle_seed = 0
@@ -525,9 +527,8 @@ class DappleStrategy(ParallelStrategy):
             loss = float(flat[0])
             values = {n: (float(v), values[n][1]) for n, v in zip(names, flat[1:].tolist())}
         if self.world_size > len(last_ranks):  # ranks outside the last stage learn the values
-            box = [(loss, values)]
-            dist.broadcast_object_list(box, src=last_ranks[0])
-            loss, values = box[0]
+            self._shared.wait()  # the previous step's, long done
+            loss, values = comm.share((loss, values), last_ranks[0], self.root_device, self._shared)
         return loss, values
 
     def _log_combined(self, values: dict[str, tuple[float, dict]]) -> None:
@@ -652,6 +653,10 @@ class DappleStrategy(ParallelStrategy):
     def teardown(self) -> None:
         if self._pipeline is not None and self._trace_path is not None and not self._failed:
             self._write_trace()
+        if self._failed:
+            self._shared.abandon()
+        else:
+            self._shared.wait()
         if self._pipeline is not None:
             self._pipeline.close()
         if self._stage_module is not None:

@@ -6,12 +6,13 @@ Runs inside the strategy's ``setup`` on every rank, before the model is partitio
    order are saved and restored, so training still sees the batches it would have seen);
 2. run the user's ``training_step`` until it reaches the Sequential, to learn the
    Sequential's input;
-3. time every layer's forward and backward on this rank's device, at two batch sizes (so that
-   small micro-batches are priced at what they cost), and the user's optimizer's step over
-   each layer's parameters (the ranks' times are averaged, so every rank plans from the same
-   numbers);
+3. time every layer's forward and backward on this rank's device, run as a chain at two batch
+   sizes (so that small micro-batches are priced at what they cost), what adding into
+   existing gradients costs, and the user's optimizer's step over each layer's parameters
+   (the ranks' times are averaged, so every rank plans from the same numbers);
 4. time point-to-point and all-reduce messages on the real process group;
-5. run the DAPPLE planner on rank 0 and broadcast its choice.
+5. run the DAPPLE planner on rank 0 (a pipeline must be predicted clearly faster than pure
+   data parallelism, see :func:`pick`) and broadcast its choice.
 """
 
 from __future__ import annotations
@@ -41,8 +42,14 @@ __all__ = [
     "draw_batch",
     "measure_cluster",
     "optimizer_factory",
+    "pick",
     "time_step_outside",
 ]
+
+
+DATA_PARALLEL_MARGIN = 0.1
+"""How much faster than pure data parallelism a pipeline must be predicted to be chosen: the
+cost model's error target on real machines (``docs/benchmarks.md``)."""
 
 
 @dataclass(frozen=True)
@@ -55,6 +62,8 @@ class AutoPlan:
     profile: ModelProfile
     cluster: Cluster
     profiling_s: float
+    declined_pipeline_s: float | None = None
+    """Predicted step of the best pipeline when it won by less than the margin (see :func:`choose_plan`)."""
 
     def report(self) -> str:
         lines = [
@@ -67,6 +76,13 @@ class AutoPlan:
         ]
         if self.data_parallel_step_s is None:
             lines.append(f"predicted {self.predicted_step_s * 1e3:.1f} ms/step; pure data parallelism does not fit")
+        elif self.declined_pipeline_s is not None:
+            gain = 1.0 - self.declined_pipeline_s / self.data_parallel_step_s
+            lines.append(
+                f"predicted {self.predicted_step_s * 1e3:.1f} ms/step; the best pipeline was predicted "
+                f"{self.declined_pipeline_s * 1e3:.1f} ms ({gain:.0%} faster), within the cost model's margin of "
+                "error, so data parallelism it is"
+            )
         elif self.plan.num_stages == 1:
             lines.append(
                 f"predicted {self.predicted_step_s * 1e3:.1f} ms/step: no pipeline beats pure data parallelism here"
@@ -297,7 +313,7 @@ def measure_cluster(device: torch.device, *, nodes: int = 1, repeats: int = 5) -
     )
 
 
-_TIMES = ("forward_s", "backward_s", "forward_fixed_s", "backward_fixed_s", "update_s")
+_TIMES = ("forward_s", "backward_s", "forward_fixed_s", "backward_fixed_s", "update_s", "accumulate_s")
 
 
 def _averaged(profile: ModelProfile) -> ModelProfile:
@@ -351,6 +367,32 @@ def _first_optimizer(value: Any) -> torch.optim.Optimizer | None:
     return None
 
 
+def pick(
+    profile: ModelProfile,
+    cluster: Cluster,
+    global_batch: int,
+    *,
+    optimizer_factor: float = 2.0,
+    margin: float = DATA_PARALLEL_MARGIN,
+) -> tuple[Plan, float, float | None, float | None]:
+    """The planner's best plan, unless it is a pipeline predicted less than ``margin`` faster
+    than pure data parallelism over every device (M = 1). Returns the plan, its predicted
+    step, data parallelism's (``None`` when it does not fit in memory) and the predicted
+    step of a pipeline turned down for data parallelism (else ``None``)."""
+    if not 0.0 <= margin < 1.0:
+        raise ValueError(f"margin must be in [0, 1), got {margin!r}")
+    best: PlannedPlan = plan_dapple(profile, cluster, global_batch, optimizer_factor=optimizer_factor)[0]
+    dp_plan = Plan.data_parallel(profile.num_layers, cluster.world_size)
+    try:
+        dp = estimate(dp_plan, profile, cluster, global_batch, optimizer_factor=optimizer_factor)
+    except ValueError:  # fewer samples than devices: data parallelism cannot run at all
+        return best.plan, best.predicted_step_s, None, None
+    dp_step = dp.step_s if dp.fits else None
+    if best.plan.num_stages > 1 and dp_step is not None and best.predicted_step_s > (1.0 - margin) * dp_step:
+        return dp_plan, dp_step, dp_step, best.predicted_step_s
+    return best.plan, best.predicted_step_s, dp_step, None
+
+
 def choose_plan(
     sequential: nn.Sequential,
     sample_input: Any,
@@ -361,19 +403,26 @@ def choose_plan(
     optimizer_factor: float = 2.0,
     optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
     step_outside: Callable[[int], tuple[float, float]] | None = None,
+    margin: float = DATA_PARALLEL_MARGIN,
 ) -> AutoPlan:
     """Profile, measure and plan (collective on every rank); the plan is rank 0's choice.
 
+    A pipeline is chosen over pure data parallelism only when it is predicted at least
+    ``margin`` faster (a share of the data-parallel step): closer than that, the prediction
+    cannot tell them apart, and data parallelism has no bubble to misjudge.
+
     ``sample_input`` should have about as many rows as a device runs per micro-batch at most;
-    the layers are timed on it and on a quarter of it. ``optimizer`` (see
+    the layers are timed on it and on an eighth of it. ``optimizer`` (see
     :func:`optimizer_factory`) lets the profile include each layer's optimizer step;
     ``step_outside(rows)`` (see :func:`time_step_outside`) the step's own time on ``rows`` rows.
     """
     start = time.perf_counter()
+    if not 0.0 <= margin < 1.0:  # before the profiling, not after
+        raise ValueError(f"margin must be in [0, 1), got {margin!r}")
     rows = _batch_rows(sample_input)
-    small = max(1, rows // 4) if rows > 1 else None
+    small = max(1, rows // 8) if rows > 1 else None
     profile = profile_layers(
-        list(sequential), sample_input, repeats=3, warmup=1, small_batch=small, optimizer=optimizer
+        list(sequential), sample_input, repeats=5, warmup=2, small_batch=small, optimizer=optimizer
     )
     if step_outside is not None:
         big = (rows, *step_outside(rows))
@@ -383,10 +432,13 @@ def choose_plan(
     world = dist.get_world_size() if dist.is_initialized() else 1
     box: list[Any] = [None]
     if not dist.is_initialized() or dist.get_rank() == 0:
-        best: PlannedPlan = plan_dapple(profile, cluster, global_batch, optimizer_factor=optimizer_factor)[0]
-        dp = estimate(Plan.data_parallel(len(sequential), world), profile, cluster, global_batch)
-        box = [(best.plan.to_dict(), best.predicted_step_s, None if dp is None else dp.step_s)]
+        chosen, predicted, dp_step, declined = pick(
+            profile, cluster, global_batch, optimizer_factor=optimizer_factor, margin=margin
+        )
+        box = [(chosen.to_dict(), predicted, dp_step, declined)]
     if dist.is_initialized() and world > 1:
         dist.broadcast_object_list(box, 0)
-    plan_dict, predicted, dp_step = box[0]
-    return AutoPlan(Plan.coerce(plan_dict), predicted, dp_step, profile, cluster, time.perf_counter() - start)
+    plan_dict, predicted, dp_step, declined = box[0]
+    return AutoPlan(
+        Plan.coerce(plan_dict), predicted, dp_step, profile, cluster, time.perf_counter() - start, declined
+    )

@@ -195,6 +195,7 @@ def _grouped(profile: ModelProfile, most: int) -> tuple[ModelProfile, list[int]]
                 forward_fixed_s=sum(x.forward_fixed_s for x in chunk),
                 backward_fixed_s=sum(x.backward_fixed_s for x in chunk),
                 update_s=sum(x.update_s for x in chunk),
+                accumulate_s=sum(x.accumulate_s for x in chunk),
                 optimizer_state_bytes=None
                 if any(x.optimizer_state_bytes is None for x in chunk)
                 else sum(x.optimizer_state_bytes for x in chunk),

@@ -6,7 +6,8 @@ replica runs ``n_s = ceil(G / (M r_s))`` samples; times and activation bytes sca
 from the profile batch (see ``_profile``).
 
 Per stage ``s`` and micro-batch: ``F_s``, ``B_s`` (forward, backward of the slowest replica;
-affine in its samples, see ``_profile``), ``AR_s`` (ring all-reduce of the stage's gradients
+affine in its samples, see ``_profile``; ``B_s`` also carries the average cost of adding into
+gradients that earlier micro-batches created, ``accumulate_s (M - 1) / M``), ``AR_s`` (ring all-reduce of the stage's gradients
 over its replica group, then the optimizer step over its parameters, once per step; written
 ``AR`` below for both).
 Between stages ``s`` and ``s + 1`` the whole micro-batch's activations cross the cut
@@ -256,6 +257,7 @@ class CostModel:
     _forward_fixed: tuple[float, ...] = field(init=False, repr=False, compare=False)
     _backward_fixed: tuple[float, ...] = field(init=False, repr=False, compare=False)
     _update: tuple[float, ...] = field(init=False, repr=False, compare=False)
+    _accumulate: tuple[float, ...] = field(init=False, repr=False, compare=False)
     _forward_var: tuple[float, ...] = field(init=False, repr=False, compare=False)
     _backward_var: tuple[float, ...] = field(init=False, repr=False, compare=False)
 
@@ -288,6 +290,7 @@ class CostModel:
         object.__setattr__(self, "_forward_fixed", prefix([x.forward_fixed_s for x in layers]))
         object.__setattr__(self, "_backward_fixed", prefix([x.backward_fixed_s for x in layers]))
         object.__setattr__(self, "_update", prefix([x.update_s for x in layers]))
+        object.__setattr__(self, "_accumulate", prefix([x.accumulate_s for x in layers]))
         object.__setattr__(self, "_forward_var", tuple(a - b for a, b in zip(self._forward, self._forward_fixed)))
         object.__setattr__(self, "_backward_var", tuple(a - b for a, b in zip(self._backward, self._backward_fixed)))
 
@@ -306,10 +309,20 @@ class CostModel:
 
     def affine_prefix_sums(
         self,
-    ) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
+    ) -> tuple[
+        tuple[float, ...], tuple[float, ...], tuple[float, ...], tuple[float, ...], tuple[float, ...], tuple[float, ...]
+    ]:
         """Prefix sums over layers, at the profile batch, of the batch-independent forward and
-        backward seconds, of the per-sample rest of each, and of the optimizer step seconds."""
-        return self._forward_fixed, self._backward_fixed, self._forward_var, self._backward_var, self._update
+        backward seconds, of the per-sample rest of each, of the optimizer step seconds and of
+        the backward's extra seconds when gradients are added into (see :meth:`accumulate`)."""
+        return (
+            self._forward_fixed,
+            self._backward_fixed,
+            self._forward_var,
+            self._backward_var,
+            self._update,
+            self._accumulate,
+        )
 
     def micro_batch_size(self, micro_batches: int) -> int:
         return -(-self.global_batch // micro_batches)
@@ -333,6 +346,15 @@ class CostModel:
             - self._backward_fixed[start]
             + (self._backward_var[end] - self._backward_var[start]) * scale,
         )
+
+    @staticmethod
+    def accumulating(micro_batches: int) -> float:
+        """Share of a step's backwards that add into existing gradients: all but the first."""
+        return (micro_batches - 1) / micro_batches
+
+    def accumulate(self, start: int, end: int, micro_batches: int) -> float:
+        """Average extra seconds per backward of layers ``[start, end)`` for adding into gradients."""
+        return (self._accumulate[end] - self._accumulate[start]) * self.accumulating(micro_batches)
 
     def allreduce(self, start: int, end: int, place: Placement) -> float:
         """Gradient all-reduce of layers ``[start, end)`` over the stage's replicas."""
@@ -393,6 +415,7 @@ class CostModel:
         count = len(stages)
         samples = tuple(self.samples(m, s.replicas) for s in stages)
         fwd, bwd = zip(*(self.compute(s.start, s.end, n) for s, n in zip(stages, samples)))
+        bwd = tuple(b + self.accumulate(s.start, s.end, m) for b, s in zip(bwd, stages))
         ar = tuple(self.allreduce(s.start, s.end, p) for s, p in zip(stages, places))
         update = tuple(self.update(s.start, s.end) for s in stages)
         closing = tuple(a + u for a, u in zip(ar, update))

@@ -300,7 +300,8 @@ class _Search:
         most = model.max_replicas(m)
         _, _, pa, pp, ps = model.prefix_sums()
         # A stage's time on n samples is its fixed part + its per-sample part * n / pbs.
-        pff, pbf, vf, vb, pu = model.affine_prefix_sums()
+        pff, pbf, vf, vb, pu, pacc = model.affine_prefix_sums()
+        share = model.accumulating(m)
         fwd_lb = [x / pbs for x in vf]
         work_lb = [model.global_batch * (vf[i] + vb[i]) / pbs + m * (pff[i] + pbf[i]) for i in range(layers + 1)]
         allowed = sorted(set(range(1, layers)) if cuts is None else {c for c in cuts if 0 < c < layers})
@@ -403,6 +404,7 @@ class _Search:
                             # CostModel.compute inlined: the same operations in the same order.
                             fwd = pff[j] - pff[i] + (vf[j] - vf[i]) * scale
                             bwd = pbf[j] - pbf[i] + (vb[j] - vb[i]) * scale
+                            bwd = bwd + (pacc[j] - pacc[i]) * share  # CostModel.accumulate
                             static = ps[j] - ps[i]
                             act = (pa[j] - pa[i]) * scale
                             if static + act > cap:

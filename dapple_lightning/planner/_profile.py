@@ -11,7 +11,10 @@ overhead; real devices are less efficient at small batches), takes
 backward). With the fixed parts 0 (the default, and all a single-batch profile can tell) time
 is linear in ``b``: profile at a batch near the micro-batch size you expect per device. The
 output holds ``activation_bytes * b / P`` bytes; parameter bytes and the optimizer's
-``update_s`` (one optimizer step over the layer's parameters) do not depend on the batch.
+``update_s`` (one optimizer step over the layer's parameters) do not depend on the batch;
+neither does ``accumulate_s``, what a backward costs on top of ``backward_s`` when the
+parameters' gradients already hold a value: a step's first micro-batch creates them, each later
+one adds into them, so a stage's backward averages ``accumulate_s * (M - 1) / M`` extra.
 
 **JSON schema** (``ModelProfile.save`` / ``ModelProfile.load``; version 1)::
 
@@ -25,7 +28,7 @@ output holds ``activation_bytes * b / P`` bytes; parameter bytes and the optimiz
          "activation_bytes": 384000000, "param_bytes": 6835,
          "optimizer_state_bytes": null,   # null: the planner's optimizer factor x param_bytes
          "forward_fixed_s": 0.0001, "backward_fixed_s": 0.0002,   # optional, default 0
-         "update_s": 0.00002},            # optional, default 0
+         "update_s": 0.00002, "accumulate_s": 0.00001},            # optional, default 0
         ...
       ],
       "cut_bytes": [0, 384000000, ..., 0]   # len(layers) + 1 entries, see ModelProfile.cut_bytes
@@ -97,6 +100,8 @@ class LayerProfile:
     """The part of ``backward_s`` that does not scale with the samples (at most ``backward_s``)."""
     update_s: float = 0.0
     """Seconds of one optimizer step over the layer's parameters."""
+    accumulate_s: float = 0.0
+    """Extra backward seconds when the parameters' gradients already exist (added into, not created)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
@@ -121,7 +126,8 @@ class LayerProfile:
                     "the fixed part is a share of the time at the profile batch"
                 )
             object.__setattr__(self, f"{part}_fixed_s", fixed)
-        object.__setattr__(self, "update_s", _number(self.update_s, f"layer {self.name!r} update_s"))
+        for name in ("update_s", "accumulate_s"):
+            object.__setattr__(self, name, _number(getattr(self, name), f"layer {self.name!r} {name}"))
 
     def optimizer_bytes(self, factor: float) -> float:
         """Optimizer state bytes: the explicit value, else ``factor * param_bytes`` (Adam: 2)."""
@@ -140,6 +146,7 @@ class LayerProfile:
             "forward_fixed_s": self.forward_fixed_s,
             "backward_fixed_s": self.backward_fixed_s,
             "update_s": self.update_s,
+            "accumulate_s": self.accumulate_s,
         }
 
     @classmethod
@@ -150,7 +157,7 @@ class LayerProfile:
         missing = [k for k in required if k not in data]
         if missing:
             raise ValueError(f"layer profile {dict(data)!r} lacks keys {missing}; required: {list(required)}")
-        optional = ("optimizer_state_bytes", "forward_fixed_s", "backward_fixed_s", "update_s")
+        optional = ("optimizer_state_bytes", "forward_fixed_s", "backward_fixed_s", "update_s", "accumulate_s")
         unknown = set(data) - {*required, *optional}
         if unknown:
             raise ValueError(

@@ -122,6 +122,18 @@ def test_fixed_time_per_call_and_the_optimizer_step():
     assert estimate(Plan((Stage(0, 1, 2),), 2), linear, SLOW, 8).forward_s == (1.0,)
 
 
+def test_adding_into_gradients_costs_every_micro_batch_after_the_first():
+    # 0.4 s extra per backward that adds into existing gradients: M = 4 micro-batches, the
+    # first creates the gradients, the other 3 add, so each backward averages 0.3 s more.
+    layer = LayerProfile("a", 1.0, 2.0, 0, 0, accumulate_s=0.4)
+    profile = ModelProfile((layer,), profile_batch_size=4)
+    est = estimate(Plan((Stage(0, 1, 1),), 4), profile, SLOW, 4)
+    assert est.backward_s == (2.0 / 4 + 0.3,)
+    assert est.step_s == 4 * (1.0 / 4 + 2.0 / 4) + 3 * 0.4
+    # One micro-batch never adds into gradients.
+    assert estimate(Plan((Stage(0, 1, 1),), 1), profile, SLOW, 4).backward_s == (2.0,)
+
+
 def test_fixed_part_cannot_exceed_the_time():
     with pytest.raises(ValueError, match=r"forward_fixed_s .* exceeds forward_s"):
         LayerProfile("a", 1.0, 1.0, 0, 0, forward_fixed_s=2.0)

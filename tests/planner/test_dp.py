@@ -77,6 +77,7 @@ def profiles(draw):
                 forward_fixed_s=forward * draw(st.floats(0.0, 1.0)) if affine else 0.0,
                 backward_fixed_s=backward * draw(st.floats(0.0, 1.0)) if affine else 0.0,
                 update_s=draw(st.floats(0.0, 5e-3)) if affine else 0.0,
+                accumulate_s=draw(st.floats(0.0, 2e-3)) if affine else 0.0,
             )
         )
     layers = tuple(layers)

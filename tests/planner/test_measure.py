@@ -71,6 +71,17 @@ def test_small_batch_splits_each_time_into_fixed_and_per_sample_parts():
             profile_layers(layers, torch.randn(64, 64), small_batch=bad)
 
 
+def test_adding_into_existing_gradients_is_timed_for_layers_with_parameters():
+    torch.manual_seed(0)
+    # A wide layer on few rows: adding into its 4 M gradient entries is a real share of its backward.
+    layers = nn.Sequential(nn.Linear(2048, 2048), nn.ReLU())
+    for small in (None, 2):
+        profile = profile_layers(layers, torch.randn(8, 2048), repeats=5, warmup=1, small_batch=small)
+        assert profile.layers[0].accumulate_s > 0
+        assert profile.layers[1].accumulate_s == 0.0  # ReLU has no parameters
+    assert all(p.grad is None for p in layers.parameters())
+
+
 def test_optimizer_step_is_timed_and_leaves_weights_and_gradients_alone():
     torch.manual_seed(0)
     layers = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))

@@ -95,9 +95,11 @@ def random_plans(draw):
         forward, backward = draw(st.floats(0, 5e-3)), draw(st.floats(0, 1e-2))
         fixed = draw(st.sampled_from([0.0, 0.5, 1.0]))  # share of the time that does not scale
         update = draw(st.sampled_from([0.0, 1e-3]))
+        accumulate = draw(st.sampled_from([0.0, 2e-3]))
         params = draw(st.integers(0, 10**9))
         layers.append(LayerProfile(f"l{i}", forward, backward, 0, params, forward_fixed_s=forward * fixed,
-                                   backward_fixed_s=backward * fixed, update_s=update))  # fmt: skip
+                                   backward_fixed_s=backward * fixed, update_s=update,
+                                   accumulate_s=accumulate))  # fmt: skip
     cuts = (0, *(draw(st.integers(0, 2 * 10**9)) for _ in range(count - 1)), 0)
     cluster = Cluster.v100(*draw(st.sampled_from([(1, 1), (1, 2), (2, 2), (1, 4), (4, 1), (2, 4)])))
     world = cluster.world_size

@@ -9,7 +9,8 @@ Runs inside the strategy's ``setup`` on every rank, before the model is partitio
 3. time every layer's forward and backward on this rank's device, run as a chain at two batch
    sizes (so that small micro-batches are priced at what they cost), what adding into
    existing gradients costs, and the user's optimizer's step over each layer's parameters
-   (the ranks' times are averaged, so every rank plans from the same numbers);
+   (all ranks at once, as training steps them; the ranks' times are averaged, so every rank
+   plans from the same numbers);
 4. time point-to-point and all-reduce messages on the real process group;
 5. run the DAPPLE planner on rank 0 (a pipeline must be predicted clearly faster than pure
    data parallelism, see :func:`pick`) and broadcast its choice.
@@ -234,14 +235,15 @@ def _with_step_outside(
 
 
 def _timed(fn: Callable[[], Any], repeats: int) -> float:
-    # The fastest of several runs: on a busy machine a median still carries the noise of other
-    # processes, and the planner wants what the link can do.
+    # The median, not the fastest: the spread is the link's own, not the machine's noise. A
+    # gloo all-reduce of 8 MB between two idle CPU processes took 2.7 ms at best and 5.6 ms
+    # at the median of 10, and training's gradient all-reduces took the median's time.
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return min(times)
+    return statistics.median(times)
 
 
 def _bandwidth(nbytes: int, seconds: float, latency: float) -> float:
@@ -250,7 +252,7 @@ def _bandwidth(nbytes: int, seconds: float, latency: float) -> float:
     return nbytes / max(payload, 1e-9)
 
 
-def measure_cluster(device: torch.device, *, nodes: int = 1, repeats: int = 5) -> Cluster:
+def measure_cluster(device: torch.device, *, nodes: int = 1, repeats: int = 9) -> Cluster:
     """Point-to-point and all-reduce speed of the current process group (collective on every rank)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     per_node = max(world // nodes, 1)
@@ -421,8 +423,9 @@ def choose_plan(
         raise ValueError(f"margin must be in [0, 1), got {margin!r}")
     rows = _batch_rows(sample_input)
     small = max(1, rows // 8) if rows > 1 else None
+    together = dist.barrier if dist.is_initialized() and dist.get_world_size() > 1 else None
     profile = profile_layers(
-        list(sequential), sample_input, repeats=5, warmup=2, small_batch=small, optimizer=optimizer
+        list(sequential), sample_input, repeats=5, warmup=2, small_batch=small, optimizer=optimizer, in_step=together
     )
     if step_outside is not None:
         big = (rows, *step_outside(rows))

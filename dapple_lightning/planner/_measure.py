@@ -64,6 +64,7 @@ def profile_layers(
     warmup: int = 2,
     small_batch: int | None = None,
     optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None = None,
+    in_step: Callable[[], None] | None = None,
 ) -> ModelProfile:
     """Time each layer's forward and backward on the device of ``sample_input``.
 
@@ -90,6 +91,10 @@ def profile_layers(
         optimizer: Builds an optimizer over given parameters (the user's kind and settings);
             each layer's ``update_s`` is then the median time of its ``step()`` over the
             layer's parameters. Parameter values and gradients are restored afterwards.
+        in_step: Called before each layer's optimizer steps are timed. Processes that share
+            a machine's memory bandwidth (CPU ranks) slow each other's optimizer steps, which
+            training runs at the same moment on every rank; ``plan="auto"`` passes a barrier
+            so that the profile times them the same way.
 
     Raises:
         TypeError: When a layer takes or returns something other than tensors.
@@ -144,7 +149,9 @@ def profile_layers(
                 param_bytes=sum(p.numel() * p.element_size() for p in module.parameters()),
                 forward_fixed_s=fwd_fixed,
                 backward_fixed_s=bwd_fixed,
-                update_s=_time_update(params, optimizer, repeats, warmup, device) if optimizer and params else 0.0,
+                update_s=_time_update(params, optimizer, repeats, warmup, device, in_step)
+                if optimizer and params
+                else 0.0,
                 accumulate_s=added,
             )
         )
@@ -236,6 +243,7 @@ def _time_update(
     repeats: int,
     warmup: int,
     device: torch.device,
+    in_step: Callable[[], None] | None = None,
 ) -> float:
     """Median seconds of one ``step()`` of a fresh optimizer over ``params`` (values restored after)."""
     import torch
@@ -251,6 +259,8 @@ def _time_update(
         # in (an AdamW step over 2 M parameters on a CPU: 20, 12, 9, then 6 ms).
         settle = max(warmup, 3)
         for run in range(settle + repeats):
+            if in_step is not None and run in (0, settle):
+                in_step()
             _sync(device)
             start = time.perf_counter()
             opt.step()

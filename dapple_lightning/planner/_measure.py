@@ -72,10 +72,10 @@ def profile_layers(
     tuple is passed as one argument). Each run passes the input through every layer's forward,
     then runs every layer's backward in reverse, each from a random gradient shaped like its
     output and with its parameter gradients unset (as for a step's first micro-batch); after
-    ``warmup`` untimed runs, each layer's median over ``repeats`` timed runs is kept. Each timed
-    backward of a layer with parameters (on ``small_batch`` rows when given) is followed by a
-    second forward and backward that add into the gradients the first created; the median
-    difference is the layer's ``accumulate_s``. Output bytes and parameter bytes are counted. The
+    ``warmup`` untimed runs, each layer's median over ``repeats`` timed runs is kept. Each run
+    (on ``small_batch`` rows when given) is followed by a second that adds into the gradients
+    the first created; for layers with parameters, the median difference of their backwards is
+    their ``accumulate_s``. Output bytes and parameter bytes are counted. The
     profile batch size is ``sample_input``'s first dimension. Parameter gradients are cleared
     (set to ``None``) afterwards.
 
@@ -179,55 +179,59 @@ def _time_layers(
     import torch
 
     count = len(modules)
+    generator = torch.Generator(device=device).manual_seed(0)
+
+    def chain() -> tuple[list[float], list[float], list[int]]:
+        """One pass: every forward in order, then every backward in reverse; seconds and output bytes."""
+        forward_s: list[float] = []
+        outputs: list[Any] = []
+        value = sample_input
+        for module in modules:
+            # A fresh leaf per layer: its backward computes the input gradient too, as every stage
+            # but the first must, and goes no further.
+            inputs = _leaf(value)
+            _sync(device)
+            start = time.perf_counter()
+            output = module(inputs)
+            _sync(device)
+            forward_s.append(time.perf_counter() - start)
+            outputs.append(output)
+            value = _detached(output)
+        backward_s = [0.0] * count
+        for k in reversed(range(count)):
+            outs = [t for t in _tensors(outputs[k]) if t.requires_grad]
+            if outs:
+                grads = [torch.randn(t.shape, generator=generator, device=t.device, dtype=t.dtype) for t in outs]
+                _sync(device)
+                start = time.perf_counter()
+                torch.autograd.backward(outs, grads)
+                _sync(device)
+                backward_s[k] = time.perf_counter() - start
+            outputs[k] = _detached(outputs[k])  # frees the layer's graph
+        return forward_s, backward_s, [sum(t.numel() * t.element_size() for t in _tensors(o)) for o in outputs]
+
     forward_times: list[list[float]] = [[] for _ in modules]
     backward_times: list[list[float]] = [[] for _ in modules]
     added: list[list[float]] = [[] for _ in modules]
-    has_params = [any(p.requires_grad for p in m.parameters()) for m in modules]
-    generator = torch.Generator(device=device).manual_seed(0)
-    outputs: list[Any] = [None] * count
-
-    def forward(k: int, inputs: Any) -> tuple[float, Any]:
-        _sync(device)
-        start = time.perf_counter()
-        output = modules[k](inputs)
-        _sync(device)
-        return time.perf_counter() - start, output
-
-    def backward(output: Any) -> float:
-        outs = [t for t in _tensors(output) if t.requires_grad]
-        if not outs:
-            return 0.0
-        grads = [torch.randn(t.shape, generator=generator, device=t.device, dtype=t.dtype) for t in outs]
-        _sync(device)
-        start = time.perf_counter()
-        torch.autograd.backward(outs, grads)
-        _sync(device)
-        return time.perf_counter() - start
-
+    output_bytes: list[int] = []
     for run in range(warmup + repeats):
-        timed = run >= warmup
-        inputs: list[Any] = []
-        value = sample_input
-        for k in range(count):
-            # A fresh leaf per layer: its backward computes the input gradient too, as every stage
-            # but the first must, and goes no further.
-            inputs.append(_leaf(value))
-            seconds, outputs[k] = forward(k, inputs[k])
-            value = _detached(outputs[k])
-            if timed:
-                forward_times[k].append(seconds)
-        for k in reversed(range(count)):
-            seconds = backward(outputs[k])  # the gradients are created
-            if timed:
-                backward_times[k].append(seconds)
-                if accumulate and has_params[k]:
-                    added[k].append(backward(forward(k, _leaf(inputs[k]))[1]) - seconds)  # and added into
-            outputs[k] = _detached(outputs[k])  # frees the layer's graph
+        forward_s, backward_s, output_bytes = chain()  # the gradients are created
+        if accumulate:
+            # A second pass adds into them, its layers apart from one another as in training
+            # (back to back, a layer finds its gradients in cache and adds for nearly nothing).
+            _, again, _ = chain()
         for module in modules:
             module.zero_grad(set_to_none=True)
+        if run < warmup:
+            continue
+        for k in range(count):
+            forward_times[k].append(forward_s[k])
+            backward_times[k].append(backward_s[k])
+            if accumulate:
+                added[k].append(again[k] - backward_s[k])
+    has_params = [any(p.requires_grad for p in m.parameters()) for m in modules]
     times = [(statistics.median(f), statistics.median(b)) for f, b in zip(forward_times, backward_times)]
-    output_bytes = [sum(t.numel() * t.element_size() for t in _tensors(out)) for out in outputs]
-    extra = [max(statistics.median(a), 0.0) if a else 0.0 for a in added]
+    extra = [max(statistics.median(a), 0.0) if a and params else 0.0 for a, params in zip(added, has_params)]
     return times, output_bytes, extra
 
 

@@ -131,7 +131,7 @@ def worker(args: argparse.Namespace) -> None:
     else:
         from dapple_lightning import DappleStrategy
 
-        strategy = DappleStrategy("auto" if args.system == "auto" else json.loads(args.system), start_method="popen", trace=os.environ.get("DIAG_TRACE"))
+        strategy = DappleStrategy("auto" if args.system == "auto" else json.loads(args.system), start_method="popen")
         batch_size = BATCH  # every rank sees the global batch
     trainer, timer = timed_trainer(strategy, WORLD, args.total_steps)
     trainer.fit(module, train_dataloaders=DataLoader(data, batch_size=batch_size, shuffle=False))
@@ -145,7 +145,10 @@ def worker(args: argparse.Namespace) -> None:
             "profile": auto.profile.to_dict(),
             "cluster": dataclasses.asdict(auto.cluster),
             "profiling_s": auto.profiling_s,
-            "declined": auto.declined_pipeline_s,
+            "trials": [
+                {"plan": t.plan.to_dict(), "predicted_step_s": t.predicted_step_s, "measured_step_s": t.measured_step_s}
+                for t in auto.trials
+            ],
         }
     write_record(trainer.global_rank, record)
     if dist.is_initialized():

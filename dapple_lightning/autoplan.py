@@ -12,8 +12,9 @@ Runs inside the strategy's ``setup`` on every rank, before the model is partitio
    (all ranks at once, as training steps them; the ranks' times are averaged, so every rank
    plans from the same numbers);
 4. time point-to-point and all-reduce messages on the real process group;
-5. run the DAPPLE planner on rank 0 (a pipeline must be predicted clearly faster than pure
-   data parallelism, see :func:`pick`) and broadcast its choice.
+5. run the DAPPLE planner on rank 0 and broadcast its choice; when other plans are predicted
+   within the model's error of it (see :func:`shortlist`), run each for a few real steps and
+   take the fastest.
 """
 
 from __future__ import annotations
@@ -38,19 +39,33 @@ from dapple_lightning.runtime import StageExit
 
 __all__ = [
     "AutoPlan",
+    "Trial",
     "capture_sequential_input",
     "choose_plan",
     "draw_batch",
     "measure_cluster",
     "optimizer_factory",
-    "pick",
+    "shortlist",
     "time_step_outside",
+    "unchanged",
 ]
 
 
-DATA_PARALLEL_MARGIN = 0.1
-"""How much faster than pure data parallelism a pipeline must be predicted to be chosen: the
-cost model's error target on real machines (``docs/benchmarks.md``)."""
+TRIAL_MARGIN = 0.1
+"""Plans predicted within this share of the best plan's step are measured before one is chosen:
+the cost model's error target on real machines (``docs/benchmarks.md``)."""
+
+TRIAL_LIMIT = 3
+"""Most plans measured."""
+
+
+@dataclass(frozen=True)
+class Trial:
+    """A plan run for a few real steps in ``setup``."""
+
+    plan: Plan
+    predicted_step_s: float
+    measured_step_s: float
 
 
 @dataclass(frozen=True)
@@ -63,27 +78,30 @@ class AutoPlan:
     profile: ModelProfile
     cluster: Cluster
     profiling_s: float
-    declined_pipeline_s: float | None = None
-    """Predicted step of the best pipeline when it won by less than the margin (see :func:`choose_plan`)."""
+    trials: tuple[Trial, ...] = ()
+    """The close candidates measured, in the order predicted; ``plan`` is the fastest measured."""
 
     def report(self) -> str:
         lines = [
-            f"dapple plan='auto': profiled {self.profile.num_layers} layers and the process group in "
-            f"{self.profiling_s:.1f} s",
+            f"dapple plan='auto': profiled {self.profile.num_layers} layers and the process group"
+            + (f", measured {len(self.trials)} close plans," if self.trials else "")
+            + f" in {self.profiling_s:.1f} s",
             f"cluster: {self.cluster.nodes} node(s) x {self.cluster.devices_per_node} device(s), point-to-point "
             f"{self.cluster.intra_p2p_bw / GB:.2f} GB/s, all-reduce {self.cluster.intra_allreduce_bw / GB:.2f} GB/s "
             "per link",
             self.plan.table(),
         ]
+        if self.trials:
+            lines.append(f"predicted within {TRIAL_MARGIN:.0%} of each other, so measured (ms/step):")
+            width = max(len(t.plan.describe()) for t in self.trials)
+            for t in self.trials:
+                mark = "  <- chosen" if t.plan == self.plan else ""
+                lines.append(
+                    f"  {t.plan.describe():{width}}  predicted {t.predicted_step_s * 1e3:7.1f}  "
+                    f"measured {t.measured_step_s * 1e3:7.1f}{mark}"
+                )
         if self.data_parallel_step_s is None:
             lines.append(f"predicted {self.predicted_step_s * 1e3:.1f} ms/step; pure data parallelism does not fit")
-        elif self.declined_pipeline_s is not None:
-            gain = 1.0 - self.declined_pipeline_s / self.data_parallel_step_s
-            lines.append(
-                f"predicted {self.predicted_step_s * 1e3:.1f} ms/step; the best pipeline was predicted "
-                f"{self.declined_pipeline_s * 1e3:.1f} ms ({gain:.0%} faster), within the cost model's margin of "
-                "error, so data parallelism it is"
-            )
         elif self.plan.num_stages == 1:
             lines.append(
                 f"predicted {self.predicted_step_s * 1e3:.1f} ms/step: no pipeline beats pure data parallelism here"
@@ -94,6 +112,28 @@ class AutoPlan:
                 f"pure data parallelism ({self.data_parallel_step_s / self.predicted_step_s:.2f}x)"
             )
         return "\n".join(lines)
+
+
+@contextmanager
+def unchanged(module: nn.Module):
+    """Within the block, profiling and trial steps may train: afterwards the module's parameters
+    and buffers, its gradients (none) and the RNG states are as before, so that training with
+    the chosen plan starts exactly where training with that plan given by hand would."""
+    tensors = [*module.parameters(), *module.buffers()]
+    saved = [t.detach().clone() for t in tensors]
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for tensor, value in zip(tensors, saved):
+                tensor.copy_(value)
+        for param in module.parameters():
+            param.grad = None
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
 
 
 @contextmanager
@@ -369,30 +409,41 @@ def _first_optimizer(value: Any) -> torch.optim.Optimizer | None:
     return None
 
 
-def pick(
+def shortlist(
     profile: ModelProfile,
     cluster: Cluster,
     global_batch: int,
     *,
     optimizer_factor: float = 2.0,
-    margin: float = DATA_PARALLEL_MARGIN,
-) -> tuple[Plan, float, float | None, float | None]:
-    """The planner's best plan, unless it is a pipeline predicted less than ``margin`` faster
-    than pure data parallelism over every device (M = 1). Returns the plan, its predicted
-    step, data parallelism's (``None`` when it does not fit in memory) and the predicted
-    step of a pipeline turned down for data parallelism (else ``None``)."""
+    margin: float = TRIAL_MARGIN,
+    limit: int = TRIAL_LIMIT,
+) -> tuple[list[tuple[Plan, float]], float | None]:
+    """The planner's best plan and the others predicted within ``margin`` of it (a share of the
+    best's step), pure data parallelism (M = 1) among them when it is that close, at most
+    ``limit``, fastest predicted first; and data parallelism's predicted step (``None`` when it
+    does not fit in memory or the batch)."""
     if not 0.0 <= margin < 1.0:
         raise ValueError(f"margin must be in [0, 1), got {margin!r}")
-    best: PlannedPlan = plan_dapple(profile, cluster, global_batch, optimizer_factor=optimizer_factor)[0]
+    if limit < 1:
+        raise ValueError(f"limit must be >= 1, got {limit!r}")
+    found = plan_dapple(profile, cluster, global_batch, top=limit, optimizer_factor=optimizer_factor)
+    candidates = [(p.plan, p.predicted_step_s) for p in found]
     dp_plan = Plan.data_parallel(profile.num_layers, cluster.world_size)
     try:
         dp = estimate(dp_plan, profile, cluster, global_batch, optimizer_factor=optimizer_factor)
+        dp_step = dp.step_s if dp.fits else None
     except ValueError:  # fewer samples than devices: data parallelism cannot run at all
-        return best.plan, best.predicted_step_s, None, None
-    dp_step = dp.step_s if dp.fits else None
-    if best.plan.num_stages > 1 and dp_step is not None and best.predicted_step_s > (1.0 - margin) * dp_step:
-        return dp_plan, dp_step, dp_step, best.predicted_step_s
-    return best.plan, best.predicted_step_s, dp_step, None
+        dp_step = None
+    if dp_step is not None and all(plan != dp_plan for plan, _ in candidates):
+        candidates.append((dp_plan, dp_step))
+    candidates.sort(key=lambda c: c[1])
+    best = candidates[0][1]
+    close = [c for c in candidates if c[1] * (1.0 - margin) <= best]
+    chosen = close[:limit]
+    # Data parallelism is worth a measurement more than a third variant of one pipeline.
+    if limit > 1 and dp_step is not None and (dp_plan, dp_step) in close[limit:]:
+        chosen[-1] = (dp_plan, dp_step)
+    return chosen, dp_step
 
 
 def choose_plan(
@@ -405,18 +456,19 @@ def choose_plan(
     optimizer_factor: float = 2.0,
     optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
     step_outside: Callable[[int], tuple[float, float]] | None = None,
-    margin: float = DATA_PARALLEL_MARGIN,
+    trial: Callable[[Plan], float] | None = None,
+    margin: float = TRIAL_MARGIN,
 ) -> AutoPlan:
     """Profile, measure and plan (collective on every rank); the plan is rank 0's choice.
-
-    A pipeline is chosen over pure data parallelism only when it is predicted at least
-    ``margin`` faster (a share of the data-parallel step): closer than that, the prediction
-    cannot tell them apart, and data parallelism has no bubble to misjudge.
 
     ``sample_input`` should have about as many rows as a device runs per micro-batch at most;
     the layers are timed on it and on an eighth of it. ``optimizer`` (see
     :func:`optimizer_factory`) lets the profile include each layer's optimizer step;
     ``step_outside(rows)`` (see :func:`time_step_outside`) the step's own time on ``rows`` rows.
+
+    When several plans are predicted within ``margin`` of the best (see :func:`shortlist`), the
+    prediction cannot tell them apart; with ``trial`` (a collective that returns the seconds
+    per step a plan measures on the real devices), each is measured and the fastest is chosen.
     """
     start = time.perf_counter()
     if not 0.0 <= margin < 1.0:  # before the profiling, not after
@@ -435,13 +487,17 @@ def choose_plan(
     world = dist.get_world_size() if dist.is_initialized() else 1
     box: list[Any] = [None]
     if not dist.is_initialized() or dist.get_rank() == 0:
-        chosen, predicted, dp_step, declined = pick(
-            profile, cluster, global_batch, optimizer_factor=optimizer_factor, margin=margin
-        )
-        box = [(chosen.to_dict(), predicted, dp_step, declined)]
+        close, dp_step = shortlist(profile, cluster, global_batch, optimizer_factor=optimizer_factor, margin=margin)
+        box = [([(plan.to_dict(), predicted) for plan, predicted in close], dp_step)]
     if dist.is_initialized() and world > 1:
         dist.broadcast_object_list(box, 0)
-    plan_dict, predicted, dp_step, declined = box[0]
-    return AutoPlan(
-        Plan.coerce(plan_dict), predicted, dp_step, profile, cluster, time.perf_counter() - start, declined
-    )
+    close = [(Plan.coerce(plan), predicted) for plan, predicted in box[0][0]]
+    dp_step = box[0][1]
+    trials: tuple[Trial, ...] = ()
+    if trial is not None and len(close) > 1:
+        trials = tuple(Trial(plan, predicted, trial(plan)) for plan, predicted in close)
+        best = min(trials, key=lambda t: t.measured_step_s)
+        plan, predicted = best.plan, best.predicted_step_s
+    else:
+        plan, predicted = close[0]
+    return AutoPlan(plan, predicted, dp_step, profile, cluster, time.perf_counter() - start, trials)

@@ -278,6 +278,11 @@ class Plan:
     def __str__(self) -> str:
         return self.table()
 
+    def describe(self) -> str:
+        """One short line: replicas, cut points, micro-batches, schedule (``"2:2 cuts=5 M=4 dapple"``)."""
+        cuts = ",".join(str(s.start) for s in self.stages[1:]) or "-"
+        return f"{self.notation} cuts={cuts} M={self.micro_batches} {self.schedule}"
+
     def table(self) -> str:
         """The plan as an aligned text table."""
         rows = [("stage", "layers", "replicas", "ranks")]

@@ -23,6 +23,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import time
 import warnings
 from collections.abc import Callable, Mapping
 from datetime import timedelta
@@ -144,6 +145,7 @@ class DappleStrategy(ParallelStrategy):
         self._sequential: tuple[str, nn.Sequential] | None = None
         self._failed = False
         self._shared = comm.Pending()  # the last stage's loss broadcasts, in flight
+        self._p2p: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None
         self.auto_plan: Any = None
         """With ``plan="auto"``: the profile, cluster and prediction behind the chosen plan."""
         self._shuffle_seed = 0
@@ -294,7 +296,7 @@ class DappleStrategy(ParallelStrategy):
             stage_group=self._stage_group,
             shared_params=self._outside_params,
             track_memory=self._track_memory,
-            p2p_groups=p2p_groups(timeout=self._timeout) if self.plan.num_stages > 1 else (None, None),
+            p2p_groups=(self._p2p or p2p_groups(timeout=self._timeout)) if self.plan.num_stages > 1 else (None, None),
         )
         seed = torch.tensor([torch.initial_seed() % 2**62], dtype=torch.int64)
         dist.broadcast(seed, 0)
@@ -322,6 +324,7 @@ class DappleStrategy(ParallelStrategy):
             draw_batch,
             optimizer_factory,
             time_step_outside,
+            unchanged,
         )
 
         module = self.lightning_module
@@ -350,18 +353,78 @@ class DappleStrategy(ParallelStrategy):
         except Exception as err:  # the plan can do without optimizer timings; say so and go on
             rank_zero_warn(f"dapple plan='auto' could not time optimizer steps ({err!r}); planning without them")
             optimizer = None
-        chosen = choose_plan(
-            sequential,
-            sample_input,
-            self.root_device,
-            nodes=self.num_nodes,
-            global_batch=rows,
-            optimizer=optimizer,
-            step_outside=step_outside,
-        )
+        def trial(plan: Plan) -> float:
+            return self._trial(plan, batch, sequential, set_sequential, optimizer)
+
+        with unchanged(module):
+            chosen = choose_plan(
+                sequential,
+                sample_input,
+                self.root_device,
+                nodes=self.num_nodes,
+                global_batch=rows,
+                optimizer=optimizer,
+                step_outside=step_outside,
+                trial=trial,
+            )
         rank_zero_info(chosen.report())
         self.auto_plan = chosen
         return chosen.plan
+
+    def _trial(
+        self,
+        plan: Plan,
+        batch: Any,
+        sequential: nn.Sequential,
+        set_sequential: Callable[[nn.Module], None],
+        optimizer: Callable[[list[nn.Parameter]], Optimizer] | None,
+        *,
+        steps: int = 3,
+        warmup: int = 1,
+    ) -> float:
+        """Seconds per training step of ``plan`` on ``batch`` (collective): the real pipeline, the
+        user's step and the user's kind of optimizer, as training runs them. It trains: the caller
+        puts the weights back (``autoplan.unchanged``)."""
+        module = self.lightning_module
+        rank = self.global_rank
+        stage = partition(sequential, plan, rank)
+        set_sequential(stage)
+        group = stage_group(plan, rank, timeout=self._timeout)
+        local = {id(p) for p in stage.parameters()}
+        outside = [p for p in module.parameters() if id(p) not in local]
+        if plan.num_stages > 1 and self._p2p is None:
+            self._p2p = p2p_groups(timeout=self._timeout)  # kept for training: groups are costly to make
+        pipeline = Pipeline(
+            plan,
+            rank,
+            stage,
+            device=self.root_device,
+            stage_group=group,
+            shared_params=outside,
+            p2p_groups=self._p2p if plan.num_stages > 1 else (None, None),
+        )
+        params = [p for p in module.parameters() if p.requires_grad]
+        step = optimizer(params).step if optimizer is not None and params else (lambda: None)
+        saved = self.plan, self._pipeline, self._stage_group
+        self.plan, self._pipeline, self._stage_group = plan, pipeline, group
+        try:
+            dist.barrier()
+            for index in range(warmup + steps):
+                if index == warmup:
+                    start = time.perf_counter()
+                self._run_pipeline("training_step", (batch, 0), {}, train=True)
+                step()
+                for p in params:
+                    p.grad = None
+            seconds = (time.perf_counter() - start) / steps
+        finally:
+            self._shared.wait()
+            pipeline.close()
+            self.plan, self._pipeline, self._stage_group = saved
+            set_sequential(sequential)
+        slowest = torch.tensor([seconds], dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a step lasts until its slowest rank is done
+        return float(slowest)
 
     def _owned(self) -> set[int]:
         """Parameters this rank speaks for when something must count each parameter once."""

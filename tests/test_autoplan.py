@@ -6,7 +6,16 @@ import pytest
 import torch
 from torch import nn
 
-from dapple_lightning.autoplan import AutoPlan, _with_step_outside, optimizer_factory, pick, time_step_outside
+from dapple_lightning.autoplan import (
+    AutoPlan,
+    Trial,
+    _with_step_outside,
+    optimizer_factory,
+    shortlist,
+    time_step_outside,
+    unchanged,
+)
+from dapple_lightning.plan import Plan
 from dapple_lightning.planner import GB, Cluster, LayerProfile, ModelProfile, estimate
 
 
@@ -96,27 +105,57 @@ def _two_layers(param_bytes: int) -> ModelProfile:
 CLUSTER = Cluster.v100(1, 2, intra_allreduce_bw=1 * GB, intra_p2p_bw=100 * GB)
 
 
-def test_a_pipeline_must_beat_data_parallelism_by_the_margin():
+def test_plans_predicted_close_to_the_best_are_shortlisted_for_measurement():
     # 4 GB of gradients to all-reduce at 1 GB/s: data parallelism takes about 10 s, the pipeline
     # (16 micro-batches of one sample) about 6.5.
     profile = _two_layers(2 * 10**9)
-    plan, predicted, dp_step, declined = pick(profile, CLUSTER, 16, optimizer_factor=0.0, margin=0.1)
-    assert plan.num_stages == 2 and declined is None
-    assert predicted == estimate(plan, profile, CLUSTER, 16, optimizer_factor=0.0).step_s < 0.9 * dp_step
-    # Demand more than the pipeline's gain: data parallelism it is, and the pipeline is reported.
+    close, dp_step = shortlist(profile, CLUSTER, 16, optimizer_factor=0.0, margin=0.1)
+    best, predicted = close[0]
+    assert best.num_stages == 2 and predicted == estimate(best, profile, CLUSTER, 16, optimizer_factor=0.0).step_s
+    assert dp_step == pytest.approx(10.0, rel=1e-3)
+    assert all(p <= predicted / 0.9 for _, p in close) and len(close) <= 3
+    assert [p for _, p in close] == sorted(p for _, p in close)
+    # A margin wide enough takes data parallelism in, in place of a third pipeline if need be.
     gain = 1 - predicted / dp_step
-    plan, chosen_s, dp_again, declined = pick(profile, CLUSTER, 16, optimizer_factor=0.0, margin=gain + 0.01)
-    assert plan.num_stages == 1 and plan.stages[0].replicas == 2 and plan.micro_batches == 1
-    assert chosen_s == dp_again == dp_step and declined == predicted
-    report = AutoPlan(plan, chosen_s, dp_again, profile, CLUSTER, 1.0, declined).report()
-    assert "within the cost model's margin of error, so data parallelism it is" in report
+    wide, _ = shortlist(profile, CLUSTER, 16, optimizer_factor=0.0, margin=gain + 0.01)
+    assert len(wide) == 3 and wide[0] == close[0]
+    assert (Plan.data_parallel(2, 2), dp_step) in wide
+    assert shortlist(profile, CLUSTER, 16, optimizer_factor=0.0, margin=0.0)[0] == [close[0]]
     with pytest.raises(ValueError, match="margin"):
-        pick(profile, CLUSTER, 16, margin=1.0)
+        shortlist(profile, CLUSTER, 16, margin=1.0)
 
 
-def test_data_parallelism_that_does_not_fit_is_never_the_fallback():
+def test_data_parallelism_that_does_not_fit_is_never_shortlisted():
     # 6 GB of parameters (with gradients and Adam state 24 GB) do not fit one 16 GB device; a
     # layer per device does.
     profile = _two_layers(3 * 10**9)
-    plan, _, dp_step, declined = pick(profile, CLUSTER, 16, margin=0.99)
-    assert plan.num_stages == 2 and dp_step is None and declined is None
+    close, dp_step = shortlist(profile, CLUSTER, 16, margin=0.99)
+    assert dp_step is None and all(plan.num_stages == 2 for plan, _ in close)
+
+
+def test_report_shows_the_measured_plans_and_the_choice():
+    profile = _two_layers(10**6)
+    pipe = Plan.straight(2, 2, micro_batches=4)
+    dp = Plan.data_parallel(2, 2)
+    trials = (Trial(pipe, 0.100, 0.130), Trial(dp, 0.105, 0.120))
+    report = AutoPlan(dp, 0.105, 0.105, profile, CLUSTER, 2.0, trials).report()
+    assert "measured 2 close plans" in report
+    lines = [line for line in report.splitlines() if line.startswith("  ") and "measured" in line]
+    assert len(lines) == 2 and lines[1].endswith("<- chosen") and "130.0" in lines[0]
+
+
+def test_unchanged_puts_back_weights_buffers_gradients_and_the_rng():
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    rng = torch.get_rng_state()
+    draw = torch.rand(3)
+    torch.set_rng_state(rng)
+    with unchanged(module):
+        torch.rand(100)
+        module(torch.randn(8, 4)).sum().backward()  # moves BatchNorm's running statistics
+        torch.optim.SGD(module.parameters(), lr=1.0).step()
+    for key, value in module.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    assert all(p.grad is None for p in module.parameters())
+    assert torch.equal(torch.rand(3), draw)

@@ -369,6 +369,4 @@ def _tuple(values: Sequence[int] | None) -> tuple[int, ...] | None:
 
 def describe_plan(plan: Plan | Mapping[str, Any]) -> str:
     """One short line: replicas, cut points, micro-batches, schedule (``"2:2 cuts=5 M=4 dapple"``)."""
-    plan = Plan.coerce(plan)
-    cuts = ",".join(str(s.start) for s in plan.stages[1:]) or "-"
-    return f"{plan.notation} cuts={cuts} M={plan.micro_batches} {plan.schedule}"
+    return Plan.coerce(plan).describe()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
 import os
 import time
 import warnings
@@ -380,11 +381,12 @@ class DappleStrategy(ParallelStrategy):
         optimizer: Callable[[list[nn.Parameter]], Optimizer] | None,
         *,
         steps: int = 3,
-        warmup: int = 1,
+        budget_s: float = 0.5,
     ) -> float:
         """Seconds per training step of ``plan`` on ``batch`` (collective): the real pipeline, the
-        user's step and the user's kind of optimizer, as training runs them. It trains: the caller
-        puts the weights back (``autoplan.unchanged``)."""
+        user's step and the user's kind of optimizer, as training runs them, over at least
+        ``steps`` steps and about ``budget_s`` seconds after a warm-up step. It trains: the
+        caller puts the weights back (``autoplan.unchanged``)."""
         module = self.lightning_module
         rank = self.global_rank
         stage = partition(sequential, plan, rank)
@@ -405,18 +407,36 @@ class DappleStrategy(ParallelStrategy):
         )
         params = [p for p in module.parameters() if p.requires_grad]
         step = optimizer(params).step if optimizer is not None and params else (lambda: None)
+        # A fresh optimizer's first steps create its state and fault its pages in (see
+        # planner._measure): steps over zero gradients first, so that the plan with the most
+        # parameters per rank does not pay for that in its measured steps.
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        for _ in range(3):
+            step()
+        for p in params:
+            p.grad = None
         saved = self.plan, self._pipeline, self._stage_group
         self.plan, self._pipeline, self._stage_group = plan, pipeline, group
+
+        def train_step() -> None:
+            self._run_pipeline("training_step", (batch, 0), {}, train=True)
+            step()
+            for p in params:
+                p.grad = None
+
         try:
             dist.barrier()
-            for index in range(warmup + steps):
-                if index == warmup:
-                    start = time.perf_counter()
-                self._run_pipeline("training_step", (batch, 0), {}, train=True)
-                step()
-                for p in params:
-                    p.grad = None
-            seconds = (time.perf_counter() - start) / steps
+            start = time.perf_counter()
+            train_step()  # connects the plan's process groups: not counted
+            # Cheap steps are noisy: take as many as fit the budget (every rank the same number).
+            wanted = torch.tensor([math.ceil(budget_s / (time.perf_counter() - start))], dtype=torch.int64)
+            dist.all_reduce(wanted, op=dist.ReduceOp.MAX)
+            count = min(max(int(wanted), steps), 10 * steps)
+            start = time.perf_counter()
+            for _ in range(count):
+                train_step()
+            seconds = (time.perf_counter() - start) / count
         finally:
             self._shared.wait()
             pipeline.close()

@@ -24,13 +24,14 @@ import atexit
 import logging
 import math
 import os
+import statistics
 import time
 import warnings
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -62,6 +63,9 @@ from dapple_lightning.microbatch import Rows, batch_size_of, slice_batch
 from dapple_lightning.plan import Plan
 from dapple_lightning.runtime import Pipeline, StageModule, StepStats, p2p_groups, partition, stage_group
 from dapple_lightning.timeline import Timeline, write_chrome_trace
+
+if TYPE_CHECKING:
+    from dapple_lightning.autoplan import Measured
 
 __all__ = ["DappleStrategy"]
 
@@ -354,7 +358,8 @@ class DappleStrategy(ParallelStrategy):
         except Exception as err:  # the plan can do without optimizer timings; say so and go on
             rank_zero_warn(f"dapple plan='auto' could not time optimizer steps ({err!r}); planning without them")
             optimizer = None
-        def trial(plan: Plan) -> float:
+
+        def trial(plan: Plan) -> Measured:
             return self._trial(plan, batch, sequential, set_sequential, optimizer)
 
         with unchanged(module):
@@ -382,11 +387,11 @@ class DappleStrategy(ParallelStrategy):
         *,
         steps: int = 3,
         budget_s: float = 0.5,
-    ) -> float:
-        """Seconds per training step of ``plan`` on ``batch`` (collective): the real pipeline, the
-        user's step and the user's kind of optimizer, as training runs them, over at least
-        ``steps`` steps and about ``budget_s`` seconds after a warm-up step. It trains: the
-        caller puts the weights back (``autoplan.unchanged``)."""
+    ) -> Measured:
+        """Seconds per training step of ``plan`` on ``batch`` (collective), and per pass of each
+        stage: the real pipeline, the user's step and the user's kind of optimizer, as training
+        runs them, over at least ``steps`` steps and about ``budget_s`` seconds after a warm-up
+        step. It trains: the caller puts the weights back (``autoplan.unchanged``)."""
         module = self.lightning_module
         rank = self.global_rank
         stage = partition(sequential, plan, rank)
@@ -396,11 +401,13 @@ class DappleStrategy(ParallelStrategy):
         outside = [p for p in module.parameters() if id(p) not in local]
         if plan.num_stages > 1 and self._p2p is None:
             self._p2p = p2p_groups(timeout=self._timeout)  # kept for training: groups are costly to make
+        timeline = Timeline(rank, plan.stage_of(rank))
         pipeline = Pipeline(
             plan,
             rank,
             stage,
             device=self.root_device,
+            timeline=timeline,
             stage_group=group,
             shared_params=outside,
             p2p_groups=self._p2p if plan.num_stages > 1 else (None, None),
@@ -442,9 +449,25 @@ class DappleStrategy(ParallelStrategy):
             pipeline.close()
             self.plan, self._pipeline, self._stage_group = saved
             set_sequential(sequential)
-        slowest = torch.tensor([seconds], dtype=torch.float64)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a step lasts until its slowest rank is done
-        return float(slowest)
+        from dapple_lightning.autoplan import Measured
+
+        timed = [e for e in timeline.events if e.step > 0]  # not the warm-up step
+        passes = [
+            statistics.median([e.end - e.start for e in timed if e.name == kind] or [0.0])
+            for kind in ("forward", "backward")
+        ]
+        # Every rank's step time and passes; a step lasts until its slowest rank is done, and a
+        # stage's pass until its slowest replica's.
+        mine = torch.tensor([[plan.stage_of(rank), seconds, *passes]], dtype=torch.float64)
+        everyone = [torch.zeros_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(everyone, mine)
+        table = torch.cat(everyone)
+        stages = range(plan.num_stages)
+        return Measured(
+            step_s=float(table[:, 1].max()),
+            forward_s=tuple(float(table[table[:, 0] == s, 2].max()) for s in stages),
+            backward_s=tuple(float(table[table[:, 0] == s, 3].max()) for s in stages),
+        )
 
     def _owned(self) -> set[int]:
         """Parameters this rank speaks for when something must count each parameter once."""

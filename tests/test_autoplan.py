@@ -8,9 +8,12 @@ from torch import nn
 
 from dapple_lightning.autoplan import (
     AutoPlan,
+    Measured,
     Trial,
     _with_step_outside,
     optimizer_factory,
+    refine,
+    refine_allreduce,
     shortlist,
     time_step_outside,
     unchanged,
@@ -159,3 +162,40 @@ def test_unchanged_puts_back_weights_buffers_gradients_and_the_rng():
         assert torch.equal(value, before[key]), key
     assert all(p.grad is None for p in module.parameters())
     assert torch.equal(torch.rand(3), draw)
+
+
+def test_refine_scales_each_layer_by_how_its_stages_measured():
+    profile = _two_layers(10**6)
+    pipe = Plan.straight(2, 2, micro_batches=4)
+    dp = Plan.data_parallel(2, 2)
+    before = {p: estimate(p, profile, CLUSTER, 16, optimizer_factor=0.0) for p in (pipe, dp)}
+    f, b = before[pipe].forward_s, before[pipe].backward_s
+    runs = [
+        # The pipeline's first stage ran 20% slow forward, its second 40% slow backward...
+        (pipe, Measured(1.0, (f[0] * 1.2, f[1]), (b[0], b[1] * 1.4))),
+        # ...and data parallelism's one stage as predicted.
+        (dp, Measured(1.0, before[dp].forward_s, before[dp].backward_s)),
+    ]
+    refined = refine(profile, CLUSTER, 16, runs, optimizer_factor=0.0)
+    first, second = refined.layers
+    assert first.forward_s == pytest.approx(1.0 * (1.2 + 1.0) / 2)  # the mean of its two stages
+    assert first.backward_s == pytest.approx(2.0) and second.forward_s == pytest.approx(1.0)
+    assert second.backward_s == pytest.approx(2.0 * (1.4 + 1.0) / 2)
+    assert refine(profile, CLUSTER, 16, [], optimizer_factor=0.0) == profile
+
+
+def test_refine_allreduce_takes_what_data_parallel_steps_left_after_their_passes():
+    profile = _two_layers(10**9)  # 2 GB of gradients: 2 s at 1 GB/s over 2 replicas
+    dp = Plan.data_parallel(2, 2)
+    est = estimate(dp, profile, CLUSTER, 16, optimizer_factor=0.0)
+    assert est.allreduce_s[0] == pytest.approx(2.0, rel=1e-3)
+    # The step took 4 s beyond its passes: the all-reduce ran at half the measured bandwidth.
+    slow = Measured(est.forward_s[0] + est.backward_s[0] + 4.0, est.forward_s, est.backward_s)
+    refined = refine_allreduce(profile, CLUSTER, 16, [(dp, slow)], optimizer_factor=0.0)
+    assert refined.intra_allreduce_bw == pytest.approx(0.5 * GB, rel=1e-3)
+    assert estimate(dp, profile, refined, 16, optimizer_factor=0.0).step_s == pytest.approx(slow.step_s, rel=1e-3)
+    # Faster than predicted, or no data-parallel run: the measured bandwidth stands.
+    fast = Measured(est.step_s * 0.9, est.forward_s, est.backward_s)
+    assert refine_allreduce(profile, CLUSTER, 16, [(dp, fast)], optimizer_factor=0.0) == CLUSTER
+    pipe = Plan.straight(2, 2, micro_batches=4)
+    assert refine_allreduce(profile, CLUSTER, 16, [(pipe, slow)], optimizer_factor=0.0) == CLUSTER

@@ -79,14 +79,23 @@ def test_interrupted_or_killed_search_resumes_without_losing_trials(tmp_path):
     ]
 
     # 1. Ctrl-C during the second trial: the trial's processes are killed, the trial marked FAIL.
-    first = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = subprocess.Popen(
+        command,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        # Ctrl-C as in a terminal, even when this test runs in the background of a shell without
+        # job control, which starts it (and so the search) with SIGINT ignored.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     try:
         done, running = poll(running_after(storage, 1), 180, "a completed trial and a second one running")
         first.send_signal(signal.SIGINT)
         out, err = first.communicate(timeout=60)
     finally:
         first.kill()
-    assert first.returncode == 130, err[-3000:]
+    assert first.returncode == 130, f"stdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}"
     assert "run the same command again to resume" in out
     ctrl_c = trials(storage, "resume")[running.number]
     assert ctrl_c.state == TrialState.FAIL and ctrl_c.user_attrs["fail_reason"].startswith("interrupted")

@@ -210,7 +210,10 @@ def run_model(model: str, args: argparse.Namespace) -> dict[str, Any]:
         "rounds": times,
         "other_load": loads,
         "cpu": cpu,
-        "auto": [{k: a[k] for k in ("plan", "predicted_step_s", "data_parallel_step_s", "profiling_s")} for a in autos],
+        "auto": [
+            {k: a[k] for k in ("plan", "predicted_step_s", "data_parallel_step_s", "profiling_s", "trials")}
+            for a in autos
+        ],
         "cluster": autos[0]["cluster"] if autos else None,
     }
 

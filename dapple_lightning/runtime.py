@@ -142,6 +142,7 @@ class Pipeline:
         p2p_groups: tuple[dist.ProcessGroup | None, dist.ProcessGroup | None] = (None, None),
     ) -> None:
         self.plan, self.rank, self.module, self.device = plan, rank, module, device
+        self.stage_group = stage_group
         self.stage = plan.stage_of(rank)
         self.replica = plan.replica_of(rank)
         self.replicas = plan.stages[self.stage].replicas
@@ -161,7 +162,8 @@ class Pipeline:
         self.reducers: list[GradientReducer] = []
         if stage_group is not None:
             self.reducers.append(GradientReducer(module.parameters(), stage_group))
-        shared = [p for p in shared_params if p.requires_grad]
+        self.shared_params = list(shared_params)
+        shared = [p for p in self.shared_params if p.requires_grad]
         if shared and dist.is_initialized() and dist.get_world_size() > 1:
             self.reducers.append(GradientReducer(shared, None))
         self._param_storages = {p.untyped_storage().data_ptr() for p in module.parameters()}

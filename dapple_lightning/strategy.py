@@ -140,7 +140,6 @@ class DappleStrategy(ParallelStrategy):
         self.plan: Plan | None = None
         self._pipeline: Pipeline | None = None
         self._stage_module: StageModule | None = None
-        self._stage_group: dist.ProcessGroup | None = None
         self._last_group: dist.ProcessGroup | None = None
         self._outside_params: list[nn.Parameter] = []
         self._stashed: dict[nn.Parameter, Tensor | None] = {}
@@ -287,22 +286,10 @@ class DappleStrategy(ParallelStrategy):
             if layer not in local:
                 layer.to("meta")  # frees the memory of layers that live on other ranks
         _set_submodule(module, name, self._stage_module)
-        local_params = {id(p) for p in self._stage_module.parameters()}
-        self._outside_params = [p for p in module.parameters() if id(p) not in local_params]
         self.model_to_device()
-        self._stage_group = stage_group(self.plan, rank, timeout=self._timeout)
         timeline = Timeline(rank, self.plan.stage_of(rank), enabled=self._trace_path is not None)
-        self._pipeline = Pipeline(
-            self.plan,
-            rank,
-            self._stage_module,
-            device=self.root_device,
-            timeline=timeline,
-            stage_group=self._stage_group,
-            shared_params=self._outside_params,
-            track_memory=self._track_memory,
-            p2p_groups=(self._p2p or p2p_groups(timeout=self._timeout)) if self.plan.num_stages > 1 else (None, None),
-        )
+        self._pipeline = self._pipeline_for(self.plan, self._stage_module, timeline, track_memory=self._track_memory)
+        self._outside_params = self._pipeline.shared_params
         seed = torch.tensor([torch.initial_seed() % 2**62], dtype=torch.int64)
         dist.broadcast(seed, 0)
         self._shuffle_seed = int(seed)
@@ -377,6 +364,28 @@ class DappleStrategy(ParallelStrategy):
         self.auto_plan = chosen
         return chosen.plan
 
+    def _pipeline_for(
+        self, plan: Plan, stage: StageModule, timeline: Timeline, *, track_memory: bool = False
+    ) -> Pipeline:
+        """This rank's :class:`Pipeline` of ``plan`` (collective: creates process groups), with
+        ``stage`` already standing in for the Sequential in the LightningModule; parameters
+        outside it are summed over every rank."""
+        local = {id(p) for p in stage.parameters()}
+        outside = [p for p in self.lightning_module.parameters() if id(p) not in local]
+        if plan.num_stages > 1 and self._p2p is None:
+            self._p2p = p2p_groups(timeout=self._timeout)  # one pair for every plan: groups are costly
+        return Pipeline(
+            plan,
+            self.global_rank,
+            stage,
+            device=self.root_device,
+            timeline=timeline,
+            stage_group=stage_group(plan, self.global_rank, timeout=self._timeout),
+            shared_params=outside,
+            track_memory=track_memory,
+            p2p_groups=self._p2p if plan.num_stages > 1 else (None, None),
+        )
+
     def _trial(
         self,
         plan: Plan,
@@ -392,26 +401,15 @@ class DappleStrategy(ParallelStrategy):
         stage: the real pipeline, the user's step and the user's kind of optimizer, as training
         runs them, over at least ``steps`` steps and about ``budget_s`` seconds after a warm-up
         step. It trains: the caller puts the weights back (``autoplan.unchanged``)."""
+        from dapple_lightning.autoplan import Measured
+        from dapple_lightning.planner._measure import SETTLE_STEPS
+
         module = self.lightning_module
         rank = self.global_rank
         stage = partition(sequential, plan, rank)
         set_sequential(stage)
-        group = stage_group(plan, rank, timeout=self._timeout)
-        local = {id(p) for p in stage.parameters()}
-        outside = [p for p in module.parameters() if id(p) not in local]
-        if plan.num_stages > 1 and self._p2p is None:
-            self._p2p = p2p_groups(timeout=self._timeout)  # kept for training: groups are costly to make
         timeline = Timeline(rank, plan.stage_of(rank))
-        pipeline = Pipeline(
-            plan,
-            rank,
-            stage,
-            device=self.root_device,
-            timeline=timeline,
-            stage_group=group,
-            shared_params=outside,
-            p2p_groups=self._p2p if plan.num_stages > 1 else (None, None),
-        )
+        pipeline = self._pipeline_for(plan, stage, timeline)
         params = [p for p in module.parameters() if p.requires_grad]
         step = optimizer(params).step if optimizer is not None and params else (lambda: None)
         # A fresh optimizer's first steps create its state and fault its pages in (see
@@ -419,15 +417,13 @@ class DappleStrategy(ParallelStrategy):
         # parameters per rank does not pay for that in its measured steps.
         for p in params:
             p.grad = torch.zeros_like(p)
-        for _ in range(3):
+        for _ in range(SETTLE_STEPS):
             step()
         for p in params:
             p.grad = None
-        saved = self.plan, self._pipeline, self._stage_group
-        self.plan, self._pipeline, self._stage_group = plan, pipeline, group
 
         def train_step() -> None:
-            self._run_pipeline("training_step", (batch, 0), {}, train=True)
+            self._run_pipeline("training_step", (batch, 0), {}, train=True, pipeline=pipeline)
             step()
             for p in params:
                 p.grad = None
@@ -447,10 +443,7 @@ class DappleStrategy(ParallelStrategy):
         finally:
             self._shared.wait()
             pipeline.close()
-            self.plan, self._pipeline, self._stage_group = saved
             set_sequential(sequential)
-        from dapple_lightning.autoplan import Measured
-
         timed = [e for e in timeline.events if e.step > 0]  # not the warm-up step
         passes = [
             statistics.median([e.end - e.start for e in timed if e.name == kind] or [0.0])
@@ -583,8 +576,12 @@ class DappleStrategy(ParallelStrategy):
         train: bool,
         context: Callable | None = None,
         outputs: list[tuple[int, Any]] | None = None,
+        pipeline: Pipeline | None = None,
     ) -> tuple[float, dict[str, tuple[float, dict]]]:
-        assert self._pipeline is not None
+        """Run the user's ``hook`` over one global batch on ``pipeline`` (the training one by
+        default; ``plan="auto"`` trials pass others)."""
+        pipeline = pipeline or self._pipeline
+        assert pipeline is not None
         module = self.lightning_module
         batch, rest = args[0], args[1:]
         total = batch_size_of(batch)
@@ -612,7 +609,7 @@ class DappleStrategy(ParallelStrategy):
 
         module.log = capture.log  # instance attribute shadows the method during the step
         try:
-            self._pipeline.run(
+            pipeline.run(
                 total,
                 forward,
                 train=train,
@@ -620,16 +617,16 @@ class DappleStrategy(ParallelStrategy):
             )
         finally:
             del module.log
-        return self._combine(loss_sum, capture.values)
+        return self._combine(pipeline, loss_sum, capture.values)
 
-    def _combine(self, loss: float, values: dict[str, tuple[float, dict]]) -> tuple[float, dict]:
+    def _combine(self, pipeline: Pipeline, loss: float, values: dict[str, tuple[float, dict]]) -> tuple[float, dict]:
         """Sum the weighted values of the last stage's replicas; share them with every rank."""
-        assert self.plan is not None and self._pipeline is not None
-        last_ranks = self.plan.stage_ranks(self.plan.num_stages - 1)
-        if self._pipeline.is_last and len(last_ranks) > 1:
+        plan = pipeline.plan
+        last_ranks = plan.stage_ranks(plan.num_stages - 1)
+        if pipeline.is_last and len(last_ranks) > 1:
             names = sorted(values)
             flat = torch.tensor([loss] + [values[n][0] for n in names], dtype=torch.float64)
-            dist.all_reduce(flat, group=self._stage_group)
+            dist.all_reduce(flat, group=pipeline.stage_group)
             loss = float(flat[0])
             values = {n: (float(v), values[n][1]) for n, v in zip(names, flat[1:].tolist())}
         if self.world_size > len(last_ranks):  # ranks outside the last stage learn the values

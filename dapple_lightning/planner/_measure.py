@@ -16,7 +16,11 @@ from dapple_lightning.planner._profile import LayerProfile, ModelProfile
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["fixed_part", "profile_layers"]
+__all__ = ["SETTLE_STEPS", "fixed_part", "profile_layers"]
+
+SETTLE_STEPS = 3
+"""Optimizer steps before one is timed: the first creates its state, the next still fault its
+pages in (an AdamW step over 2 M parameters on a CPU: 20, 12, 9, then 6 ms)."""
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -259,9 +263,7 @@ def _time_update(
             p.grad = torch.zeros_like(p)
         opt = optimizer(params)
         times = []
-        # The first step creates the optimizer's state, and the next few still fault its pages
-        # in (an AdamW step over 2 M parameters on a CPU: 20, 12, 9, then 6 ms).
-        settle = max(warmup, 3)
+        settle = max(warmup, SETTLE_STEPS)
         for run in range(settle + repeats):
             if in_step is not None and run in (0, settle):
                 in_step()

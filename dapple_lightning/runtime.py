@@ -15,7 +15,8 @@ and sends activations and gradients (split-concat between stages with different 
 counts, see :mod:`dapple_lightning.microbatch`), and runs each backward as the schedule says.
 Gradients accumulate in ``.grad`` over the micro-batches; :class:`GradientReducer` sums them
 once per step, bucket by bucket while the step's last backward runs: a stage's over its
-replicas, the parameters outside the Sequential over every rank.
+replicas, the parameters outside the Sequential over every rank. Large gradients are summed in
+place, and the last stage's loss rides along with its gradients.
 """
 
 from __future__ import annotations
@@ -106,6 +107,8 @@ class StepStats:
     peak_live_microbatches: int = 0
     peak_live_bytes: int = 0
     losses: list[torch.Tensor] = field(default_factory=list)
+    carried: torch.Tensor | None = None
+    """The sum over the stage's replicas of what ``Pipeline.run(carry=...)`` gave (float64)."""
 
 
 class Pipeline:
@@ -160,12 +163,14 @@ class Pipeline:
         # Gradients are summed while the step's last backward still runs: the stage's over its
         # replicas, the parameters outside the Sequential over every rank.
         self.reducers: list[GradientReducer] = []
+        self.stage_reducer: GradientReducer | None = None
         if stage_group is not None:
-            self.reducers.append(GradientReducer(module.parameters(), stage_group))
+            self.stage_reducer = GradientReducer(module.parameters(), stage_group, device=device)
+            self.reducers.append(self.stage_reducer)
         self.shared_params = list(shared_params)
         shared = [p for p in self.shared_params if p.requires_grad]
         if shared and dist.is_initialized() and dist.get_world_size() > 1:
-            self.reducers.append(GradientReducer(shared, None))
+            self.reducers.append(GradientReducer(shared, None, device=device))
         self._param_storages = {p.untyped_storage().data_ptr() for p in module.parameters()}
         # Per-call state, set by `run` around each user step call.
         self._input: list[torch.Tensor] | None = None
@@ -200,6 +205,7 @@ class Pipeline:
         *,
         train: bool = True,
         forward_context: Callable[[], Any] = nullcontext,
+        carry: Callable[[], torch.Tensor] | None = None,
     ) -> StepStats:
         """Run this rank's actions for a global batch of ``batch_rows`` rows.
 
@@ -211,6 +217,9 @@ class Pipeline:
                 (already scaled by the micro-batch's share of the global batch).
             train: run the schedule's backwards (otherwise forwards only, in order).
             forward_context: entered around each forward (e.g. autocast); backwards run outside.
+            carry: when training on a last stage with replicas, called once after the step's last
+                forward; the 1-D tensor it returns is summed over the stage's replicas along with
+                the gradients (no collective of its own) into ``stats.carried``.
         """
         rows = self.rows(batch_rows)
         micro = even_split(batch_rows, self.plan.micro_batches)
@@ -229,7 +238,7 @@ class Pipeline:
                 m = action.micro_batch
                 if index == last_backward:
                     for reducer in self.reducers:
-                        reducer.arm()
+                        reducer.arm(carry if reducer is self.stage_reducer and self.is_last else None)
                 if action.kind == "F":
                     sent[m] = comm.Pending()
                     live[m] = self._forward(
@@ -269,7 +278,9 @@ class Pipeline:
     def _sync_gradients(self) -> None:
         with self.timeline.span("allreduce"):
             for reducer in self.reducers:
-                reducer.finish()
+                carried = reducer.finish()
+                if reducer is self.stage_reducer:
+                    self.stats.carried = carried
 
     # --------------------------------------------------------------------- the stage call
 
@@ -457,17 +468,24 @@ class _Inbox:
 
 
 class GradientReducer:
-    """Sums a stage's gradients over its replicas, starting while the step's last backward runs.
+    """Sums gradients over a group of replicas, starting while the step's last backward runs.
 
     Parameters are cut into buckets in reverse registration order (about the order in which
-    backward finishes their gradients; the first bucket is small so that communication starts
-    early). Once :meth:`arm` is called, each parameter's post-accumulate hook marks it final; a
-    bucket's asynchronous all-reduce starts when all its parameters are final and every earlier
-    bucket has started, so every replica issues the same collectives in the same order, as DDP's
-    reducer does. :meth:`finish` starts what backward did not reach (parameters without a
-    gradient in the last micro-batch), waits, and writes the sums back into ``.grad``; a
-    parameter keeps ``grad=None`` only if no replica produced a gradient for it, as on one
-    device.
+    backward finishes their gradients). A parameter of at least ``alone_bytes`` is a bucket of
+    its own, summed in place in its ``.grad``: no copy in and none out, where copies cost the
+    most. Smaller ones are packed into flat buckets (the first small, so that communication
+    starts early, then up to ``bucket_bytes``), each summed as one tensor whose views become the
+    gradients. Once :meth:`arm` is called, each parameter's post-accumulate hook marks it final;
+    a bucket's asynchronous all-reduce starts when all its parameters are final and every
+    earlier bucket has started, so every replica issues the same collectives in the same order,
+    as DDP's reducer does.
+
+    The last bucket is always flat. It carries one flag per parameter (after the sum: how many
+    replicas had a gradient) and what the caller asks to have summed along (``arm(carry=...)``,
+    e.g. the step's loss), which saves a collective per step. :meth:`finish` starts what
+    backward did not reach (parameters without a gradient in the last micro-batch), waits, and
+    writes the sums into ``.grad``; a parameter keeps ``grad=None`` only if no replica produced
+    a gradient for it, as on one device.
     """
 
     def __init__(
@@ -475,27 +493,41 @@ class GradientReducer:
         params: Iterable[nn.Parameter],
         group: dist.ProcessGroup | None,
         *,
+        device: torch.device | None = None,
         bucket_bytes: int = 25 * 2**20,
         first_bucket_bytes: int = 2**20,
+        alone_bytes: int = 2**20,
     ) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.group = group
+        self.device = device if device is not None else (self.params[0].device if self.params else torch.device("cpu"))
         self.buckets: list[list[nn.Parameter]] = []
+        self.alone: list[bool] = []  # per bucket: one parameter, summed in its own .grad
+        packing: list[nn.Parameter] = []  # the flat bucket being filled; alone buckets may pass it
         size, limit = 0, first_bucket_bytes
         for p in reversed(self.params):
-            last = self.buckets[-1] if self.buckets else None
             nbytes = p.numel() * p.element_size()
-            if last is None or (size and size + nbytes > limit) or last[0].dtype != p.dtype:
-                if last is not None:
-                    limit = bucket_bytes
-                self.buckets.append([])
-                size = 0
-            self.buckets[-1].append(p)
+            if nbytes >= alone_bytes:
+                self.buckets.append([p])
+                self.alone.append(True)
+                continue
+            if packing and (size + nbytes > limit or packing[0].dtype != p.dtype):
+                self.buckets.append(packing)
+                self.alone.append(False)
+                packing, size, limit = [], 0, bucket_bytes
+            packing.append(p)
             size += nbytes
+        if packing or (self.buckets and self.alone[-1]):  # the flags need a flat bucket last
+            self.buckets.append(packing)
+            self.alone.append(False)
         self._bucket_of = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket}
         self._armed = False
         self._missing: list[int] = []
         self._launched: list[tuple[torch.Tensor, Any]] = []
+        self._carry: Callable[[], torch.Tensor] | None = None
+        self._carried: torch.Tensor | None = None  # where the carried values are summed
+        self._carried_work: Any = None  # their own collective, when they could not ride along
+        self._carried_along = 0  # how many of them ride at the end of the last bucket
 
         def ready(param: torch.Tensor) -> None:  # a closure, not a bound method: deepcopy keeps it shared
             if self._armed:
@@ -503,10 +535,17 @@ class GradientReducer:
 
         self._handles = [p.register_post_accumulate_grad_hook(ready) for p in self.params]
 
-    def arm(self) -> None:
-        """The next backward is the step's last on this rank: start all-reduces as gradients land."""
+    def arm(self, carry: Callable[[], torch.Tensor] | None = None) -> None:
+        """The next backward is the step's last on this rank: start all-reduces as gradients land.
+
+        ``carry``, called once when the last bucket starts (after this step's forwards), returns a
+        1-D float64 tensor to sum over the replicas along with the gradients; :meth:`finish`
+        returns the sum.
+        """
         self._missing = [len(bucket) for bucket in self.buckets]
         self._launched = []
+        self._carry = carry
+        self._carried, self._carried_work, self._carried_along = None, None, 0
         self._armed = True
 
     def _ready(self, param: torch.Tensor) -> None:
@@ -519,34 +558,76 @@ class GradientReducer:
 
     def _launch(self, b: int) -> None:
         bucket = self.buckets[b]
+        if self.alone[b]:
+            (p,) = bucket
+            # A replica without a gradient adds zeros; the flags in the last bucket tell None apart.
+            grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            if not grad.is_contiguous():
+                grad = grad.contiguous()
+            self._launched.append((grad, dist.all_reduce(grad, group=self.group, async_op=True)))
+            return
         pieces = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket]
-        # One flag per parameter rides along: after the sum it counts the replicas that had a gradient.
-        flags = torch.tensor([p.grad is not None for p in bucket], dtype=bucket[0].dtype, device=bucket[0].device)
-        flat = torch.cat([*pieces, flags])
+        dtype = bucket[0].dtype if bucket else torch.float64
+        last = b == len(self.buckets) - 1
+        if last:
+            pieces.append(torch.tensor([p.grad is not None for p in self.params], dtype=dtype, device=self.device))
+            if self._carry is not None and dtype in (torch.float32, torch.float64):
+                values = self._take_carry()
+                pieces.append(values.to(dtype))
+                self._carried_along = values.numel()
+            else:  # bf16 or fp16 is too coarse for a loss: a collective of its own
+                self._carry_alone()
+        flat = torch.cat(pieces)
         self._launched.append((flat, dist.all_reduce(flat, group=self.group, async_op=True)))
+        if last and self._carried_along:
+            self._carried = flat[flat.numel() - self._carried_along :]
 
-    def finish(self) -> None:
-        """Start the remaining buckets, wait for all, and write the sums into ``.grad``."""
+    def _take_carry(self) -> torch.Tensor:
+        assert self._carry is not None
+        carry, self._carry = self._carry, None
+        return carry().to(device=self.device, dtype=torch.float64).reshape(-1)
+
+    def _carry_alone(self) -> None:
+        if self._carry is not None:
+            self._carried = self._take_carry()
+            self._carried_work = dist.all_reduce(self._carried, group=self.group, async_op=True)
+
+    def finish(self) -> torch.Tensor | None:
+        """Start the remaining buckets, wait for all, and write the sums into ``.grad``; returns
+        the sum of what :meth:`arm`'s ``carry`` gave (float64), if anything."""
         if not self._armed:  # no backward this step (nothing to sum), as for a forward-only step
             self.arm()
         self._armed = False
         while len(self._launched) < len(self.buckets):
             self._launch(len(self._launched))
-        for bucket, (flat, work) in zip(self.buckets, self._launched):
+        if not self.buckets:  # no gradients to ride along with
+            self._carry_alone()
+        for _, work in self._launched:
             work.wait()
-            flags = flat[flat.numel() - len(bucket) :].tolist()
-            offset = 0
-            for p, flag in zip(bucket, flags):
-                n = p.numel()
-                # The sum becomes the gradient in place: a view into the bucket, no copy.
-                p.grad = flat[offset : offset + n].view_as(p) if flag else None
-                offset += n
+        if self._carried_work is not None:
+            self._carried_work.wait()
+        if self.buckets:
+            last, end = self._launched[-1][0], self._launched[-1][0].numel() - self._carried_along
+            counts = dict(zip(map(id, self.params), last[end - len(self.params) : end].tolist(), strict=True))
+            for bucket, alone, (summed, _) in zip(self.buckets, self.alone, self._launched, strict=True):
+                offset = 0
+                for p in bucket:
+                    n = p.numel()
+                    # The sum becomes the gradient in place: the parameter's own tensor or a view into the bucket.
+                    grad = summed if alone else summed[offset : offset + n].view_as(p)
+                    p.grad = grad if counts[id(p)] else None
+                    offset += n
         self._launched = []
+        carried = self._carried
+        self._carried, self._carried_work, self._carried_along = None, None, 0
+        return None if carried is None else carried.to(torch.float64)
 
     def abandon(self) -> None:
         """Forget outstanding all-reduces (the step failed; a peer may be gone)."""
         self._armed = False
         self._launched = []
+        self._carry = None
+        self._carried, self._carried_work, self._carried_along = None, None, 0
 
     def remove(self) -> None:
         for handle in self._handles:

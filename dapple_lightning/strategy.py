@@ -607,28 +607,35 @@ class DappleStrategy(ParallelStrategy):
             loss_sum += float(loss.detach()) * weight
             return loss * weight
 
+        def carry() -> Tensor:  # this replica's share, summed along with the gradients
+            return _flatten_values(loss_sum, capture.values)
+
         module.log = capture.log  # instance attribute shadows the method during the step
         try:
-            pipeline.run(
+            stats = pipeline.run(
                 total,
                 forward,
                 train=train,
                 forward_context=context or self.precision_plugin.train_step_context,
+                carry=carry,
             )
         finally:
             del module.log
-        return self._combine(pipeline, loss_sum, capture.values)
+        return self._combine(pipeline, loss_sum, capture.values, stats.carried)
 
-    def _combine(self, pipeline: Pipeline, loss: float, values: dict[str, tuple[float, dict]]) -> tuple[float, dict]:
-        """Sum the weighted values of the last stage's replicas; share them with every rank."""
+    def _combine(
+        self, pipeline: Pipeline, loss: float, values: dict[str, tuple[float, dict]], summed: Tensor | None
+    ) -> tuple[float, dict]:
+        """Sum the weighted values of the last stage's replicas (``summed`` when they rode along
+        with the gradients); share them with every rank."""
         plan = pipeline.plan
         last_ranks = plan.stage_ranks(plan.num_stages - 1)
         if pipeline.is_last and len(last_ranks) > 1:
-            names = sorted(values)
-            flat = torch.tensor([loss] + [values[n][0] for n in names], dtype=torch.float64)
-            dist.all_reduce(flat, group=pipeline.stage_group)
-            loss = float(flat[0])
-            values = {n: (float(v), values[n][1]) for n, v in zip(names, flat[1:].tolist())}
+            if summed is None:  # an evaluation step: no gradients to ride along with
+                summed = _flatten_values(loss, values)
+                dist.all_reduce(summed, group=pipeline.stage_group)
+            loss = float(summed[0])
+            values = {n: (float(v), values[n][1]) for n, v in zip(sorted(values), summed[1:].tolist(), strict=True)}
         if self.world_size > len(last_ranks):  # ranks outside the last stage learn the values
             self._shared.wait()  # the previous step's, long done
             loss, values = comm.share((loss, values), last_ranks[0], self.root_device, self._shared)
@@ -820,6 +827,11 @@ class _LogCapture:
         kwargs.setdefault("batch_size", self.batch_rows)
         total, _ = self.values.get(name, (0.0, kwargs))
         self.values[name] = (total + number * self.weight, kwargs)
+
+
+def _flatten_values(loss: float, values: dict[str, tuple[float, dict]]) -> Tensor:
+    """The loss and the logged values (in name order) as one float64 tensor, to be summed."""
+    return torch.tensor([loss, *(values[n][0] for n in sorted(values))], dtype=torch.float64)
 
 
 def find_sequential(module: nn.Module, name: str | None = None) -> tuple[str, nn.Sequential]:

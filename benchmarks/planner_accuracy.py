@@ -34,6 +34,7 @@ import dataclasses
 import itertools
 import json
 import os
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -76,6 +77,7 @@ MODELS: dict[str, dict[str, Any]] = {
         "plans": {
             "dp M=1": _plan([], 7, 1, replicas=2),
             "dp M=2": _plan([], 7, 2, replicas=2),
+            "2|5 M=2": _plan([2], 7, 2),
             "2|5 M=4": _plan([2], 7, 4),
             "2|5 M=8": _plan([2], 7, 8),
             "2|5 M=16": _plan([2], 7, 16),
@@ -252,11 +254,36 @@ def report(model: str, result: dict[str, Any]) -> None:
         f"auto / best of DDP and straight pipelines: step time {measured['auto'] / best_peer:.3f} "
         f"({'auto as fast or faster' if measured['auto'] <= best_peer else 'auto slower'})"
     )
+    # The same comparison round by round (each round runs every system once, back to back), so
+    # that drift between rounds cancels; the best peer is the one with the lowest median.
+    peer = min(["ddp", *straight], key=measured.get)
+    ratios = [a / b for a, b in zip(result["rounds"]["auto"], result["rounds"][peer], strict=True)]
+    if len(ratios) > 1:
+        mean, half = _mean_and_half_interval(ratios)
+        verdict = (
+            "auto faster" if mean + half < 1 else "auto slower" if mean - half > 1 else "no difference beyond the noise"
+        )
+        print(
+            f"auto / {peer}, per round: mean {mean:.3f}, 95% interval [{mean - half:.3f}, {mean + half:.3f}] "
+            f"over {len(ratios)} rounds ({verdict})"
+        )
     cluster = result["cluster"]
     print(
         f"measured cluster: p2p {cluster['intra_p2p_bw'] / 1e9:.2f} GB/s, all-reduce "
         f"{cluster['intra_allreduce_bw'] / 1e9:.2f} GB/s per link, latency {cluster['latency_s'] * 1e6:.0f} us"
     )
+
+
+# Two-sided 95% quantiles of Student's t for 1..30 degrees of freedom (beyond: the normal's).
+_T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)  # fmt: skip
+
+
+def _mean_and_half_interval(values: list[float]) -> tuple[float, float]:
+    """Mean and the half-width of its 95% confidence interval (Student's t)."""
+    n = len(values)
+    t = _T95[n - 2] if n - 1 <= len(_T95) else 1.960
+    return statistics.fmean(values), t * statistics.stdev(values) / n**0.5
 
 
 def main() -> None:

@@ -632,7 +632,7 @@ class DappleStrategy(ParallelStrategy):
         last_ranks = plan.stage_ranks(plan.num_stages - 1)
         if pipeline.is_last and len(last_ranks) > 1:
             if summed is None:  # an evaluation step: no gradients to ride along with
-                summed = _flatten_values(loss, values)
+                summed = _flatten_values(loss, values).to(self.root_device)  # NCCL sums device tensors only
                 dist.all_reduce(summed, group=pipeline.stage_group)
             loss = float(summed[0])
             values = {n: (float(v), values[n][1]) for n, v in zip(sorted(values), summed[1:].tolist(), strict=True)}

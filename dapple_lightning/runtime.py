@@ -575,7 +575,7 @@ class GradientReducer:
                 values = self._take_carry()
                 pieces.append(values.to(dtype))
                 self._carried_along = values.numel()
-            else:  # bf16 or fp16 is too coarse for a loss: a collective of its own
+            elif self._carry is not None:  # bf16 or fp16 is too coarse for a loss: a collective of its own
                 self._carry_alone()
         flat = torch.cat(pieces)
         self._launched.append((flat, dist.all_reduce(flat, group=self.group, async_op=True)))
@@ -588,9 +588,8 @@ class GradientReducer:
         return carry().to(device=self.device, dtype=torch.float64).reshape(-1)
 
     def _carry_alone(self) -> None:
-        if self._carry is not None:
-            self._carried = self._take_carry()
-            self._carried_work = dist.all_reduce(self._carried, group=self.group, async_op=True)
+        self._carried = self._take_carry()
+        self._carried_work = dist.all_reduce(self._carried, group=self.group, async_op=True)
 
     def finish(self) -> torch.Tensor | None:
         """Start the remaining buckets, wait for all, and write the sums into ``.grad``; returns
@@ -600,7 +599,7 @@ class GradientReducer:
         self._armed = False
         while len(self._launched) < len(self.buckets):
             self._launch(len(self._launched))
-        if not self.buckets:  # no gradients to ride along with
+        if not self.buckets and self._carry is not None:  # no gradients to ride along with
             self._carry_alone()
         for _, work in self._launched:
             work.wait()

@@ -13,8 +13,8 @@ Runs inside the strategy's ``setup`` on every rank, before the model is partitio
    plans from the same numbers);
 4. time point-to-point and all-reduce messages on the real process group;
 5. run the DAPPLE planner on rank 0 and broadcast its choice; when other plans are predicted
-   within the model's error of it (see :func:`shortlist`), run each for a few real steps and
-   take the fastest.
+   within the model's error of it (see :func:`shortlist`), run them for a few real steps, in
+   turns (see :func:`measure_in_turns`), and take the fastest.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import inspect
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +47,7 @@ __all__ = [
     "choose_plan",
     "draw_batch",
     "measure_cluster",
+    "measure_in_turns",
     "optimizer_factory",
     "refine",
     "refine_allreduce",
@@ -63,6 +64,14 @@ the cost model's error target on real machines (``docs/benchmarks.md``)."""
 TRIAL_LIMIT = 3
 """Most plans measured."""
 
+TRIAL_ROUNDS = 3
+"""Turns each plan gets at most (see :func:`measure_in_turns`)."""
+
+TRIAL_DROP = 0.05
+"""A measured plan this share slower than the best so far gets no more turns: more than 4 times
+the spread of a 2-step turn of the runtime benchmark's transformer on 2 CPU cores (per-step
+standard deviation about 1.1%)."""
+
 
 @dataclass(frozen=True)
 class Measured:
@@ -73,6 +82,17 @@ class Measured:
     forward_s: tuple[float, ...]
     backward_s: tuple[float, ...]
 
+    @classmethod
+    def median(cls, runs: Sequence[Measured]) -> Measured:
+        """Each figure's median over ``runs`` (of one plan)."""
+        if not runs:
+            raise ValueError("no runs to take the median of")
+
+        def each(field: str) -> tuple[float, ...]:
+            return tuple(statistics.median(column) for column in zip(*(getattr(r, field) for r in runs), strict=True))
+
+        return cls(statistics.median(r.step_s for r in runs), each("forward_s"), each("backward_s"))
+
 
 @dataclass(frozen=True)
 class Trial:
@@ -82,6 +102,8 @@ class Trial:
     predicted_step_s: float
     """From the profile before the trials refined it."""
     measured_step_s: float
+    """Median over its turns."""
+    turns: int = 1
 
 
 @dataclass(frozen=True)
@@ -110,13 +132,13 @@ class AutoPlan:
             self.plan.table(),
         ]
         if self.trials:
-            lines.append(f"predicted within {TRIAL_MARGIN:.0%} of each other, so measured (ms/step):")
+            lines.append(f"predicted within {TRIAL_MARGIN:.0%} of each other, so measured in turns (ms/step):")
             width = max(len(t.plan.describe()) for t in self.trials)
             for t in self.trials:
                 mark = "  <- chosen" if t.plan == self.plan else ""
                 lines.append(
                     f"  {t.plan.describe():{width}}  predicted {t.predicted_step_s * 1e3:7.1f}  "
-                    f"measured {t.measured_step_s * 1e3:7.1f}{mark}"
+                    f"measured {t.measured_step_s * 1e3:7.1f} ({t.turns} turn{'s' if t.turns > 1 else ''}){mark}"
                 )
         if self.data_parallel_step_s is None:
             lines.append(f"predicted {self.predicted_step_s * 1e3:.1f} ms/step; pure data parallelism does not fit")
@@ -464,6 +486,40 @@ def shortlist(
     return chosen, dp_step
 
 
+def measure_in_turns(
+    plans: Sequence[Plan],
+    trial: Callable[[Plan], Measured],
+    *,
+    rounds: int = TRIAL_ROUNDS,
+    drop: float = TRIAL_DROP,
+) -> list[list[Measured]]:
+    """Each plan's measurements (``trial(plan)``, a few real steps), taken in turns: in every
+    round each plan still in the running gets one turn, in an order rotated from round to round,
+    so that the machine drifting (other load, clocks, memory) weighs on all of them alike rather
+    than on whichever came last. After a round, a plan whose median step so far is more than
+    ``drop`` (a share) slower than the best's gets no more turns; one plan left ends the rounds.
+
+    Turns of a 1-second step on 2 CPU cores moved by 1-2% one after another, as much as data
+    parallelism at M = 1, 2 and 4 differ there; one run of each in a row picked the wrong one.
+    """
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds!r}")
+    if drop < 0:
+        raise ValueError(f"drop must be >= 0, got {drop!r}")
+    runs: list[list[Measured]] = [[] for _ in plans]
+    running = list(range(len(plans)))
+    for turn in range(rounds):
+        shift = turn % max(len(running), 1)
+        for i in running[shift:] + running[:shift]:
+            runs[i].append(trial(plans[i]))
+        steps = {i: statistics.median(m.step_s for m in runs[i]) for i in running}
+        best = min(steps.values(), default=0.0)
+        running = [i for i in running if steps[i] <= best * (1.0 + drop)]
+        if len(running) <= 1:
+            break
+    return runs
+
+
 def refine(
     profile: ModelProfile,
     cluster: Cluster,
@@ -557,10 +613,11 @@ def choose_plan(
 
     When several plans are predicted within ``margin`` of the best (see :func:`shortlist`), the
     prediction cannot tell them apart; with ``trial`` (a collective that runs a plan for a few
-    real steps, see :class:`Measured`), each is measured and the fastest is chosen, and the
-    profile is refined with what the stages' passes took (see :func:`refine`): the returned
-    profile and predictions are the refined ones, as is the all-reduce bandwidth when data
-    parallelism was among them (see :func:`refine_allreduce`).
+    real steps, see :class:`Measured`), they are measured in turns (see :func:`measure_in_turns`),
+    the fastest (median over its turns) is chosen, and the profile is refined with what the
+    stages' passes took (see :func:`refine`): the returned profile and predictions are the
+    refined ones, as is the all-reduce bandwidth when data parallelism was among them (see
+    :func:`refine_allreduce`).
     """
     start = time.perf_counter()
     if not 0.0 <= margin < 1.0:  # before the profiling, not after
@@ -588,8 +645,9 @@ def choose_plan(
     trials: tuple[Trial, ...] = ()
     plan, predicted = close[0]
     if trial is not None and len(close) > 1:
-        runs = [(candidate, trial(candidate)) for candidate, _ in close]
-        trials = tuple(Trial(c, p, m.step_s) for (c, p), (_, m) in zip(close, runs))
+        turns = measure_in_turns([candidate for candidate, _ in close], trial)
+        runs = [(candidate, Measured.median(m)) for (candidate, _), m in zip(close, turns, strict=True)]
+        trials = tuple(Trial(c, p, m.step_s, len(t)) for (c, p), (_, m), t in zip(close, runs, turns, strict=True))
         plan = min(trials, key=lambda t: t.measured_step_s).plan
         profile = refine(profile, cluster, global_batch, runs, optimizer_factor=optimizer_factor)
         cluster = refine_allreduce(profile, cluster, global_batch, runs, optimizer_factor=optimizer_factor)

@@ -150,6 +150,7 @@ class DappleStrategy(ParallelStrategy):
         self._failed = False
         self._shared = comm.Pending()  # the last stage's loss broadcasts, in flight
         self._p2p: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None
+        self._stage_groups: dict[Plan, dist.ProcessGroup | None] = {}
         self.auto_plan: Any = None
         """With ``plan="auto"``: the profile, cluster and prediction behind the chosen plan."""
         self._shuffle_seed = 0
@@ -346,20 +347,21 @@ class DappleStrategy(ParallelStrategy):
             rank_zero_warn(f"dapple plan='auto' could not time optimizer steps ({err!r}); planning without them")
             optimizer = None
 
-        def trial(plan: Plan) -> Measured:
-            return self._trial(plan, batch, sequential, set_sequential, optimizer)
-
         with unchanged(module):
-            chosen = choose_plan(
-                sequential,
-                sample_input,
-                self.root_device,
-                nodes=self.num_nodes,
-                global_batch=rows,
-                optimizer=optimizer,
-                step_outside=step_outside,
-                trial=trial,
-            )
+            trials = _Trials(self, batch, sequential, set_sequential, optimizer)
+            try:
+                chosen = choose_plan(
+                    sequential,
+                    sample_input,
+                    self.root_device,
+                    nodes=self.num_nodes,
+                    global_batch=rows,
+                    optimizer=optimizer,
+                    step_outside=step_outside,
+                    trial=trials,
+                )
+            finally:
+                trials.close()
         rank_zero_info(chosen.report())
         self.auto_plan = chosen
         return chosen.plan
@@ -374,92 +376,18 @@ class DappleStrategy(ParallelStrategy):
         outside = [p for p in self.lightning_module.parameters() if id(p) not in local]
         if plan.num_stages > 1 and self._p2p is None:
             self._p2p = p2p_groups(timeout=self._timeout)  # one pair for every plan: groups are costly
+        if plan not in self._stage_groups:  # a trial's plan that is chosen keeps its group
+            self._stage_groups[plan] = stage_group(plan, self.global_rank, timeout=self._timeout)
         return Pipeline(
             plan,
             self.global_rank,
             stage,
             device=self.root_device,
             timeline=timeline,
-            stage_group=stage_group(plan, self.global_rank, timeout=self._timeout),
+            stage_group=self._stage_groups[plan],
             shared_params=outside,
             track_memory=track_memory,
             p2p_groups=self._p2p if plan.num_stages > 1 else (None, None),
-        )
-
-    def _trial(
-        self,
-        plan: Plan,
-        batch: Any,
-        sequential: nn.Sequential,
-        set_sequential: Callable[[nn.Module], None],
-        optimizer: Callable[[list[nn.Parameter]], Optimizer] | None,
-        *,
-        steps: int = 3,
-        budget_s: float = 0.5,
-    ) -> Measured:
-        """Seconds per training step of ``plan`` on ``batch`` (collective), and per pass of each
-        stage: the real pipeline, the user's step and the user's kind of optimizer, as training
-        runs them, over at least ``steps`` steps and about ``budget_s`` seconds after a warm-up
-        step. It trains: the caller puts the weights back (``autoplan.unchanged``)."""
-        from dapple_lightning.autoplan import Measured
-        from dapple_lightning.planner._measure import SETTLE_STEPS
-
-        module = self.lightning_module
-        rank = self.global_rank
-        stage = partition(sequential, plan, rank)
-        set_sequential(stage)
-        timeline = Timeline(rank, plan.stage_of(rank))
-        pipeline = self._pipeline_for(plan, stage, timeline)
-        params = [p for p in module.parameters() if p.requires_grad]
-        step = optimizer(params).step if optimizer is not None and params else (lambda: None)
-        # A fresh optimizer's first steps create its state and fault its pages in (see
-        # planner._measure): steps over zero gradients first, so that the plan with the most
-        # parameters per rank does not pay for that in its measured steps.
-        for p in params:
-            p.grad = torch.zeros_like(p)
-        for _ in range(SETTLE_STEPS):
-            step()
-        for p in params:
-            p.grad = None
-
-        def train_step() -> None:
-            self._run_pipeline("training_step", (batch, 0), {}, train=True, pipeline=pipeline)
-            step()
-            for p in params:
-                p.grad = None
-
-        try:
-            dist.barrier()
-            start = time.perf_counter()
-            train_step()  # connects the plan's process groups: not counted
-            # Cheap steps are noisy: take as many as fit the budget (every rank the same number).
-            wanted = torch.tensor([math.ceil(budget_s / (time.perf_counter() - start))], dtype=torch.int64)
-            dist.all_reduce(wanted, op=dist.ReduceOp.MAX)
-            count = min(max(int(wanted), steps), 10 * steps)
-            start = time.perf_counter()
-            for _ in range(count):
-                train_step()
-            seconds = (time.perf_counter() - start) / count
-        finally:
-            self._shared.wait()
-            pipeline.close()
-            set_sequential(sequential)
-        timed = [e for e in timeline.events if e.step > 0]  # not the warm-up step
-        passes = [
-            statistics.median([e.end - e.start for e in timed if e.name == kind] or [0.0])
-            for kind in ("forward", "backward")
-        ]
-        # Every rank's step time and passes; a step lasts until its slowest rank is done, and a
-        # stage's pass until its slowest replica's.
-        mine = torch.tensor([[plan.stage_of(rank), seconds, *passes]], dtype=torch.float64)
-        everyone = [torch.zeros_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(everyone, mine)
-        table = torch.cat(everyone)
-        stages = range(plan.num_stages)
-        return Measured(
-            step_s=float(table[:, 1].max()),
-            forward_s=tuple(float(table[table[:, 0] == s, 2].max()) for s in stages),
-            backward_s=tuple(float(table[table[:, 0] == s, 3].max()) for s in stages),
         )
 
     def _owned(self) -> set[int]:
@@ -800,6 +728,123 @@ class DappleStrategy(ParallelStrategy):
         if gathered is not None:
             path = write_chrome_trace([e for part in gathered for e in part], self._trace_path)
             rank_zero_info(f"dapple: wrote Chrome trace to {path}")
+
+
+class _Trials:
+    """``plan="auto"``'s trials: calling it with a plan runs that plan for a few real training
+    steps (collective; see :func:`autoplan.measure_in_turns`, which calls it once per turn) and
+    returns what they took. A plan's pipeline is built on its first turn and kept for the later
+    ones, so that creating and connecting its process groups and its first, slower step are paid
+    once and never counted. The steps train: the caller puts the weights back
+    (``autoplan.unchanged``); :meth:`close` detaches the pipelines and puts the Sequential back.
+    """
+
+    def __init__(
+        self,
+        strategy: DappleStrategy,
+        batch: Any,
+        sequential: nn.Sequential,
+        set_sequential: Callable[[nn.Module], None],
+        optimizer: Callable[[list[nn.Parameter]], Optimizer] | None,
+        *,
+        steps: int = 2,
+        budget_s: float = 0.25,
+    ) -> None:
+        self._strategy, self._batch = strategy, batch
+        self._sequential, self._set_sequential = sequential, set_sequential
+        self._make_optimizer = optimizer
+        self._steps, self._budget_s = steps, budget_s
+        # Per plan: its stage, pipeline, the parameters its rank holds, and its steps per turn.
+        self._built: dict[Plan, tuple[StageModule, Pipeline, list[nn.Parameter], int]] = {}
+        self._covered: dict[int, nn.Parameter] = {}  # what the optimizer steps
+        self._step: Callable[[], Any] = lambda: None
+
+    def _cover(self, params: list[nn.Parameter]) -> None:
+        """Have the optimizer step ``params`` too: a fresh one of the user's kind over every
+        parameter a measured plan held on this rank, no more (a stage needs no state for the
+        others). A fresh optimizer's first steps create its state and fault its pages in (see
+        planner._measure): it takes those steps here, over zero gradients, so that the plan
+        measured first does not pay for them."""
+        from dapple_lightning.planner._measure import SETTLE_STEPS
+
+        missing = [p for p in params if id(p) not in self._covered]
+        if self._make_optimizer is None or not missing:
+            return
+        self._covered.update((id(p), p) for p in missing)
+        covered = list(self._covered.values())
+        self._step = self._make_optimizer(covered).step
+        for p in covered:
+            p.grad = torch.zeros_like(p)
+        for _ in range(SETTLE_STEPS):
+            self._step()
+        for p in covered:
+            p.grad = None
+
+    def _train_step(self, pipeline: Pipeline, params: list[nn.Parameter]) -> None:
+        self._strategy._run_pipeline("training_step", (self._batch, 0), {}, train=True, pipeline=pipeline)
+        self._step()
+        for p in params:
+            p.grad = None
+
+    def __call__(self, plan: Plan) -> Measured:
+        """Seconds per training step of ``plan`` and per pass of each stage: the real pipeline, the
+        user's step and the user's kind of optimizer, as training runs them, over at least
+        ``steps`` steps and about ``budget_s`` seconds."""
+        from dapple_lightning.autoplan import Measured
+
+        strategy = self._strategy
+        rank = strategy.global_rank
+        try:
+            if plan in self._built:
+                stage, pipeline, params, count = self._built[plan]
+                self._set_sequential(stage)
+                dist.barrier()
+            else:
+                stage = partition(self._sequential, plan, rank)
+                self._set_sequential(stage)
+                params = [p for p in strategy.lightning_module.parameters() if p.requires_grad]
+                self._cover(params)
+                pipeline = strategy._pipeline_for(plan, stage, Timeline(rank, plan.stage_of(rank)))
+                self._built[plan] = stage, pipeline, params, 0
+                dist.barrier()
+                start = time.perf_counter()
+                self._train_step(pipeline, params)  # connects the plan's process groups: not counted
+                # Cheap steps are noisy: as many as fit the budget (every rank the same number).
+                wanted = torch.tensor([math.ceil(self._budget_s / (time.perf_counter() - start))], dtype=torch.int64)
+                dist.all_reduce(wanted, op=dist.ReduceOp.MAX)
+                count = min(max(int(wanted), self._steps), 10 * self._steps)
+                self._built[plan] = stage, pipeline, params, count
+            timeline = pipeline.timeline
+            timeline.events.clear()
+            start = time.perf_counter()
+            for _ in range(count):
+                self._train_step(pipeline, params)
+            seconds = (time.perf_counter() - start) / count
+        finally:
+            strategy._shared.wait()
+        passes = [
+            statistics.median([e.end - e.start for e in timeline.events if e.name == kind] or [0.0])
+            for kind in ("forward", "backward")
+        ]
+        # Every rank's step time and passes; a step lasts until its slowest rank is done, and a
+        # stage's pass until its slowest replica's.
+        mine = torch.tensor([[plan.stage_of(rank), seconds, *passes]], dtype=torch.float64)
+        everyone = [torch.zeros_like(mine) for _ in range(strategy.world_size)]
+        dist.all_gather(everyone, mine)
+        table = torch.cat(everyone)
+        stages = range(plan.num_stages)
+        return Measured(
+            step_s=float(table[:, 1].max()),
+            forward_s=tuple(float(table[table[:, 0] == s, 2].max()) for s in stages),
+            backward_s=tuple(float(table[table[:, 0] == s, 3].max()) for s in stages),
+        )
+
+    def close(self) -> None:
+        for _, pipeline, _, _ in self._built.values():
+            pipeline.close()
+        self._built.clear()
+        self._step = lambda: None  # and the optimizer's state with it
+        self._set_sequential(self._sequential)
 
 
 class _LogCapture:

@@ -11,6 +11,7 @@ from dapple_lightning.autoplan import (
     Measured,
     Trial,
     _with_step_outside,
+    measure_in_turns,
     optimizer_factory,
     refine,
     refine_allreduce,
@@ -140,11 +141,52 @@ def test_report_shows_the_measured_plans_and_the_choice():
     profile = _two_layers(10**6)
     pipe = Plan.straight(2, 2, micro_batches=4)
     dp = Plan.data_parallel(2, 2)
-    trials = (Trial(pipe, 0.100, 0.130), Trial(dp, 0.105, 0.120))
+    trials = (Trial(pipe, 0.100, 0.130, 1), Trial(dp, 0.105, 0.120, 3))
     report = AutoPlan(dp, 0.105, 0.105, profile, CLUSTER, 2.0, trials).report()
     assert "measured 2 close plans" in report
     lines = [line for line in report.splitlines() if line.startswith("  ") and "measured" in line]
-    assert len(lines) == 2 and lines[1].endswith("<- chosen") and "130.0" in lines[0]
+    assert len(lines) == 2 and lines[1].endswith("(3 turns)  <- chosen") and "130.0 (1 turn)" in lines[0]
+
+
+def _scripted(times: dict[int, list[float]], calls: list[int]):
+    """A trial of plans with 1, 2, ... micro-batches: each turn the next of its scripted step times."""
+
+    def trial(plan: Plan) -> Measured:
+        m = plan.micro_batches
+        calls.append(m)
+        step = times[m][sum(c == m for c in calls) - 1]
+        return Measured(step, (step / 3,), (2 * step / 3,))
+
+    return trial
+
+
+def test_close_plans_are_measured_in_rotating_turns_until_one_leads():
+    plans = [Plan.data_parallel(4, 2, micro_batches=m) for m in (1, 2, 4)]
+    calls: list[int] = []
+    # M=4 is 10% behind after the first round and gets no more turns; M=1 and M=2 alternate
+    # leads, and three rounds give M=2 the lower median.
+    times = {1: [1.00, 1.03, 1.02], 2: [1.01, 1.00, 1.01], 4: [1.11]}
+    runs = measure_in_turns(plans, _scripted(times, calls), rounds=3, drop=0.05)
+    assert calls == [1, 2, 4, 2, 1, 1, 2]  # each round starts one plan further on
+    assert [[r.step_s for r in plan_runs] for plan_runs in runs] == [times[1], times[2], times[4]]
+    best = min(range(3), key=lambda i: Measured.median(runs[i]).step_s)
+    assert best == 1
+    assert Measured.median(runs[0]) == Measured(1.02, (1.02 / 3,), (2 * 1.02 / 3,))
+
+
+def test_turns_end_when_one_plan_is_left():
+    plans = [Plan.data_parallel(4, 2, micro_batches=m) for m in (1, 2)]
+    calls: list[int] = []
+    runs = measure_in_turns(plans, _scripted({1: [1.0], 2: [1.2]}, calls), rounds=5, drop=0.05)
+    assert calls == [1, 2] and [len(r) for r in runs] == [1, 1]
+    # No drop at all: every plan runs every round.
+    calls.clear()
+    runs = measure_in_turns(plans, _scripted({1: [1.0] * 2, 2: [1.2] * 2}, calls), rounds=2, drop=10.0)
+    assert calls == [1, 2, 2, 1]
+    with pytest.raises(ValueError, match="rounds"):
+        measure_in_turns(plans, _scripted({}, []), rounds=0)
+    with pytest.raises(ValueError, match="no runs"):
+        Measured.median([])
 
 
 def test_unchanged_puts_back_weights_buffers_gradients_and_the_rng():

@@ -475,7 +475,10 @@ class GradientReducer:
     its own, summed in place in its ``.grad``: no copy in and none out, where copies cost the
     most. Smaller ones are packed into flat buckets (the first small, so that communication
     starts early, then up to ``bucket_bytes``), each summed as one tensor whose views become the
-    gradients. Once :meth:`arm` is called, each parameter's post-accumulate hook marks it final;
+    gradients. A collective has a price of its own: with gloo on 2 busy CPU cores, summing the
+    benchmark transformer's sixteen 1 MiB weights alone made its step 0.9% slower than packing
+    them (about 0.5 ms per collective beyond the copy it saves), while copying the VGG
+    example's 4 and 8 MiB dense weights took 1 ms of its 87 ms step; hence 4 MiB. Once :meth:`arm` is called, each parameter's post-accumulate hook marks it final;
     a bucket's asynchronous all-reduce starts when all its parameters are final and every
     earlier bucket has started, so every replica issues the same collectives in the same order,
     as DDP's reducer does.
@@ -496,7 +499,7 @@ class GradientReducer:
         device: torch.device | None = None,
         bucket_bytes: int = 25 * 2**20,
         first_bucket_bytes: int = 2**20,
-        alone_bytes: int = 2**20,
+        alone_bytes: int = 4 * 2**20,
     ) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.group = group

@@ -68,9 +68,9 @@ TRIAL_ROUNDS = 3
 """Turns each plan gets at most (see :func:`measure_in_turns`)."""
 
 TRIAL_DROP = 0.05
-"""A measured plan this share slower than the best so far gets no more turns: more than 4 times
-the spread of a 2-step turn of the runtime benchmark's transformer on 2 CPU cores (per-step
-standard deviation about 1.1%)."""
+"""A measured plan this share slower than the best so far gets no more turns: over 4 standard
+deviations of the difference between two 2-step turns of the benchmark transformer on 2 CPU
+cores (its steps spread by about 1.1%)."""
 
 
 @dataclass(frozen=True)

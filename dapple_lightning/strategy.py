@@ -756,6 +756,7 @@ class _Trials:
         self._steps, self._budget_s = steps, budget_s
         # Per plan: its stage, pipeline, the parameters its rank holds, and its steps per turn.
         self._built: dict[Plan, tuple[StageModule, Pipeline, list[nn.Parameter], int]] = {}
+        self._pipelines: list[Pipeline] = []  # every one built, to detach, even one whose warm-up failed
         self._covered: dict[int, nn.Parameter] = {}  # what the optimizer steps
         self._step: Callable[[], Any] = lambda: None
 
@@ -786,6 +787,25 @@ class _Trials:
         for p in params:
             p.grad = None
 
+    def _build(self, plan: Plan) -> tuple[StageModule, Pipeline, list[nn.Parameter], int]:
+        """``plan``'s stage, pipeline and parameters on this rank, after a warm-up step that also
+        tells how many steps a turn takes (collective)."""
+        strategy = self._strategy
+        rank = strategy.global_rank
+        stage = partition(self._sequential, plan, rank)
+        self._set_sequential(stage)
+        params = [p for p in strategy.lightning_module.parameters() if p.requires_grad]
+        self._cover(params)
+        pipeline = strategy._pipeline_for(plan, stage, Timeline(rank, plan.stage_of(rank)))
+        self._pipelines.append(pipeline)
+        dist.barrier()
+        start = time.perf_counter()
+        self._train_step(pipeline, params)  # connects the plan's process groups: not counted
+        # Cheap steps are noisy: as many as fit the budget (every rank the same number).
+        wanted = torch.tensor([math.ceil(self._budget_s / (time.perf_counter() - start))], dtype=torch.int64)
+        dist.all_reduce(wanted, op=dist.ReduceOp.MAX)
+        return stage, pipeline, params, min(max(int(wanted), self._steps), 10 * self._steps)
+
     def __call__(self, plan: Plan) -> Measured:
         """Seconds per training step of ``plan`` and per pass of each stage: the real pipeline, the
         user's step and the user's kind of optimizer, as training runs them, over at least
@@ -795,25 +815,11 @@ class _Trials:
         strategy = self._strategy
         rank = strategy.global_rank
         try:
-            if plan in self._built:
-                stage, pipeline, params, count = self._built[plan]
-                self._set_sequential(stage)
-                dist.barrier()
-            else:
-                stage = partition(self._sequential, plan, rank)
-                self._set_sequential(stage)
-                params = [p for p in strategy.lightning_module.parameters() if p.requires_grad]
-                self._cover(params)
-                pipeline = strategy._pipeline_for(plan, stage, Timeline(rank, plan.stage_of(rank)))
-                self._built[plan] = stage, pipeline, params, 0
-                dist.barrier()
-                start = time.perf_counter()
-                self._train_step(pipeline, params)  # connects the plan's process groups: not counted
-                # Cheap steps are noisy: as many as fit the budget (every rank the same number).
-                wanted = torch.tensor([math.ceil(self._budget_s / (time.perf_counter() - start))], dtype=torch.int64)
-                dist.all_reduce(wanted, op=dist.ReduceOp.MAX)
-                count = min(max(int(wanted), self._steps), 10 * self._steps)
-                self._built[plan] = stage, pipeline, params, count
+            if plan not in self._built:
+                self._built[plan] = self._build(plan)
+            stage, pipeline, params, count = self._built[plan]
+            self._set_sequential(stage)
+            dist.barrier()
             timeline = pipeline.timeline
             timeline.events.clear()
             start = time.perf_counter()
@@ -840,8 +846,9 @@ class _Trials:
         )
 
     def close(self) -> None:
-        for _, pipeline, _, _ in self._built.values():
+        for pipeline in self._pipelines:
             pipeline.close()
+        self._pipelines.clear()
         self._built.clear()
         self._step = lambda: None  # and the optimizer's state with it
         self._set_sequential(self._sequential)

@@ -25,7 +25,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,13 +37,12 @@ from dapple_lightning.plan import Plan
 from dapple_lightning.planner import GB, Cluster, ModelProfile, estimate, plan_dapple
 from dapple_lightning.planner._cost import Placement
 from dapple_lightning.planner._measure import fixed_part, profile_layers
-from dapple_lightning.runtime import StageExit
+from dapple_lightning.surgery import standing_in
 
 __all__ = [
     "AutoPlan",
     "Measured",
     "Trial",
-    "capture_sequential_input",
     "choose_plan",
     "draw_batch",
     "measure_cluster",
@@ -53,7 +52,6 @@ __all__ = [
     "refine_allreduce",
     "shortlist",
     "time_step_outside",
-    "unchanged",
 ]
 
 
@@ -155,28 +153,6 @@ class AutoPlan:
 
 
 @contextmanager
-def unchanged(module: nn.Module):
-    """Within the block, profiling and trial steps may train: afterwards the module's parameters
-    and buffers, its gradients (none) and the RNG states are as before, so that training with
-    the chosen plan starts exactly where training with that plan given by hand would."""
-    tensors = [*module.parameters(), *module.buffers()]
-    saved = [t.detach().clone() for t in tensors]
-    cpu = torch.get_rng_state()
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for tensor, value in zip(tensors, saved):
-                tensor.copy_(value)
-        for param in module.parameters():
-            param.grad = None
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state_all(cuda)
-
-
-@contextmanager
 def _preserved_rng(dataloader: Any):
     """Restore every RNG that decides the data order after drawing a batch for profiling."""
     cpu = torch.get_rng_state()
@@ -207,46 +183,6 @@ def draw_batch(dataloader: Any) -> Any:
             return next(iterator)
         finally:
             del iterator
-
-
-class _Capture(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.value: Any = None
-
-    def forward(self, x: Any) -> Any:
-        self.value = x
-        raise StageExit
-
-
-@contextmanager
-def _standing_in(
-    module: nn.Module, set_sequential: Callable[[nn.Module], None], sequential: nn.Module, stand_in: nn.Module
-):
-    """Within the block, ``stand_in`` replaces the Sequential and ``module.log`` does nothing
-    (the user's step may log); both are put back after."""
-    set_sequential(stand_in)
-    module.log = lambda *args, **kwargs: None
-    try:
-        yield
-    finally:
-        del module.log
-        set_sequential(sequential)
-
-
-def capture_sequential_input(
-    module: nn.Module, set_sequential: Callable[[nn.Module], None], sequential: nn.Module, step: Callable[[], Any]
-) -> Any:
-    """Run ``step`` (the user's training_step on a batch) until it calls the Sequential; return its input."""
-    capture = _Capture()
-    with _standing_in(module, set_sequential, sequential, capture), torch.no_grad(), suppress(StageExit):
-        step()
-    if capture.value is None:
-        raise RuntimeError(
-            "plan='auto' ran training_step once to find the Sequential's input, but the step never called it; "
-            "dapple needs each step to pass the batch through the Sequential exactly once"
-        )
-    return capture.value
 
 
 class _Replay(nn.Module):
@@ -282,7 +218,7 @@ def time_step_outside(
     forward: list[float] = []
     backward: list[float] = []
     try:
-        with _standing_in(module, set_sequential, sequential, _Replay(output)):
+        with standing_in(module, set_sequential, sequential, _Replay(output)):
             for run in range(warmup + repeats):
                 t0 = time.perf_counter()
                 result = step()

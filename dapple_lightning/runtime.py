@@ -663,10 +663,3 @@ def stage_group(plan: Plan, rank: int, **kwargs: Any) -> dist.ProcessGroup | Non
             if rank in ranks:
                 mine = group
     return mine
-
-
-def partition(sequential: nn.Sequential, plan: Plan, rank: int) -> StageModule:
-    """This rank's :class:`StageModule`: the Sequential's layers of its stage, under their own names."""
-    stage = plan.stages[plan.stage_of(rank)]
-    named = list(sequential.named_children())
-    return StageModule(named[stage.start : stage.end])

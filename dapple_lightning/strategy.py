@@ -61,7 +61,8 @@ from dapple_lightning import comm
 from dapple_lightning.checkpoint import by_name, to_local, to_single_device
 from dapple_lightning.microbatch import Rows, batch_size_of, slice_batch
 from dapple_lightning.plan import Plan
-from dapple_lightning.runtime import Pipeline, StageModule, StepStats, p2p_groups, partition, stage_group
+from dapple_lightning.runtime import Pipeline, StageModule, StepStats, p2p_groups, stage_group
+from dapple_lightning.surgery import capture_input, find_sequential, partition, set_submodule, unchanged
 from dapple_lightning.timeline import Timeline, write_chrome_trace
 
 if TYPE_CHECKING:
@@ -286,7 +287,7 @@ class DappleStrategy(ParallelStrategy):
         for layer in sequential.children():
             if layer not in local:
                 layer.to("meta")  # frees the memory of layers that live on other ranks
-        _set_submodule(module, name, self._stage_module)
+        set_submodule(module, name, self._stage_module)
         self.model_to_device()
         timeline = Timeline(rank, self.plan.stage_of(rank), enabled=self._trace_path is not None)
         self._pipeline = self._pipeline_for(self.plan, self._stage_module, timeline, track_memory=self._track_memory)
@@ -311,14 +312,7 @@ class DappleStrategy(ParallelStrategy):
         if trainer.state.fn != TrainerFn.FITTING:
             # Forward-only loops have no training batch to profile; every rank holds every layer.
             return Plan.data_parallel(len(sequential), world)
-        from dapple_lightning.autoplan import (
-            capture_sequential_input,
-            choose_plan,
-            draw_batch,
-            optimizer_factory,
-            time_step_outside,
-            unchanged,
-        )
+        from dapple_lightning.autoplan import choose_plan, draw_batch, optimizer_factory, time_step_outside
 
         module = self.lightning_module
         batch = self.batch_to_device(draw_batch(trainer.fit_loop._data_source.dataloader()))
@@ -326,10 +320,8 @@ class DappleStrategy(ParallelStrategy):
         # Profile on a micro-batch-sized slice: whole global batches make profiling slow, and the
         # cost model scales times with the micro-batch size.
         sample = slice_batch(batch, Rows(0, max(1, rows // max(world, 2))))
-        set_sequential = partial(_set_submodule, module, name)
-        sample_input = capture_sequential_input(
-            module, set_sequential, sequential, lambda: module.training_step(sample, 0)
-        )
+        set_sequential = partial(set_submodule, module, name)
+        sample_input = capture_input(module, set_sequential, sequential, lambda: module.training_step(sample, 0))
 
         def step_outside(n: int) -> tuple[float, float]:
             part = slice_batch(sample, Rows(0, n))
@@ -717,7 +709,7 @@ class DappleStrategy(ParallelStrategy):
             if layer not in local:
                 layer.to_empty(device=self.root_device)
         sequential.load_state_dict(weights)
-        _set_submodule(self.lightning_module, name, sequential)
+        set_submodule(self.lightning_module, name, sequential)
         self._sequential = None
         self._stage_module = None
 
@@ -884,40 +876,6 @@ class _LogCapture:
 def _flatten_values(loss: float, values: dict[str, tuple[float, dict]]) -> Tensor:
     """The loss and the logged values (in name order) as one float64 tensor, to be summed."""
     return torch.tensor([loss, *(values[n][0] for n in sorted(values))], dtype=torch.float64)
-
-
-def find_sequential(module: nn.Module, name: str | None = None) -> tuple[str, nn.Sequential]:
-    """The ``nn.Sequential`` to pipeline: the one named, or the module's only one."""
-    if name is not None:
-        try:
-            found = module.get_submodule(name)
-        except AttributeError as e:
-            raise ValueError(f"sequential={name!r}: the module has no submodule {name!r}") from e
-        if not isinstance(found, nn.Sequential):
-            raise TypeError(
-                f"sequential={name!r} is a {type(found).__name__}; dapple pipelines an nn.Sequential of layers"
-            )
-        return name, found
-    candidates = [(n, m) for n, m in module.named_children() if isinstance(m, nn.Sequential)]
-    if len(candidates) == 1:
-        return candidates[0]
-    if not candidates:
-        raise ValueError(
-            f"{type(module).__name__} has no nn.Sequential attribute to pipeline; put the layers to split into "
-            "one nn.Sequential (self.layers = nn.Sequential(...)) or name a nested one with "
-            "DappleStrategy(sequential='path.to.it')"
-        )
-    names = ", ".join(repr(n) for n, _ in candidates)
-    raise ValueError(
-        f"{type(module).__name__} has several nn.Sequential attributes ({names}); choose one with "
-        f"DappleStrategy(sequential={candidates[0][0]!r})"
-    )
-
-
-def _set_submodule(root: nn.Module, path: str, new: nn.Module) -> None:
-    parent_path, _, leaf = path.rpartition(".")
-    parent = root.get_submodule(parent_path) if parent_path else root
-    setattr(parent, leaf, new)
 
 
 @torch.no_grad()

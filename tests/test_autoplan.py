@@ -17,10 +17,10 @@ from dapple_lightning.autoplan import (
     refine_allreduce,
     shortlist,
     time_step_outside,
-    unchanged,
 )
 from dapple_lightning.plan import Plan
 from dapple_lightning.planner import GB, Cluster, LayerProfile, ModelProfile, estimate
+from dapple_lightning.surgery import unchanged
 
 
 class Model(nn.Module):

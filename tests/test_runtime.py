@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 from dapple_lightning.plan import Plan
-from dapple_lightning.runtime import GradientReducer, Pipeline, p2p_groups, partition, stage_group
+from dapple_lightning.runtime import GradientReducer, Pipeline, p2p_groups, stage_group
+from dapple_lightning.surgery import partition
 
 from distributed import run_ranks
 

@@ -216,7 +216,7 @@ def main(spec_path: str) -> int:
 
     from dapple_lightning.microbatch import batch_size_of
     from dapple_lightning.search._factory import call_factory
-    from dapple_lightning.strategy import find_sequential
+    from dapple_lightning.surgery import find_sequential
 
     torch.set_num_threads(int(spec["threads"]))
     os.environ.setdefault("OMP_NUM_THREADS", str(spec["threads"]))

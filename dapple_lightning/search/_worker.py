@@ -33,7 +33,7 @@ INFEASIBLE = 3
 def _check_feasible(plan: Any, module: Any, loader: Any, world_size: int, sequential: str | None) -> int:
     """Raise ``ValueError`` if ``plan`` cannot run this model on its batches; the batch's rows."""
     from dapple_lightning.microbatch import batch_size_of
-    from dapple_lightning.strategy import find_sequential
+    from dapple_lightning.surgery import find_sequential
 
     _, seq = find_sequential(module, sequential)
     plan.check(num_layers=len(seq), world_size=world_size)

@@ -125,10 +125,6 @@ class DappleStrategy(ParallelStrategy):
         )
         if start_method not in ("popen", "spawn"):
             raise ValueError(f"start_method must be 'popen' or 'spawn', got {start_method!r}")
-        if isinstance(plan, str) and plan.strip().startswith("optuna://"):
-            from dapple_lightning.search import resolve_plan_spec
-
-            plan = resolve_plan_spec(plan)
         # Parse early so a malformed plan fails in the constructor, before any process starts.
         self._plan_spec: Plan | str = "auto" if _is_auto(plan) else Plan.coerce(plan)
         self._sequential_name = sequential
@@ -155,27 +151,6 @@ class DappleStrategy(ParallelStrategy):
         self.auto_plan: Any = None
         """With ``plan="auto"``: the profile, cluster and prediction behind the chosen plan."""
         self._shuffle_seed = 0
-
-    @classmethod
-    def from_study(
-        cls,
-        storage: str = "sqlite:///dapple_search.db",
-        study_name: str = "dapple",
-        *,
-        fingerprint: Any = None,
-        allow_mismatch: bool = False,
-        **kwargs: Any,
-    ) -> DappleStrategy:
-        """A strategy that trains with the best plan of a plan search (see :mod:`dapple_lightning.search`).
-
-        ``fingerprint`` (a :class:`~dapple_lightning.search.Fingerprint` of the model and cluster you
-        train on) is compared with the one the study recorded; a mismatch raises unless
-        ``allow_mismatch``. The string form ``plan="optuna://sqlite:///file.db?study=NAME"`` does the
-        same from a config file.
-        """
-        from dapple_lightning.search import best_plan
-
-        return cls(best_plan(storage, study_name, fingerprint, allow_mismatch=allow_mismatch), **kwargs)
 
     # ------------------------------------------------------------------ Lightning plumbing
 

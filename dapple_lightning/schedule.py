@@ -1,8 +1,12 @@
-"""Pipeline schedules as data: per-stage lists of forward and backward actions.
+"""Pipeline schedules as data: per-stage computation orders, lowered to per-rank programs.
 
 A schedule says, for each stage, in which order it runs the forward (``F``) and backward
-(``B``) pass of each micro-batch. Nothing here touches a device: the runtime executes the
-list of its own stage, the cost model and the tests replay all lists together.
+(``B``) pass of each micro-batch. :func:`lower` turns it, for a plan and a batch size, into
+every rank's program: the computations with the point-to-point messages around them
+(``SEND_F``/``RECV_F`` for activations, ``SEND_B``/``RECV_B`` for gradients, one per piece
+where replica counts change) and the gradient sum (``REDUCE``). The runtime executes its
+rank's program op by op; :func:`simulate` runs all of them together and proves that every
+send meets its receive in an order both sides follow. Nothing here touches a device.
 
 DAPPLE (early backward) for ``S = 3`` stages and ``M = 4`` micro-batches, one column a stage,
 one row a time slot when every action costs one unit (``python -m dapple_lightning.schedule 3 4``)::
@@ -24,15 +28,24 @@ activations at once. GPipe runs every forward, then every backward, and holds al
 
 from __future__ import annotations
 
+import itertools
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from dapple_lightning.plan import Plan
+from dapple_lightning.rows import Rows, even_split, transfers
+
 __all__ = [
     "Action",
+    "Op",
+    "Program",
     "dapple_schedule",
     "gpipe_schedule",
     "grid",
+    "lower",
+    "lower_stages",
     "peak_in_flight",
     "schedule",
     "simulate",
@@ -111,66 +124,268 @@ def peak_in_flight(actions: Sequence[Action]) -> int:
     return peak
 
 
+OpKind = Literal["F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "REDUCE"]
+_COMPUTE = ("F", "B")
+
+
+@dataclass(frozen=True)
+class Op:
+    """One step of one rank's lowered program.
+
+    ``F3``/``B3`` compute micro-batch 3's forward or backward on the rank's slice.
+    ``SEND_F3>2`` sends rank 2 the rows ``rows`` of F3's output, ``RECV_F3<0`` receives
+    rank 0's piece of F3's input (pieces are concatenated in program order); ``SEND_B`` and
+    ``RECV_B`` carry gradients back the same way. ``REDUCE`` stands before the rank's last
+    backward: from there on the stage's gradients are summed over its replicas as backward
+    finishes them (the sums are waited for when the step ends).
+    """
+
+    kind: OpKind
+    micro_batch: int = -1
+    peer: int = -1
+    rows: Rows | None = None
+    """The rows of this rank's slice of the micro-batch that the message carries."""
+
+    def __str__(self) -> str:
+        if self.kind == "REDUCE":
+            return "REDUCE"
+        text = f"{self.kind}{self.micro_batch}"
+        if self.kind.startswith("SEND"):
+            text += f">{self.peer}"
+        elif self.kind.startswith("RECV"):
+            text += f"<{self.peer}"
+        if self.rows is not None:
+            text += f"[{self.rows.start}:{self.rows.stop}]"
+        return text
+
+    @classmethod
+    def parse(cls, text: str) -> Op:
+        """The op that ``str`` prints, e.g. ``"F0"``, ``"SEND_F0>1"``, ``"RECV_B2<3[0:4]"``, ``"REDUCE"``."""
+        found = re.fullmatch(r"(SEND_F|RECV_F|SEND_B|RECV_B|F|B)(\d+)(?:([<>])(\d+))?(?:\[(\d+):(\d+)\])?", text)
+        if text == "REDUCE":
+            return cls("REDUCE")
+        if found is None:
+            raise ValueError(
+                f"an op is F<m>, B<m>, SEND_F<m>><rank>, RECV_F<m><<rank> (and _B), or REDUCE; got {text!r}"
+            )
+        kind, m, arrow, peer, start, stop = found.groups()
+        if (kind in _COMPUTE) != (arrow is None) or (arrow is not None and arrow != (">" if "SEND" in kind else "<")):
+            raise ValueError(f"{text!r}: sends name their peer after '>', receives after '<', computations none")
+        rows = Rows(int(start), int(stop)) if start is not None else None
+        return cls(kind, int(m), int(peer) if peer is not None else -1, rows)  # type: ignore[arg-type]
+
+    @property
+    def action(self) -> Action:
+        """The computation this op belongs to (``SEND_F3`` and ``RECV_F3`` belong to ``F3``)."""
+        return Action(self.kind[-1], self.micro_batch)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class Program:
+    """Every rank's lowered ops for one step, and the stage each rank runs."""
+
+    ranks: tuple[tuple[Op, ...], ...]
+    stage_of: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.ranks) != len(self.stage_of):
+            raise ValueError(f"{len(self.ranks)} op lists for {len(self.stage_of)} ranks")
+
+    def __getitem__(self, rank: int) -> tuple[Op, ...]:
+        return self.ranks[rank]
+
+    def table(self) -> str:
+        """One line per rank: its stage and its ops in order."""
+        return "\n".join(
+            f"rank {r} (stage {s}): {' '.join(map(str, ops))}"
+            for r, (ops, s) in enumerate(zip(self.ranks, self.stage_of, strict=True))
+        )
+
+
+def _stage_ops(
+    plan: Plan, stage: int, replica: int, micro: list[Rows], order: Sequence[Action], train: bool
+) -> list[Op]:
+    """One replica's ops: each computation with the receives it needs before it and the sends
+    of what it made after it, in the order both ends of every pair follow."""
+    prev = plan.stage_ranks(stage - 1) if stage > 0 else ()
+    next_ = plan.stage_ranks(stage + 1) if stage < plan.num_stages - 1 else ()
+    mine = plan.stages[stage].replicas
+    last_backward = max((i for i, a in enumerate(order) if a.kind == "B"), default=-1)
+    ops: list[Op] = []
+    for index, action in enumerate(order):
+        m, rows = action.micro_batch, len(micro[action.micro_batch])
+        upstream = [t for t in transfers(rows, len(prev), mine) if t.dst == replica] if prev else []
+        downstream = [t for t in transfers(rows, mine, len(next_)) if t.src == replica] if next_ else []
+        if action.kind == "F":
+            ops += [Op("RECV_F", m, prev[t.src], t.dst_rows) for t in upstream]
+            ops.append(Op("F", m))
+            ops += [Op("SEND_F", m, next_[t.dst], t.src_rows) for t in downstream]
+            continue
+        if index == last_backward and train:
+            ops.append(Op("REDUCE"))
+        ops += [Op("RECV_B", m, next_[t.dst], t.src_rows) for t in downstream]
+        ops.append(Op("B", m))
+        ops += [Op("SEND_B", m, prev[t.src], t.dst_rows) for t in upstream]
+    return ops
+
+
+def lower(plan: Plan, batch_rows: int, *, train: bool = True) -> Program:
+    """Every rank's ops for a global batch of ``batch_rows`` rows under ``plan``.
+
+    Training runs the plan's schedule; evaluation (``train=False``) runs the forwards in order.
+    Between stages with different replica counts each micro-batch travels in pieces
+    (split-concat, see :func:`~dapple_lightning.rows.transfers`), one message per piece.
+    """
+    micro = even_split(batch_rows, plan.micro_batches, "batch rows (micro-batches)")
+    orders = (
+        schedule(plan.schedule, plan.num_stages, plan.micro_batches)
+        if train
+        else [[Action("F", m) for m in range(plan.micro_batches)]] * plan.num_stages
+    )
+    stage_of = tuple(plan.stage_of(r) for r in range(plan.world_size))
+    ranks = tuple(
+        tuple(_stage_ops(plan, stage_of[r], plan.replica_of(r), micro, orders[stage_of[r]], train))
+        for r in range(plan.world_size)
+    )
+    return Program(ranks, stage_of)
+
+
+def lower_stages(stages: Sequence[Sequence[Action]]) -> Program:
+    """A straight pipeline (one rank per stage, one row per micro-batch) running the given
+    per-stage computation orders; what :func:`simulate` and :func:`grid` take stage lists as."""
+    ranks = []
+    last = len(stages) - 1
+    for s, order in enumerate(stages):
+        ops: list[Op] = []
+        for action in order:
+            m = action.micro_batch
+            if action.kind == "F":
+                ops += [Op("RECV_F", m, s - 1)] * (s > 0) + [Op("F", m)] + [Op("SEND_F", m, s + 1)] * (s < last)
+            else:
+                ops += [Op("RECV_B", m, s + 1)] * (s < last) + [Op("B", m)] + [Op("SEND_B", m, s - 1)] * (s > 0)
+        ranks.append(tuple(ops))
+    return Program(tuple(ranks), tuple(range(len(stages))))
+
+
 @dataclass(frozen=True)
 class Timed:
-    """An action placed in time by :func:`simulate`."""
+    """A computation placed in time by :func:`simulate`."""
 
     stage: int
     action: Action
     start: float
     end: float
+    rank: int = -1
+
+
+class _Channels:
+    """Messages in flight per (direction, sender, receiver): they meet in posting order, as on
+    a gloo or NCCL pair, so the k-th receive a rank posts on a channel gets the k-th send."""
+
+    def __init__(self) -> None:
+        self.sent: dict[tuple[str, int, int], list[tuple[Op, float]]] = {}
+        self.taken: dict[tuple[str, int, int], int] = {}
+
+    def send(self, rank: int, op: Op, at: float) -> None:
+        self.sent.setdefault((op.kind[-1], rank, op.peer), []).append((op, at))
+
+    def receive(self, rank: int, op: Op) -> float | None:
+        """When the message ``op`` waits for was sent, or ``None`` while it has not been."""
+        channel = (op.kind[-1], op.peer, rank)
+        k = self.taken.get(channel, 0)
+        sent = self.sent.get(channel, [])
+        if k >= len(sent):
+            return None
+        send, at = sent[k]
+        if send.micro_batch != op.micro_batch or _size(send) != _size(op):
+            raise RuntimeError(
+                f"schedule deadlocks: rank {rank} posts {op} but rank {op.peer}'s next message on that channel is "
+                f"{send} (messages between two ranks meet in the order both sides post them)"
+            )
+        self.taken[channel] = k + 1
+        return at
+
+    def unreceived(self) -> list[str]:
+        return [
+            f"rank {src}'s {op}"
+            for channel, sent in self.sent.items()
+            for op, _ in sent[self.taken.get(channel, 0) :]
+            for src in (channel[1],)
+        ]
 
 
 def simulate(
-    stages: Sequence[Sequence[Action]],
+    program: Program | Sequence[Sequence[Action]],
     duration: Callable[[int, Action], float] = lambda stage, action: 1.0,
     transfer: Callable[[int, int, Action], float] = lambda src, dst, action: 0.0,
 ) -> list[Timed]:
-    """Replay every stage's list in order, each action as soon as its inputs exist.
+    """Run every rank's ops in order, each as soon as what it waits for exists.
 
-    ``F m`` on stage ``s`` needs ``F m`` of stage ``s - 1`` plus the transfer from ``s - 1``;
-    ``B m`` needs ``F m`` on the same stage and ``B m`` of stage ``s + 1`` plus its transfer.
-    Each stage runs one action at a time. Raises ``RuntimeError`` if the lists deadlock
-    (no stage can make progress), which is how tests prove a schedule is deadlock free.
+    A computation takes ``duration(stage, action)``; a send is posted at once (asynchronous);
+    a receive waits for its message, which lands ``transfer(src_stage, dst_stage, action)``
+    after it was sent. Each rank runs one op at a time. Stage lists of computations are taken
+    as a straight pipeline (:func:`lower_stages`).
+
+    Raises ``RuntimeError`` when the program cannot run: ranks wait on each other, a receive
+    meets a message of another micro-batch or size on its channel, a send is never received,
+    a backward runs before its forward, or the pieces of one input arrive out of row order.
+    This is how tests prove a schedule, and its lowering, free of deadlocks.
     """
-    num = len(stages)
-    done: dict[tuple[int, Action], float] = {}
-    cursor = [0] * num
-    clock = [0.0] * num
+    if not isinstance(program, Program):
+        program = lower_stages(program)
+    ranks, stage_of = program.ranks, program.stage_of
+    channels = _Channels()
+    cursor, clock = [0] * len(ranks), [0.0] * len(ranks)
+    arrived: list[float] = [0.0] * len(ranks)  # latest piece of the current computation's input
+    pieces: list[list[Rows]] = [[] for _ in ranks]
+    done: list[set[Action]] = [set() for _ in ranks]
     out: list[Timed] = []
-    remaining = sum(len(s) for s in stages)
+    remaining = sum(map(len, ranks))
     while remaining:
         progressed = False
-        for s in range(num):
-            while cursor[s] < len(stages[s]):
-                action = stages[s][cursor[s]]
-                ready = clock[s]
-                if action.kind == "F":
-                    deps = [] if s == 0 else [(s - 1, action, s - 1)]
-                else:
-                    if (s, Action("F", action.micro_batch)) not in done:
-                        raise RuntimeError(f"stage {s} runs {action} before F{action.micro_batch}")
-                    deps = [] if s == num - 1 else [(s + 1, action, s + 1)]
-                blocked = False
-                for dep_stage, dep_action, src in deps:
-                    key = (dep_stage, dep_action)
-                    if key not in done:
-                        blocked = True
+        for r, ops in enumerate(ranks):
+            while cursor[r] < len(ops):
+                op = ops[cursor[r]]
+                if op.kind.startswith("RECV"):
+                    at = channels.receive(r, op)
+                    if at is None:
                         break
-                    ready = max(ready, done[key] + transfer(src, s, action))
-                if blocked:
-                    break
-                end = ready + duration(s, action)
-                done[(s, action)] = end
-                clock[s] = end
-                out.append(Timed(s, action, ready, end))
-                cursor[s] += 1
+                    arrived[r] = max(arrived[r], at + transfer(stage_of[op.peer], stage_of[r], op.action))
+                    if op.rows is not None:
+                        pieces[r].append(op.rows)
+                elif op.kind.startswith("SEND"):
+                    channels.send(r, op, clock[r])
+                elif op.kind in _COMPUTE:
+                    _check_input(r, op, pieces[r], done[r])
+                    start = max(clock[r], arrived[r])
+                    clock[r] = start + duration(stage_of[r], op.action)
+                    done[r].add(op.action)
+                    out.append(Timed(stage_of[r], op.action, start, clock[r], r))
+                    arrived[r], pieces[r] = 0.0, []
+                cursor[r] += 1
                 remaining -= 1
                 progressed = True
         if not progressed:
-            stuck = {s: str(stages[s][cursor[s]]) for s in range(num) if cursor[s] < len(stages[s])}
-            raise RuntimeError(f"schedule deadlocks: stages wait on each other at {stuck}")
+            stuck = {r: str(ops[cursor[r]]) for r, ops in enumerate(ranks) if cursor[r] < len(ops)}
+            raise RuntimeError(f"schedule deadlocks: ranks wait on each other at {stuck}")
+    if lost := channels.unreceived():
+        raise RuntimeError(f"schedule deadlocks: {', '.join(lost)} is never received")
     return out
+
+
+def _size(op: Op) -> int | None:
+    return None if op.rows is None else len(op.rows)
+
+
+def _check_input(rank: int, op: Op, pieces: list[Rows], done: set[Action]) -> None:
+    if op.kind == "B" and Action("F", op.micro_batch) not in done:
+        raise RuntimeError(f"rank {rank} runs {op} before F{op.micro_batch}")
+    for before, after in itertools.pairwise(pieces):
+        if before.stop != after.start:
+            raise RuntimeError(
+                f"rank {rank}'s {op} would concatenate its input pieces out of row order "
+                f"({', '.join(f'[{p.start}:{p.stop})' for p in pieces)})"
+            )
 
 
 def grid(stages: Sequence[Sequence[Action]]) -> str:

@@ -1,4 +1,6 @@
-"""The planning layer: profiles, clusters, the cost model, the simulator and the planner.
+"""The planning layer: profiles, clusters, the cost model, the simulator, the planner, and the
+policy that chooses among plans the model cannot tell apart (:func:`shortlist`,
+:func:`measure_in_turns`, :func:`refine`).
 
 Pure Python: nothing here starts a process group or needs a device, except
 :func:`profile_layers`, which times layers on the current device (and imports torch only
@@ -16,37 +18,61 @@ from dapple_lightning.planner._dp import (
     plan_dapple,
     replica_candidates,
 )
-from dapple_lightning.planner._measure import profile_layers
+from dapple_lightning.planner._measure import SETTLE_STEPS, fixed_part, profile_layers
 from dapple_lightning.planner._placement import PLACEMENTS, allocate, place
 from dapple_lightning.planner._profile import LayerProfile, ModelProfile, load_profile, read_pipedream
+from dapple_lightning.planner._select import (
+    TRIAL_DROP,
+    TRIAL_LIMIT,
+    TRIAL_MARGIN,
+    TRIAL_ROUNDS,
+    Measured,
+    Trial,
+    measure_in_turns,
+    refine,
+    refine_allreduce,
+    shortlist,
+)
 from dapple_lightning.planner._simulator import Event, Simulation, simulate_plan
 
 __all__ = [
     "GB",
     "PLACEMENTS",
+    "SETTLE_STEPS",
+    "TRIAL_DROP",
+    "TRIAL_LIMIT",
+    "TRIAL_MARGIN",
+    "TRIAL_ROUNDS",
     "Cluster",
     "CostModel",
     "Estimate",
     "Event",
     "LayerProfile",
+    "Measured",
     "ModelProfile",
     "Placement",
     "PlannedPlan",
     "Simulation",
+    "Trial",
     "allocate",
     "baselines",
     "best_over_micro_batches",
     "data_parallel_plan",
     "estimate",
+    "fixed_part",
     "least_memory",
     "load_profile",
+    "measure_in_turns",
     "micro_batch_candidates",
     "pipedream_plan",
     "place",
     "plan_dapple",
     "profile_layers",
     "read_pipedream",
+    "refine",
+    "refine_allreduce",
     "replica_candidates",
+    "shortlist",
     "simulate_plan",
     "straight_plan",
 ]

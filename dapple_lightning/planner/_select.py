@@ -1,0 +1,226 @@
+"""Choosing among plans the cost model cannot tell apart: which to measure, in what turns, and
+what the measurements teach the profile.
+
+Pure policy: the measuring itself (a plan run for a few real steps on the process group) is a
+callable handed in by ``plan="auto"`` (``dapple_lightning.autoplan``), so everything here runs
+and is tested without a process group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from dapple_lightning.plan import Plan
+from dapple_lightning.planner._cluster import Cluster
+from dapple_lightning.planner._cost import Placement, estimate
+from dapple_lightning.planner._dp import plan_dapple
+from dapple_lightning.planner._profile import ModelProfile
+
+__all__ = [
+    "TRIAL_DROP",
+    "TRIAL_LIMIT",
+    "TRIAL_MARGIN",
+    "TRIAL_ROUNDS",
+    "Measured",
+    "Trial",
+    "measure_in_turns",
+    "refine",
+    "refine_allreduce",
+    "shortlist",
+]
+
+
+TRIAL_MARGIN = 0.1
+"""Plans predicted within this share of the best plan's step are measured before one is chosen:
+the cost model's error target on real machines (``docs/benchmarks.md``)."""
+
+TRIAL_LIMIT = 3
+"""Most plans measured."""
+
+TRIAL_ROUNDS = 3
+"""Turns each plan gets at most (see :func:`measure_in_turns`)."""
+
+TRIAL_DROP = 0.05
+"""A measured plan this share slower than the best so far gets no more turns: well beyond the
+spread between two short turns of one plan, so that noise alone does not drop the fastest
+(the spread it was set against is in ``docs/benchmarks.md``, "Trials for what the model cannot
+tell apart")."""
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What a plan's real steps took: per step, and per micro-batch pass of each stage (its
+    slowest replica, median over the steps)."""
+
+    step_s: float
+    forward_s: tuple[float, ...]
+    backward_s: tuple[float, ...]
+
+    @classmethod
+    def median(cls, runs: Sequence[Measured]) -> Measured:
+        """Each figure's median over ``runs`` (of one plan)."""
+        if not runs:
+            raise ValueError("no runs to take the median of")
+
+        def each(field: str) -> tuple[float, ...]:
+            return tuple(statistics.median(column) for column in zip(*(getattr(r, field) for r in runs), strict=True))
+
+        return cls(statistics.median(r.step_s for r in runs), each("forward_s"), each("backward_s"))
+
+
+@dataclass(frozen=True)
+class Trial:
+    """A plan run for a few real steps in ``setup``."""
+
+    plan: Plan
+    predicted_step_s: float
+    """From the profile before the trials refined it."""
+    measured_step_s: float
+    """Median over its turns."""
+    turns: int = 1
+
+
+def shortlist(
+    profile: ModelProfile,
+    cluster: Cluster,
+    global_batch: int,
+    *,
+    optimizer_factor: float = 2.0,
+    margin: float = TRIAL_MARGIN,
+    limit: int = TRIAL_LIMIT,
+) -> tuple[list[tuple[Plan, float]], float | None]:
+    """The planner's best plan and the others predicted within ``margin`` of it (a share of the
+    best's step), pure data parallelism (M = 1) among them when it is that close, at most
+    ``limit``, fastest predicted first; and data parallelism's predicted step (``None`` when it
+    does not fit in memory or the batch)."""
+    if not 0.0 <= margin < 1.0:
+        raise ValueError(f"margin must be in [0, 1), got {margin!r}")
+    if limit < 1:
+        raise ValueError(f"limit must be >= 1, got {limit!r}")
+    found = plan_dapple(profile, cluster, global_batch, top=limit, optimizer_factor=optimizer_factor)
+    candidates = [(p.plan, p.predicted_step_s) for p in found]
+    dp_plan = Plan.data_parallel(profile.num_layers, cluster.world_size)
+    try:
+        dp = estimate(dp_plan, profile, cluster, global_batch, optimizer_factor=optimizer_factor)
+        dp_step = dp.step_s if dp.fits else None
+    except ValueError:  # fewer samples than devices: data parallelism cannot run at all
+        dp_step = None
+    if dp_step is not None and all(plan != dp_plan for plan, _ in candidates):
+        candidates.append((dp_plan, dp_step))
+    candidates.sort(key=lambda c: c[1])
+    best = candidates[0][1]
+    close = [c for c in candidates if c[1] * (1.0 - margin) <= best]
+    chosen = close[:limit]
+    # Data parallelism is worth a measurement more than a third variant of one pipeline.
+    if limit > 1 and dp_step is not None and (dp_plan, dp_step) in close[limit:]:
+        chosen[-1] = (dp_plan, dp_step)
+    return chosen, dp_step
+
+
+def measure_in_turns(
+    plans: Sequence[Plan],
+    trial: Callable[[Plan], Measured],
+    *,
+    rounds: int = TRIAL_ROUNDS,
+    drop: float = TRIAL_DROP,
+) -> list[list[Measured]]:
+    """Each plan's measurements (``trial(plan)``, a few real steps), taken in turns: in every
+    round each plan still in the running gets one turn, in an order rotated from round to round,
+    so that the machine drifting (other load, clocks, memory) weighs on all of them alike rather
+    than on whichever came last. After a round, a plan whose median step so far is more than
+    ``drop`` (a share) slower than the best's gets no more turns; one plan left ends the rounds.
+
+    Close plans can differ by less than a machine drifts from one turn to the next, and one run
+    of each in a row then ranks them in the order of the drift; ``docs/benchmarks.md`` ("Trials
+    in turns") has the case that led here.
+    """
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds!r}")
+    if drop < 0:
+        raise ValueError(f"drop must be >= 0, got {drop!r}")
+    runs: list[list[Measured]] = [[] for _ in plans]
+    running = list(range(len(plans)))
+    for turn in range(rounds):
+        shift = turn % max(len(running), 1)
+        for i in running[shift:] + running[:shift]:
+            runs[i].append(trial(plans[i]))
+        steps = {i: statistics.median(m.step_s for m in runs[i]) for i in running}
+        best = min(steps.values(), default=0.0)
+        running = [i for i in running if steps[i] <= best * (1.0 + drop)]
+        if len(running) <= 1:
+            break
+    return runs
+
+
+def refine(
+    profile: ModelProfile,
+    cluster: Cluster,
+    global_batch: int,
+    runs: list[tuple[Plan, Measured]],
+    *,
+    optimizer_factor: float = 2.0,
+) -> ModelProfile:
+    """``profile`` with each layer's times scaled by how its stages' passes measured in ``runs``
+    against the prediction (the mean ratio over the stages that held the layer, forward and
+    backward apart).
+
+    Layers timed one by one miss what a stage pays inside a running pipeline: the other
+    processes' work on shared cores and caches, the transport's copies, the runtime's own
+    steps (how much, on the VGG example: ``docs/benchmarks.md``, "Planner: predicted vs
+    measured").
+    """
+    ratios: list[tuple[list[float], list[float]]] = [([], []) for _ in profile.layers]
+    for plan, measured in runs:
+        predicted = estimate(plan, profile, cluster, global_batch, optimizer_factor=optimizer_factor)
+        for stage, f_real, b_real, f_model, b_model in zip(
+            plan.stages, measured.forward_s, measured.backward_s, predicted.forward_s, predicted.backward_s
+        ):
+            for layer in range(stage.start, stage.end):
+                if f_model > 0 and f_real > 0:
+                    ratios[layer][0].append(f_real / f_model)
+                if b_model > 0 and b_real > 0:
+                    ratios[layer][1].append(b_real / b_model)
+    data = profile.to_dict()
+    for layer, (forward, backward) in zip(data["layers"], ratios, strict=True):
+        f = statistics.fmean(forward) if forward else 1.0
+        b = statistics.fmean(backward) if backward else 1.0
+        for key, factor in (("forward_s", f), ("forward_fixed_s", f), ("backward_s", b), ("backward_fixed_s", b),
+                            ("accumulate_s", b)):  # fmt: skip
+            layer[key] *= factor
+    return ModelProfile.from_dict(data)
+
+
+def refine_allreduce(
+    profile: ModelProfile,
+    cluster: Cluster,
+    global_batch: int,
+    runs: list[tuple[Plan, Measured]],
+    *,
+    optimizer_factor: float = 2.0,
+) -> Cluster:
+    """``cluster`` with the all-reduce bandwidth that replicated one-stage plans in ``runs``
+    showed (the slowest): what their steps took beyond their passes and optimizer step is the
+    gradient all-reduce as training runs it (in buckets, on busy cores), which a lone timed
+    all-reduce flatters. Unchanged without such runs, or where they beat the prediction."""
+    nbytes = sum(layer.param_bytes for layer in profile.layers)
+    found: list[tuple[float, int]] = []
+    for plan, measured in runs:
+        replicas = plan.stages[0].replicas
+        if plan.num_stages != 1 or replicas < 2 or nbytes <= 0:
+            continue
+        servers = Placement.of(cluster, plan.stage_ranks(0)).servers
+        est = estimate(plan, profile, cluster, global_batch, optimizer_factor=optimizer_factor)
+        passes = plan.micro_batches * (measured.forward_s[0] + measured.backward_s[0])
+        seconds = measured.step_s - passes - est.update_s[0]
+        if seconds <= est.allreduce_s[0]:
+            continue
+        # A ring moves 2 (r - 1) / r of the bytes over each link, after a fixed latency part.
+        _, fixed = cluster.allreduce_coefficients(replicas, servers)
+        found.append((2 * (replicas - 1) / replicas * nbytes / (seconds - fixed), servers))
+    if not found:
+        return cluster
+    bandwidth, servers = min(found)
+    return dataclasses.replace(cluster, **{"intra_allreduce_bw" if servers <= 1 else "inter_allreduce_bw": bandwidth})

@@ -20,7 +20,8 @@ __all__ = ["SETTLE_STEPS", "fixed_part", "profile_layers"]
 
 SETTLE_STEPS = 3
 """Optimizer steps before one is timed: the first creates its state, the next still fault its
-pages in (an AdamW step over 2 M parameters on a CPU: 20, 12, 9, then 6 ms)."""
+pages in, each faster than the one before (how much: ``docs/benchmarks.md``, "The optimizer as
+training runs it")."""
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -177,8 +178,8 @@ def _time_layers(
 
     Each run goes through the chain as training does: every layer's forward in order, then every
     layer's backward in reverse. Timing one layer many times in a row instead finds its weights
-    and code warm and, for a VGG stage on a CPU at 4-8 rows, came out 12-23% below the same
-    layers run as a chain.
+    and code warm and comes out well below the same layers run as a chain (``docs/benchmarks.md``,
+    "Layers timed as a chain").
     """
     import torch
 

@@ -45,27 +45,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-# Trial processes import the factories as benchmarks.search_models, from wherever this runs.
-os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+import optuna
 
-import optuna  # noqa: E402
-
-from dapple_lightning.plan import Plan  # noqa: E402
-from dapple_lightning.search import (  # noqa: E402
+from dapple_lightning.plan import Plan
+from dapple_lightning.search import (
     PlanSearch,
     PlanSpace,
+    RepeatGuard,
     SearchConfig,
     TrialConfig,
     create_sampler,
     describe_plan,
+    planner_seeds,
     probe_model,
     trial_plan,
 )
-from dapple_lightning.search._seed import planner_seeds  # noqa: E402
-from dapple_lightning.search._study import RepeatGuard  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+# Trial processes import the factories as benchmarks.search_models, from wherever this runs.
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
 
 SECTION = "## Search: Optuna vs exhaustive grid"
 WITHIN = 0.97  # "within 3% of the grid's best"

@@ -34,6 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dapple_lightning import DappleStrategy
 from dapple_lightning.microbatch import batch_size_of
+from dapple_lightning.search import resolve_plan_spec
 
 __all__ = ["LossReport", "make_trainer", "output_dir"]
 
@@ -143,7 +144,9 @@ def make_trainer(cfg: DictConfig) -> Trainer:
     """A Trainer running ``cfg.plan`` with DappleStrategy; logs and reports go to the job's output dir."""
     out = output_dir()
     strategy = DappleStrategy(
-        plan=cfg.plan,  # "auto" or an OmegaConf node; Plan.coerce resolves and validates it here
+        # "auto", an OmegaConf node (Plan.coerce validates it in the strategy), or a search's result
+        # named "optuna://STORAGE?study=NAME" (conf/plan/best.yaml), which the search resolves here.
+        plan=resolve_plan_spec(cfg.plan),
         start_method=cfg.strategy.start_method,
         timeout=timedelta(seconds=cfg.strategy.timeout_s),
         trace=cfg.strategy.trace,

@@ -2,9 +2,10 @@
 
 The YAML files under ``conf/`` fill these schemas: a key that is not declared here, or a value of
 the wrong type (``trainer.max_steps=ten``), fails when Hydra composes the config, before any
-process starts. The plan is the exception: it is typed ``Any`` (a string ``auto`` or a mapping),
-and :meth:`dapple_lightning.Plan.coerce` validates it in ``DappleStrategy``'s constructor, with
-messages that name the fix.
+process starts. The plan is the exception: it is typed ``Any`` (a string ``auto``, a mapping, or
+a search's result ``optuna://STORAGE?study=NAME``, which ``common.make_trainer`` resolves with
+:func:`dapple_lightning.search.resolve_plan_spec`), and :meth:`dapple_lightning.Plan.coerce`
+validates it in ``DappleStrategy``'s constructor, with messages that name the fix.
 
 Plans that work for any model use two derived model fields:
 
@@ -146,7 +147,8 @@ class GPTAppConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     plan: Any = MISSING
-    """``auto`` or a plan mapping ({micro_batches, schedule, stages: [{layers: [a, b], replicas}]})."""
+    """``auto``, a plan mapping ({micro_batches, schedule, stages: [{layers: [a, b], replicas}]}) or
+    ``optuna://STORAGE?study=NAME`` (a search's best plan, ``conf/plan/best.yaml``)."""
     seed: int = 1234
     sample_chars: int = 200
     """Characters to generate with the trained weights at the end (spawn only; 0: none)."""

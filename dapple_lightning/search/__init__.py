@@ -11,12 +11,26 @@ opens it), the planner's picks are measured first, and a later run trains with t
                             storage="sqlite:///search.db", study_name="gpt", n_trials=30))
     trainer = Trainer(devices=4, strategy=strategy_from_study("sqlite:///search.db", "gpt"))
 
-or from the shell: ``python -m dapple_lightning.search run|best|trials|plot`` (see ``_cli``).
+or from the shell: ``python -m dapple_lightning.search run|best|trials|plot`` (see ``_cli``), or
+as a Hydra sweep (``hydra/sweeper=dapple``, see ``_hydra``).
 
-Pieces: :class:`PlanSpace` (valid plans only, define-by-run), :func:`run_trial` (one measured run),
-:class:`PlanSearch` (the study), :func:`best_plan` / :func:`strategy_from_study` /
-:func:`resolve_plan_spec` (use the result). Names that need Optuna load on first use, so the
-trial processes, which import this package, do not pay for Optuna.
+The search depends on the strategy, never the reverse: a config's ``plan: optuna://...`` is
+turned into a plan by :func:`resolve_plan_spec` before a strategy is built.
+
+Pieces, one module each:
+
+- what to search: :class:`PlanSpace` (``_space``, valid plans only, define-by-run);
+- one measurement: :class:`TrialConfig`, :func:`run_trial` (``_trial``; its processes in
+  ``_launch``, ``_zygote``, ``_supervisor``, ``_worker``), :func:`probe_model` (``_probe``);
+- the study: :func:`optimize` (``_loop``, the one loop), its bookkeeping (``_bookkeeping``:
+  :class:`RepeatGuard`, ...), the planner's seeds (:func:`planner_seeds`, ``_seed``);
+- the fronts that drive the loop: :class:`PlanSearch` / :func:`run_search` (``_study``) and the
+  Hydra sweeper (:func:`run_sweep`, ``_hydra``);
+- the result: :func:`best_plan`, :func:`strategy_from_study`, :func:`resolve_plan_spec`
+  (``_results``), :func:`trial_rows` / :func:`format_table` (``_report``).
+
+Names that need Optuna load on first use, so the trial processes, which import this package, do
+not pay for Optuna.
 """
 
 from __future__ import annotations
@@ -25,6 +39,7 @@ import importlib
 from typing import Any
 
 from dapple_lightning.search._fingerprint import Fingerprint, FingerprintMismatch, check_fingerprint
+from dapple_lightning.search._seed import SeedPlan, local_cluster, planner_seeds
 from dapple_lightning.search._space import (
     DEFAULT_MAX_PLANS,
     PlanSpace,
@@ -34,21 +49,33 @@ from dapple_lightning.search._space import (
     params_from_plan,
     plan_from_params,
 )
-from dapple_lightning.search._trial import TrialConfig, TrialResult, run_trial
+from dapple_lightning.search._trial import TrialConfig, TrialResult, group_alive, run_trial
 
 _LAZY = {
-    "DEFAULT_STORAGE": "_study",
+    "DEFAULT_STORAGE": "_config",
+    "SearchConfig": "_config",
+    "RepeatGuard": "_bookkeeping",
+    "distinct_finished": "_bookkeeping",
+    "finished_count": "_bookkeeping",
+    "unmeasured_plan": "_bookkeeping",
+    "Drawn": "_loop",
+    "Outcome": "_loop",
+    "create_sampler": "_loop",
+    "optimize": "_loop",
     "PlanSearch": "_study",
-    "SearchConfig": "_study",
-    "best_plan": "_study",
-    "best_trial": "_study",
-    "create_sampler": "_study",
-    "load_search": "_study",
-    "ranked_trials": "_study",
-    "resolve_plan_spec": "_study",
     "run_search": "_study",
-    "strategy_from_study": "_study",
-    "trial_plan": "_study",
+    "best_plan": "_results",
+    "best_trial": "_results",
+    "load_search": "_results",
+    "ranked_trials": "_results",
+    "resolve_plan_spec": "_results",
+    "strategy_from_study": "_results",
+    "trial_plan": "_results",
+    "format_table": "_report",
+    "trial_rows": "_report",
+    "SweepSettings": "_hydra",
+    "plan_override": "_hydra",
+    "run_sweep": "_hydra",
     "ModelInfo": "_probe",
     "probe_model": "_probe",
 }
@@ -56,12 +83,17 @@ _LAZY = {
 __all__ = [
     "DEFAULT_MAX_PLANS",
     "DEFAULT_STORAGE",
+    "Drawn",
     "Fingerprint",
     "FingerprintMismatch",
     "ModelInfo",
+    "Outcome",
     "PlanSearch",
     "PlanSpace",
+    "RepeatGuard",
     "SearchConfig",
+    "SeedPlan",
+    "SweepSettings",
     "TrialConfig",
     "TrialResult",
     "best_plan",
@@ -70,17 +102,28 @@ __all__ = [
     "count_plans",
     "create_sampler",
     "describe_plan",
+    "distinct_finished",
     "enumerate_plans",
+    "finished_count",
+    "format_table",
+    "group_alive",
     "load_search",
+    "local_cluster",
+    "optimize",
     "params_from_plan",
     "plan_from_params",
+    "plan_override",
+    "planner_seeds",
     "probe_model",
     "ranked_trials",
     "resolve_plan_spec",
     "run_search",
+    "run_sweep",
     "run_trial",
     "strategy_from_study",
     "trial_plan",
+    "trial_rows",
+    "unmeasured_plan",
 ]
 
 

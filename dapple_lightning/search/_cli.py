@@ -56,7 +56,7 @@ def _json_object(text: str) -> dict[str, Any]:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    from dapple_lightning.search._study import DEFAULT_STORAGE
+    from dapple_lightning.search import DEFAULT_STORAGE
 
     p.add_argument("--storage", default=DEFAULT_STORAGE, help="Optuna storage URL (default: %(default)s)")
     p.add_argument("--study", default="dapple", help="study name (default: %(default)s)")
@@ -119,8 +119,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from dapple_lightning.search._study import PlanSearch, SearchConfig, best_trial, trial_plan
-    from dapple_lightning.search._trial import TrialConfig
+    from dapple_lightning.search import PlanSearch, SearchConfig, TrialConfig, best_trial, trial_plan
 
     trial = TrialConfig(
         model=args.model,
@@ -170,7 +169,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_best(args: argparse.Namespace) -> int:
-    from dapple_lightning.search._study import format_table, load_search, ranked_trials, trial_plan, trial_rows
+    from dapple_lightning.search import format_table, load_search, ranked_trials, trial_plan, trial_rows
 
     study = load_search(args.storage, args.study)
     ranked = ranked_trials(study)
@@ -199,7 +198,7 @@ def _cmd_best(args: argparse.Namespace) -> int:
 
 
 def _cmd_trials(args: argparse.Namespace) -> int:
-    from dapple_lightning.search._study import format_table, load_search, trial_rows
+    from dapple_lightning.search import format_table, load_search, trial_rows
 
     study = load_search(args.storage, args.study)
     print(format_table(trial_rows(study)))
@@ -209,7 +208,7 @@ def _cmd_trials(args: argparse.Namespace) -> int:
 def _cmd_plot(args: argparse.Namespace) -> int:
     import optuna
 
-    from dapple_lightning.search._study import load_search
+    from dapple_lightning.search import load_search
 
     if not optuna.visualization.is_available():
         print(

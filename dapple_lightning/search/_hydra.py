@@ -17,8 +17,10 @@ process, which is fine for an app whose ranks are separate processes anyway
 (``DappleStrategy(start_method="spawn")``) or whose job measures with
 :func:`dapple_lightning.search.run_trial`; a process-per-job launcher isolates every job.
 
-Resuming, the fingerprint (here without the architecture hash: the sweeper never builds the
-model) and ``n_trials`` as the study's total work as in :mod:`dapple_lightning.search._study`.
+The loop is the search's own (``_loop``, the one :class:`~dapple_lightning.search.PlanSearch`
+drives): the sweeper only turns a batch of drawn plans into jobs and their return values into
+outcomes. Resuming, the fingerprint (here without the architecture hash: the sweeper never builds
+the model), repeated proposals and ``n_trials`` as the study's total work are the loop's.
 """
 
 from __future__ import annotations
@@ -33,20 +35,18 @@ import optuna
 from optuna.trial import TrialState
 
 from dapple_lightning.plan import SCHEDULES, Plan
-from dapple_lightning.search._fingerprint import Fingerprint, check_fingerprint
-from dapple_lightning.search._space import PlanSpace, describe_plan
-from dapple_lightning.search._study import (
-    RepeatGuard,
-    best_trial,
+from dapple_lightning.search._fingerprint import Fingerprint
+from dapple_lightning.search._loop import (
+    Drawn,
+    Outcome,
     create_sampler,
-    distinct_finished,
-    draw_plan,
-    finished_count,
-    mark_interrupted,
-    recover_stale_trials,
-    repeat_trial,
-    trial_plan,
+    enqueue_plans,
+    existing_study,
+    open_study,
+    optimize,
 )
+from dapple_lightning.search._results import best_trial, trial_plan
+from dapple_lightning.search._space import PlanSpace, describe_plan
 
 __all__ = ["SweepSettings", "plan_override", "run_sweep"]
 
@@ -176,45 +176,45 @@ def _objective(ret: Any, settings: SweepSettings) -> list[float]:
     return out
 
 
-def _open_study(settings: SweepSettings, space: PlanSpace, task: str) -> optuna.Study:
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    names = optuna.get_all_study_names(settings.storage)
-    existing = settings.study_name in names
-    offset = 0
-    if existing:
-        old = optuna.load_study(study_name=settings.study_name, storage=settings.storage)
-        check_fingerprint(
-            old.user_attrs.get("fingerprint"),
-            settings.fingerprint(),
-            study_name=settings.study_name,
-            allow_mismatch=settings.allow_mismatch,
-        )
-        offset = len(old.trials)
-    sampler = create_sampler(settings.sampler, settings.seed + offset)
-    study = optuna.create_study(
-        storage=settings.storage,
-        study_name=settings.study_name,
-        directions=list(settings.directions),
-        sampler=sampler,
-        load_if_exists=True,
-    )
-    if "fingerprint" not in study.user_attrs:
-        study.set_user_attr("fingerprint", settings.fingerprint().to_dict())
-        study.set_user_attr("space", space.to_dict())
-        study.set_user_attr("objectives", list(settings.metrics or ["objective"]))
-        study.set_user_attr("task", task)
-    return study
-
-
 def run_sweep(sweeper: Any, settings: SweepSettings, arguments: list[str]) -> list[Any]:
     """Run the sweep for the plugin ``sweeper`` (which holds ``config``, ``launcher``, ``hydra_context``)."""
     import logging
 
-    from hydra.core.override_parser.overrides_parser import OverridesParser
     from omegaconf import OmegaConf
 
     log = logging.getLogger("dapple_lightning.search.sweeper")
-    config, launcher = sweeper.config, sweeper.launcher
+    config = sweeper.config
+    fixed = _fixed_overrides(sweeper, arguments)
+    space = settings.space()
+    study = open_study(
+        settings.storage,
+        settings.study_name,
+        fingerprint=settings.fingerprint(),
+        space=space,
+        directions=settings.directions,
+        objectives=list(settings.metrics or ["objective"]),
+        sampler=lambda offset: create_sampler(settings.sampler, settings.seed + offset),
+        attrs={"task": str(config.hydra.job.name)},
+        existing=existing_study(settings.storage, settings.study_name),
+        allow_mismatch=settings.allow_mismatch,
+        say=log.info,
+    )
+    enqueue_plans(study, space, settings.enqueue)
+    sweep_dir = Path(str(config.hydra.sweep.dir))
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(config, sweep_dir / "multirun.yaml")
+    jobs = _Jobs(sweeper, settings, fixed, first_job=len(study.trials))
+    optimize(
+        study, space, jobs, n_trials=settings.n_trials, batch_size=settings.n_jobs, seed=settings.seed, say=log.info
+    )
+    _write_results(study, sweep_dir, log)
+    return jobs.returns
+
+
+def _fixed_overrides(sweeper: Any, arguments: list[str]) -> list[str]:
+    """The command line's overrides; a sweep override is refused (the sweeper sweeps plans only)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
     parser = OverridesParser.create(config_loader=sweeper.hydra_context.config_loader)
     fixed = []
     for override in parser.parse_overrides(arguments):
@@ -224,72 +224,40 @@ def run_sweep(sweeper: Any, settings: SweepSettings, arguments: list[str]) -> li
                 "values, or run a separate sweep per value"
             )
         fixed.append(override.input_line)
-    space = settings.space()
-    study = _open_study(settings, space, str(config.hydra.job.name))
-    for number in recover_stale_trials(study):
-        log.info(f"trial {number} was left running by a dead sweep: marked FAIL, plan queued again")
-    for item in settings.enqueue:
-        study.enqueue_trial(space.params(Plan.coerce(item)), user_attrs={"source": "user"}, skip_if_exists=True)
-    sweep_dir = Path(str(config.hydra.sweep.dir))
-    sweep_dir.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(config, sweep_dir / "multirun.yaml")
-
-    returns: list[Any] = []
-    job_idx = len(study.trials)  # job numbers continue across resumed runs: output dirs do not clash
-    repeats = RepeatGuard(seed=settings.seed)
-    while (done := finished_count(study)) < settings.n_trials:
-        if distinct_finished(study) >= space.size:
-            log.info(f"every one of the {space.size} plans of the space has been tried")
-            break
-        batch: list[tuple[optuna.Trial, Plan]] = []
-        for _ in range(min(settings.n_jobs, settings.n_trials - done)):
-            trial = study.ask()
-            plan, previous = draw_plan(study, trial, space)
-            if previous is not None:
-                log.info(f"trial {trial.number}: {repeat_trial(study, trial, previous)}")
-                repeats.repeated(study, space)
-                continue
-            repeats.measured()
-            batch.append((trial, plan))
-        if not batch:
-            continue
-        overrides = [[*fixed, plan_override(plan, settings.plan_key)] for _, plan in batch]
-        try:
-            sweeper.validate_batch_is_legal(overrides)
-            results = launcher.launch(overrides, initial_job_idx=job_idx)
-        except BaseException:
-            for trial, _ in batch:
-                mark_interrupted(study, trial.number, trial.params)
-            raise
-        job_idx += len(batch)
-        returns.append(results)
-        for (trial, _), ret in zip(batch, results):
-            _tell(study, trial, ret, settings, log)
-    _write_results(study, sweep_dir, log)
-    return returns
+    return fixed
 
 
-def _tell(study: optuna.Study, trial: optuna.Trial, ret: Any, settings: SweepSettings, log: Any) -> None:
+class _Jobs:
+    """The loop's runner for the sweeper: a batch of plans becomes one launch of Hydra jobs."""
+
+    def __init__(self, sweeper: Any, settings: SweepSettings, fixed: list[str], first_job: int) -> None:
+        self.sweeper, self.settings, self.fixed = sweeper, settings, fixed
+        self.next_job = first_job  # job numbers continue across resumed runs: output dirs do not clash
+        self.returns: list[Any] = []
+
+    def __call__(self, batch: Sequence[Drawn]) -> list[Outcome]:
+        overrides = [[*self.fixed, plan_override(d.plan, self.settings.plan_key)] for d in batch]
+        self.sweeper.validate_batch_is_legal(overrides)
+        results = self.sweeper.launcher.launch(overrides, initial_job_idx=self.next_job)
+        self.next_job += len(batch)
+        self.returns.append(results)
+        return [_outcome(ret, self.settings) for ret in results]
+
+
+def _outcome(ret: Any, settings: SweepSettings) -> Outcome:
+    """A Hydra job's return as a trial's outcome: its objective values, or why it failed."""
     from hydra.core.utils import JobStatus
 
-    trial.set_user_attr("job_dir", str(ret.working_dir))
-    plan = trial.user_attrs.get("plan_str")
+    attrs = {"job_dir": str(ret.working_dir)}
     if ret.status != JobStatus.COMPLETED:
         error = ret._return_value  # the job's exception; `return_value` would raise it
         reason = f"{type(error).__name__}: {error}"
-        trial.set_user_attr("fail_reason", reason)
-        study.tell(trial, state=TrialState.FAIL)
-        log.info(f"trial {trial.number} {plan}: FAIL {reason}")
-        return
+        return Outcome(TrialState.FAIL, attrs={**attrs, "fail_reason": reason}, summary=f"FAIL {reason}")
     try:
         values = _objective(ret.return_value, settings)
     except (TypeError, ValueError, KeyError) as e:
-        trial.set_user_attr("fail_reason", f"{type(e).__name__}: {e}")
-        study.tell(trial, state=TrialState.FAIL)
-        log.info(f"trial {trial.number} {plan}: FAIL {e}")
-        return
-    study.tell(trial, values)
-    log.info(f"trial {trial.number} {plan}: {values}")
+        return Outcome(TrialState.FAIL, attrs={**attrs, "fail_reason": f"{type(e).__name__}: {e}"}, summary=f"FAIL {e}")
+    return Outcome(TrialState.COMPLETE, tuple(values), attrs, summary=", ".join(f"{v:.4g}" for v in values))
 
 
 def _write_results(study: optuna.Study, sweep_dir: Path, log: Any) -> None:

@@ -1,4 +1,4 @@
-"""The ``DappleSweeper`` Hydra plugin: a thin class; the work is in ``dapple_lightning.search._hydra``."""
+"""The ``DappleSweeper`` Hydra plugin: a thin class over :func:`dapple_lightning.search.run_sweep`."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ class DappleSweeper(Sweeper):
         )
 
     def sweep(self, arguments: list[str]) -> Any:
-        from dapple_lightning.search._hydra import SweepSettings, run_sweep
+        from dapple_lightning.search import SweepSettings, run_sweep
 
         return run_sweep(self, SweepSettings.from_config(self._space, **dict(self._settings)), arguments)
 

@@ -90,7 +90,7 @@ def test_plan_spec_errors_name_the_fix(storage):
 
 
 def test_storage_urls_with_their_own_query_keep_it():
-    from dapple_lightning.search._study import _split_study_query
+    from dapple_lightning.search._results import _split_study_query
 
     assert _split_study_query("postgresql://u@h/db?sslmode=require&study=gpt&trial=3") == (
         "postgresql://u@h/db?sslmode=require",
@@ -148,8 +148,7 @@ def test_failures_are_classified(codes, killed, stderr, kind):
 
 
 def test_repeated_proposals_lead_to_an_unmeasured_plan():
-    from dapple_lightning.search import PlanSpace
-    from dapple_lightning.search._study import RepeatGuard, finished_count, unmeasured_plan
+    from dapple_lightning.search import PlanSpace, RepeatGuard, finished_count, unmeasured_plan
 
     space = PlanSpace(num_layers=3, world_size=2, global_batch=2, schedules=("dapple",))
     plans = list(space.plans())

@@ -18,11 +18,11 @@ from dapple_lightning.search import (
     SearchConfig,
     TrialConfig,
     best_plan,
+    group_alive,
     run_trial,
     strategy_from_study,
 )
 from dapple_lightning.search._cli import main as cli
-from dapple_lightning.search._trial import group_alive
 
 MLP = "dapple_lightning.search.testing:mlp"
 pytestmark = pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")

@@ -14,7 +14,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from optuna.trial import TrialState
 
 from dapple_lightning.plan import Plan
-from dapple_lightning.search._hydra import SweepSettings, plan_override
+from dapple_lightning.search import SweepSettings, plan_override
 
 ROOT = Path(__file__).resolve().parents[2]
 APP = Path(__file__).with_name("sweep_app.py")

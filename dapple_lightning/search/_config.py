@@ -1,0 +1,91 @@
+"""What a plan search measures and how it runs its study: :class:`SearchConfig`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from dapple_lightning.plan import SCHEDULES
+from dapple_lightning.search._space import DEFAULT_MAX_PLANS
+from dapple_lightning.search._trial import TrialConfig
+
+__all__ = ["DEFAULT_STORAGE", "SearchConfig"]
+
+DEFAULT_STORAGE = "sqlite:///dapple_search.db"
+_OBJECTIVES_SINGLE = ["samples_per_s"]
+_OBJECTIVES_MULTI = ["samples_per_s", "peak_bytes"]
+
+
+@dataclass(frozen=True)
+class SearchConfig:
+    """A plan search: what to measure (``trial``) and how to run the study."""
+
+    trial: TrialConfig
+    """The model, ranks, batch, steps and limits of every trial."""
+    storage: str = DEFAULT_STORAGE
+    """Optuna storage URL (``sqlite:///file.db``, ``postgresql://...``, ...)."""
+    study_name: str = "dapple"
+    """Study in the storage; re-running with the same name resumes it."""
+    n_trials: int | None = 20
+    """Measured trials the study should hold (not: trials to add): complete, pruned or failed ones,
+    not counting interrupted trials or repeated proposals of an already measured plan (those reuse
+    the earlier result and cost nothing). ``None``: the whole grid with ``sampler="grid"``, 20
+    otherwise."""
+    timeout_s: float | None = None
+    """Stop starting trials after this many seconds of this run (the running one finishes)."""
+    sampler: Literal["tpe", "random", "grid"] = "tpe"
+    """``tpe`` (seeded, multivariate), ``random``, or ``grid``: every plan of the space, in order."""
+    seed: int = 0
+    """Seed of the sampler."""
+    multi_objective: bool = False
+    """Maximize samples/s and minimize peak bytes per rank (a Pareto front) instead of samples/s only."""
+    micro_batches: tuple[int, ...] | None = None
+    """Micro-batch counts to search; ``None``: the divisors of the global batch."""
+    schedules: tuple[str, ...] = SCHEDULES
+    """Schedules to search."""
+    max_stages: int | None = None
+    """Most stages a plan may have; ``None``: ``min(layers, world size)``."""
+    planner_seeds: int = 3
+    """Measure the planner's top this-many plans first (once per study; 0: do not ask the planner)."""
+    enqueue: tuple[Any, ...] = ()
+    """Plans to measure first (anything ``Plan.coerce`` takes); ones already in the study are skipped."""
+    pruner: Literal["median", "none"] = "median"
+    """``median``: stop a trial whose throughput at a timed step is below the median of earlier trials
+    at that step (single objective only; after 3 trials)."""
+    tpe_startup_trials: int = 10
+    """Trials TPE samples at random (enqueued ones count) before it models the results (Optuna's
+    default; 5 did no better in ``benchmarks/search.py``'s replays)."""
+    allow_mismatch: bool = False
+    """Resume a study whose fingerprint differs from this setup's (measurements will not compare)."""
+    max_grid: int = DEFAULT_MAX_PLANS
+    """``sampler="grid"`` refuses spaces with more plans than this."""
+    progress: bool = True
+    """Print one line per finished trial."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.trial, TrialConfig):
+            raise TypeError(f"trial must be a TrialConfig, got {type(self.trial).__name__}")
+        if self.sampler not in ("tpe", "random", "grid"):
+            raise ValueError(f"unknown sampler {self.sampler!r}; choose tpe, random or grid")
+        if self.pruner not in ("median", "none"):
+            raise ValueError(f"unknown pruner {self.pruner!r}; choose median or none")
+        if self.n_trials is not None and (
+            isinstance(self.n_trials, bool) or not isinstance(self.n_trials, int) or self.n_trials < 1
+        ):
+            raise ValueError(f"n_trials must be an integer >= 1 or None, got {self.n_trials!r}")
+        if self.planner_seeds < 0:
+            raise ValueError(f"planner_seeds must be >= 0, got {self.planner_seeds}")
+        if not isinstance(self.storage, str) or "://" not in self.storage:
+            raise ValueError(f"storage must be an Optuna storage URL like {DEFAULT_STORAGE!r}, got {self.storage!r}")
+        if self.micro_batches is not None:
+            object.__setattr__(self, "micro_batches", tuple(self.micro_batches))
+        object.__setattr__(self, "schedules", tuple(self.schedules))
+        object.__setattr__(self, "enqueue", tuple(self.enqueue))
+
+    @property
+    def objectives(self) -> list[str]:
+        return list(_OBJECTIVES_MULTI if self.multi_objective else _OBJECTIVES_SINGLE)
+
+    @property
+    def directions(self) -> list[str]:
+        return ["maximize", "minimize"] if self.multi_objective else ["maximize"]

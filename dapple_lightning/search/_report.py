@@ -1,0 +1,63 @@
+"""The trials of a study as text: the rows and the aligned table the CLI prints."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import optuna
+
+__all__ = ["clip", "format_table", "trial_rows"]
+
+
+def clip(text: str, width: int) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _format_bytes(n: float | None) -> str:
+    if n is None or (isinstance(n, float) and math.isnan(n)):
+        return "-"
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} GB"
+
+
+def trial_rows(study: optuna.Study) -> list[dict[str, str]]:
+    """One row per trial, as the CLI's ``trials`` table shows them."""
+    interrupted = set(study.user_attrs.get("interrupted_trials", []))
+    rows = []
+    for t in study.get_trials(deepcopy=False):
+        a = t.user_attrs
+        reason = a.get("fail_reason") or ("interrupted" if t.number in interrupted else "")
+        if a.get("duplicate_of") is not None:
+            reason = f"same plan as trial {a['duplicate_of']}" + (f"; {reason}" if reason else "")
+        samples = a.get("samples_per_s")
+        rows.append(
+            {
+                "trial": str(t.number),
+                "state": t.state.name,
+                "source": str(a.get("source", "")),
+                "plan": str(a.get("plan_str", "")),
+                "samples/s": f"{samples:.1f}" if isinstance(samples, int | float) else "-",
+                "step s": f"{a['median_step_s']:.3f}" if isinstance(a.get("median_step_s"), int | float) else "-",
+                "peak mem/rank": _format_bytes(a.get("peak_memory_bytes")),
+                "max RSS": _format_bytes(max(a["max_rss_bytes"])) if a.get("max_rss_bytes") else "-",
+                "reason": " ".join(str(reason).split()),
+            }
+        )
+    return rows
+
+
+def format_table(rows: Sequence[Mapping[str, str]], columns: Sequence[str] | None = None, max_width: int = 70) -> str:
+    """Rows as an aligned text table (cells longer than ``max_width`` are clipped)."""
+    if not rows:
+        return "(none)"
+    columns = list(columns or rows[0].keys())
+    cells = [[clip(str(r.get(c, "")), max_width) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths)).rstrip()]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in cells]
+    return "\n".join(lines)

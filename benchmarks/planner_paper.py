@@ -1,11 +1,12 @@
 """The DAPPLE planner on the paper's five models and two clusters, against the baselines.
 
-    python benchmarks/planner_paper.py [--profiles DIR] [--top 1]
+    python benchmarks/planner_paper.py [--profiles DIR]
 
-Profiles are the DAPPLE authors' published ones (``shared/reference/dapple-profiles``); batch
-sizes as in the paper's evaluation; clusters ``Cluster.paper_2x8()`` and ``Cluster.paper_16x1()``.
-Every plan is judged by the same cost model (``_cost``); speedups are over pure data
-parallelism with its best micro-batch count (gradient accumulation when memory needs it).
+Profiles are the DAPPLE authors' published ones, shipped in ``dapple_lightning/planner/profiles``
+(``planner.REFERENCE_PROFILES``); batch sizes as in the paper's evaluation; clusters
+``Cluster.paper_2x8()`` and ``Cluster.paper_16x1()``. Every plan is judged by the same cost
+model (``_cost``); speedups are over pure data parallelism with its best micro-batch count
+(gradient accumulation when memory needs it).
 "(sim)" is the event simulator's replay of the same plan. Prints markdown tables.
 """
 
@@ -16,8 +17,18 @@ import time
 from pathlib import Path
 
 from dapple_lightning.plan import Plan, Stage
-from dapple_lightning.planner import Cluster, CostModel, PlannedPlan, plan_dapple, read_pipedream, simulate_plan
-from dapple_lightning.planner._baselines import data_parallel_plan, pipedream_plan, straight_plan
+from dapple_lightning.planner import (
+    REFERENCE_PROFILES,
+    Cluster,
+    CostModel,
+    PlannedPlan,
+    data_parallel_plan,
+    pipedream_plan,
+    plan_dapple,
+    read_pipedream,
+    simulate_plan,
+    straight_plan,
+)
 
 # (name, file, profile batch, global batch)
 MODELS = [
@@ -28,7 +39,6 @@ MODELS = [
     ("AmoebaNet-36", "amoeba-36-pbs-1.txt", 1, 128),
 ]
 CLUSTERS = [("2x8", Cluster.paper_2x8()), ("16x1", Cluster.paper_16x1())]
-DEFAULT_PROFILES = Path(__file__).resolve().parents[2] / "shared/reference/dapple-profiles"
 
 
 def _plan(p: PlannedPlan | None) -> str:
@@ -46,7 +56,7 @@ def _speedup(p: PlannedPlan | None) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--profiles", type=Path, default=DEFAULT_PROFILES)
+    parser.add_argument("--profiles", type=Path, default=REFERENCE_PROFILES)
     args = parser.parse_args()
     print(
         "| model | cluster | DAPPLE plan | step s (sim) | DAPPLE vs DP | PipeDream plan | PipeDream vs DP "

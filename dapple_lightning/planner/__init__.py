@@ -20,7 +20,13 @@ from dapple_lightning.planner._dp import (
 )
 from dapple_lightning.planner._measure import SETTLE_STEPS, fixed_part, profile_layers
 from dapple_lightning.planner._placement import PLACEMENTS, allocate, place
-from dapple_lightning.planner._profile import LayerProfile, ModelProfile, load_profile, read_pipedream
+from dapple_lightning.planner._profile import (
+    REFERENCE_PROFILES,
+    LayerProfile,
+    ModelProfile,
+    load_profile,
+    read_pipedream,
+)
 from dapple_lightning.planner._select import (
     TRIAL_DROP,
     TRIAL_LIMIT,
@@ -38,6 +44,7 @@ from dapple_lightning.planner._simulator import Event, Simulation, simulate_plan
 __all__ = [
     "GB",
     "PLACEMENTS",
+    "REFERENCE_PROFILES",
     "SETTLE_STEPS",
     "TRIAL_DROP",
     "TRIAL_LIMIT",

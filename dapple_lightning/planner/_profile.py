@@ -34,8 +34,8 @@ one adds into them, so a stage's backward averages ``accumulate_s * (M - 1) / M`
       "cut_bytes": [0, 384000000, ..., 0]   # len(layers) + 1 entries, see ModelProfile.cut_bytes
     }
 
-**PipeDream graph format** (the DAPPLE authors' published profiles, see
-:func:`read_pipedream`): nodes with times in milliseconds and sizes in bytes, then edges.
+**PipeDream graph format** (the DAPPLE authors' published profiles, shipped in
+:data:`REFERENCE_PROFILES`; see :func:`read_pipedream`): nodes with times in milliseconds and sizes in bytes, then edges.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ from typing import Any
 __all__ = [
     "PROFILE_FORMAT",
     "PROFILE_VERSION",
+    "REFERENCE_PROFILES",
     "LayerProfile",
     "ModelProfile",
     "load_profile",
@@ -61,6 +62,10 @@ __all__ = [
 
 PROFILE_FORMAT = "dapple-lightning-profile"
 PROFILE_VERSION = 1
+
+REFERENCE_PROFILES = Path(__file__).resolve().parent / "profiles"
+"""The DAPPLE authors' published profiles of the paper's models, in PipeDream graph format
+(see its ``README.md`` for where they come from); read one with :func:`read_pipedream`."""
 
 
 def _number(value: Any, what: str) -> float:

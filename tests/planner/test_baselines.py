@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
-import pytest
-
-from dapple_lightning.planner import Cluster, CostModel, LayerProfile, ModelProfile, plan_dapple, read_pipedream
-from dapple_lightning.planner._baselines import baselines, data_parallel_plan, pipedream_plan, straight_plan
-
-from .conftest import REFERENCE
+from dapple_lightning.planner import (
+    REFERENCE_PROFILES,
+    Cluster,
+    CostModel,
+    LayerProfile,
+    ModelProfile,
+    baselines,
+    data_parallel_plan,
+    pipedream_plan,
+    plan_dapple,
+    read_pipedream,
+    straight_plan,
+)
 
 
 def chain(costs, params=10**8):
@@ -59,9 +66,8 @@ def test_every_baseline_is_predicted_and_simulated_by_the_shared_models():
     assert best.predicted_step_s <= min(p.predicted_step_s for p in found)
 
 
-@pytest.mark.reference
 def test_dapple_beats_pipedream_on_vgg19():
-    profile = read_pipedream(REFERENCE / "vgg-19-pbs-32.txt")
+    profile = read_pipedream(REFERENCE_PROFILES / "vgg-19-pbs-32.txt")
     cluster = Cluster.paper_2x8()
     best = plan_dapple(profile, cluster, 1024)[0]
     pipedream = pipedream_plan(profile, cluster, 1024)

@@ -7,15 +7,12 @@ import json
 import pytest
 
 from dapple_lightning.plan import Plan
-from dapple_lightning.planner import LayerProfile, ModelProfile
+from dapple_lightning.planner import REFERENCE_PROFILES, LayerProfile, ModelProfile
 from dapple_lightning.planner.__main__ import main
 
-from .conftest import REFERENCE
-
-VGG = str(REFERENCE / "vgg-19-pbs-32.txt")
+VGG = str(REFERENCE_PROFILES / "vgg-19-pbs-32.txt")
 
 
-@pytest.mark.reference
 def test_table_lists_plans_and_baselines(capsys):
     assert main(["--profile", VGG, "--cluster", "16x1", "--global-batch", "1024", "--top", "2", "--baselines"]) == 0
     out = capsys.readouterr().out
@@ -31,7 +28,6 @@ def test_table_lists_plans_and_baselines(capsys):
     assert "replicas: 15" in out
 
 
-@pytest.mark.reference
 def test_json_is_the_best_plan(capsys):
     assert main(["--profile", VGG, "--cluster", "2x8", "--global-batch", "1024", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)

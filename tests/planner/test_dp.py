@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from dapple_lightning.plan import Plan, Stage
 from dapple_lightning.planner import (
     GB,
+    REFERENCE_PROFILES,
     Cluster,
     CostModel,
     LayerProfile,
@@ -23,8 +24,6 @@ from dapple_lightning.planner import (
     read_pipedream,
     replica_candidates,
 )
-
-from .conftest import REFERENCE
 
 
 def all_plans(layers: int, cluster: Cluster, candidates, policies, schedule="dapple"):
@@ -129,9 +128,8 @@ def test_scatter_keeps_heavy_activations_inside_servers():
     assert [p.predicted_step_s for p in got] == pytest.approx(expected[:3], rel=1e-12)
 
 
-@pytest.mark.reference
 def test_vgg19_on_two_servers_replicates_the_convolutions():
-    profile = read_pipedream(REFERENCE / "vgg-19-pbs-32.txt")
+    profile = read_pipedream(REFERENCE_PROFILES / "vgg-19-pbs-32.txt")
     best = plan_dapple(profile, Cluster.paper_2x8(), 1024)[0]
     # The classifier's 470 MB of weights stay off the replicated stage: fewer bytes to all-reduce.
     assert best.plan.stages[-1].replicas < best.plan.stages[0].replicas
@@ -140,9 +138,8 @@ def test_vgg19_on_two_servers_replicates_the_convolutions():
     assert isinstance(best, PlannedPlan)
 
 
-@pytest.mark.reference
 def test_every_plan_fits_and_the_estimate_agrees():
-    profile = read_pipedream(REFERENCE / "bert-48-pbs-2.txt")
+    profile = read_pipedream(REFERENCE_PROFILES / "bert-48-pbs-2.txt")
     cluster = Cluster.paper_2x8()
     model = CostModel(profile, cluster, 128)
     for planned in plan_dapple(profile, cluster, 128, top=3):
@@ -201,9 +198,8 @@ def test_bad_arguments_say_what_to_do(kwargs, message):
         plan_dapple(profile, Cluster.v100(1, 2), 4, **kwargs)
 
 
-@pytest.mark.reference
 def test_speedup_is_data_parallel_over_plan():
-    profile = read_pipedream(REFERENCE / "vgg-19-pbs-32.txt")
+    profile = read_pipedream(REFERENCE_PROFILES / "vgg-19-pbs-32.txt")
     cluster = Cluster.paper_16x1()
     best = plan_dapple(profile, cluster, 1024)[0]
     model = CostModel(profile, cluster, 1024)

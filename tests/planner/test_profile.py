@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dapple_lightning.planner import LayerProfile, ModelProfile, load_profile, read_pipedream
+from dapple_lightning.planner import REFERENCE_PROFILES, LayerProfile, ModelProfile, load_profile, read_pipedream
 
-from .conftest import REFERENCE
-
-FILES = sorted(p.name for p in REFERENCE.glob("*.txt")) if REFERENCE.is_dir() else []
+FILES = sorted(p.name for p in REFERENCE_PROFILES.glob("*.txt"))
 
 # A branchy graph written out of order: node 2 feeds nodes 3 and 5 (a skip over node 3..4).
 BRANCHY = """\
@@ -40,9 +40,8 @@ def test_branches_count_every_tensor_crossing_a_cut():
     assert profile.profile_batch_size == 8
 
 
-@pytest.mark.reference
 def test_vgg19_matches_the_file():
-    profile = read_pipedream(REFERENCE / "vgg-19-pbs-32.txt")
+    profile = read_pipedream(REFERENCE_PROFILES / "vgg-19-pbs-32.txt")
     assert profile.profile_batch_size == 32  # from "pbs-32" in the name
     assert profile.num_layers == 26
     first, conv, fc1, last = profile.layers[0], profile.layers[2], profile.layers[22], profile.layers[-1]
@@ -57,11 +56,19 @@ def test_vgg19_matches_the_file():
     assert profile.cut_bytes[1:-1] == tuple(x.activation_bytes for x in profile.layers[:-1])
 
 
-@pytest.mark.reference
+def test_the_paper_profiles_ship_unchanged_with_their_provenance():
+    readme = (REFERENCE_PROFILES / "README.md").read_text()
+    assert "AlibabaPAI/DAPPLE" in readme
+    sums = dict(reversed(m.groups()) for m in re.finditer(r"^    ([0-9a-f]{64})  (\S+\.txt)$", readme, re.M))
+    assert sorted(sums) == FILES and len(FILES) == 13
+    for name, digest in sums.items():
+        assert hashlib.sha256((REFERENCE_PROFILES / name).read_bytes()).hexdigest() == digest, name
+
+
 @pytest.mark.parametrize("name", FILES)
 def test_every_reference_file_reads(name):
     # vgg16.txt names no batch; its input node holds 128 images of 3x224x224 floats.
-    profile = read_pipedream(REFERENCE / name, 128 if name == "vgg16.txt" else None)
+    profile = read_pipedream(REFERENCE_PROFILES / name, 128 if name == "vgg16.txt" else None)
     assert profile.num_layers > 10
     assert all(x.forward_s >= 0 and x.backward_s >= 0 for x in profile.layers)
     assert len(profile.cut_bytes) == profile.num_layers + 1
@@ -71,9 +78,8 @@ def test_every_reference_file_reads(name):
     assert all(c >= a for c, a in zip(profile.cut_bytes, chain))
 
 
-@pytest.mark.reference
 def test_gnmt_has_residual_connections_across_cuts():
-    profile = read_pipedream(REFERENCE / "gnmt-16-pbs-64.txt")
+    profile = read_pipedream(REFERENCE_PROFILES / "gnmt-16-pbs-64.txt")
     chain = (0, *(x.activation_bytes for x in profile.layers[:-1]), 0)
     assert sum(c > a for c, a in zip(profile.cut_bytes, chain)) > 10
 

@@ -166,6 +166,45 @@ def _duration(study: optuna.Study) -> float:
     return (max(t.datetime_complete for t in done) - min(t.datetime_start for t in done)).total_seconds()
 
 
+def _live(
+    model: Model,
+    trial: TrialConfig,
+    space_kw: dict[str, Any],
+    args: argparse.Namespace,
+    db: str,
+    table: dict[Plan, float],
+    ranking: list[Plan],
+) -> dict[str, Any]:
+    """One real seeded search with a budget of 30% of the grid, judged by the grid's values."""
+    best = table[ranking[0]]
+    budget = math.ceil(0.3 * len(table))
+    print(f"\n=== {model.name}: live seeded search, {budget} measured trials ===", flush=True)
+    live_study = PlanSearch(
+        SearchConfig(trial, storage=db, study_name=f"live-{model.name}", n_trials=budget, seed=args.seed, **space_kw)
+    ).run()
+    # Judge the live search's choices by the grid's (averaged) values, not its own noisy ones.
+    order: list[Plan] = []
+    for t in live_study.trials:
+        if "plan" in t.user_attrs and t.user_attrs.get("duplicate_of") is None:
+            plan = trial_plan(t, live_study)
+            if plan not in order:
+                order.append(plan)
+    found = measured(live_study)
+    top = max(found, key=found.get)
+    return {
+        "budget": budget,
+        "best_plan": describe_plan(top),
+        "best_live_samples_per_s": found[top],
+        "grid_value_of_that_plan": table.get(top),
+        "grid_rank_of_that_plan": ranking.index(top) + 1 if top in table else None,
+        "measured_until_within_3pct": next(
+            (i + 1 for i, p in enumerate(order) if table.get(p, 0.0) >= WITHIN * best), None
+        ),
+        "best_grid_rank_measured": min((ranking.index(p) + 1 for p in order if p in table), default=None),
+        "seconds": _duration(live_study),
+    }
+
+
 def run_model(model: Model, args: argparse.Namespace, db: str) -> dict[str, Any]:
     trial = TrialConfig(
         model.factory,
@@ -206,36 +245,7 @@ def run_model(model: Model, args: argparse.Namespace, db: str) -> dict[str, Any]
         seeds = [p.plan for p in picks] if seeded else []
         results[label] = [replay(space, table, seeds, s, sampler) for s in range(args.seeds)]
 
-    live: dict[str, Any] = {}
-    if args.live:
-        budget = math.ceil(0.3 * len(table))
-        print(f"\n=== {model.name}: live seeded search, {budget} measured trials ===", flush=True)
-        live_study = PlanSearch(
-            SearchConfig(
-                trial, storage=db, study_name=f"live-{model.name}", n_trials=budget, seed=args.seed, **space_kw
-            )
-        ).run()
-        # Judge the live search's choices by the grid's (averaged) values, not its own noisy ones.
-        order: list[Plan] = []
-        for t in live_study.trials:
-            if "plan" in t.user_attrs and t.user_attrs.get("duplicate_of") is None:
-                plan = trial_plan(t, live_study)
-                if plan not in order:
-                    order.append(plan)
-        found = measured(live_study)
-        top = max(found, key=found.get)
-        live = {
-            "budget": budget,
-            "best_plan": describe_plan(top),
-            "best_live_samples_per_s": found[top],
-            "grid_value_of_that_plan": table.get(top),
-            "grid_rank_of_that_plan": ranking.index(top) + 1 if top in table else None,
-            "measured_until_within_3pct": next(
-                (i + 1 for i, p in enumerate(order) if table.get(p, 0.0) >= WITHIN * best), None
-            ),
-            "best_grid_rank_measured": min((ranking.index(p) + 1 for p in order if p in table), default=None),
-            "seconds": _duration(live_study),
-        }
+    live = _live(model, trial, space_kw, args, db, table, ranking) if args.live else {}
     return {
         "model": model.name,
         "description": model.description,
@@ -271,6 +281,66 @@ def _stats(values: list[int | None], grid: int) -> str:
     )
 
 
+def _table_row(r: dict[str, Any]) -> str:
+    pick = (
+        f"#{r['planner_pick_rank']} ({100 * r['planner_pick_ratio']:.0f}% of best)"
+        if r["planner_pick_rank"]
+        else "none in the space"
+    )
+    n = r["noise"]
+    noise = (
+        f"{100 * n['median_rel_diff']:.0f}% median; pass-1 best is #{n['best1_rank_in_2']} in pass 2"
+        if n
+        else "one pass"
+    )
+    grid_time = " + ".join(f"{t / 60:.1f}" for t in r["grid_seconds"]) + " min"
+    g = r["grid_size"]
+    return (
+        f"| {r['model']} | {g} | {grid_time} | {r['best_plan']} ({r['best_samples_per_s']:.1f}) | "
+        f"{r['within_3pct']} / {r['within_10pct']} | {noise} | {pick} | {_stats(r['replay']['tpe+planner'], g)} | "
+        f"{_stats(r['replay']['tpe'], g)} | {_stats(r['replay']['random'], g)} ({r['random_expected']:.1f}) |"
+    )
+
+
+def _paragraphs(r: dict[str, Any]) -> list[str]:
+    top = ", ".join(f"{p} {v:.1f}" for p, v in r["top5"])
+    picks = "; ".join(
+        f"{p} ({f'{v:.1f}' if v is not None else 'not measured'} samples/s, predicted {s * 1e3:.0f} ms/step)"
+        for p, v, s in r["planner_picks"]
+    )
+    hit = [v for v in r["replay"]["tpe+planner"] if v is not None]
+    met = bool(hit) and statistics.median(hit) <= 0.3 * r["grid_size"]
+    n = r["noise"]
+    rand = [v for v in r["replay"]["random"] if v is not None]
+    verdict = (
+        f"Target (median plans to within 3% <= 30% of the grid) for the default search: {'met' if met else 'not met'}"
+    )
+    if hit and rand:
+        better = statistics.median(hit) < statistics.median(rand)
+        verdict += f"; it needs {'fewer' if better else 'no fewer'} plans than random order (median)"
+    if n:
+        verdict += (
+            f"; the two grid passes differ by {100 * n['median_rel_diff']:.0f}% per plan (median), "
+            f"{'far ' if n['median_rel_diff'] > 0.09 else ''}more than the 3% the target asks for"
+        )
+    lines = [
+        f"**{r['model']}** ({r['description']}; {r['num_layers']} layers). Top 5: {top}. Slowest: "
+        f"{r['worst'][0]} {r['worst'][1]:.1f}. Planner's top 3 in the space: {picks}. {verdict}.",
+        "",
+    ]
+    if r["live"]:
+        lv = r["live"]
+        lines += [
+            f"Live seeded search ({lv['budget']} measured trials, {lv['seconds'] / 60:.1f} min, PlanSearch "
+            f"defaults): its best, {lv['best_plan']} at {lv['best_live_samples_per_s']:.1f} samples/s, is "
+            f"#{lv['grid_rank_of_that_plan']} in the grid ({lv['grid_value_of_that_plan'] or float('nan'):.1f}); "
+            f"the best plan it measured is #{lv['best_grid_rank_measured']} in the grid; plans measured until "
+            f"one within 3% of the grid's best: {lv['measured_until_within_3pct'] or 'none within the budget'}.",
+            "",
+        ]
+    return lines
+
+
 def markdown(report: list[dict[str, Any]], args: argparse.Namespace, command: str) -> str:
     lines = [
         SECTION,
@@ -292,63 +362,10 @@ def markdown(report: list[dict[str, Any]], args: argparse.Namespace, command: st
         " tpe+planner | tpe | random (expected) |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in report:
-        pick = (
-            f"#{r['planner_pick_rank']} ({100 * r['planner_pick_ratio']:.0f}% of best)"
-            if r["planner_pick_rank"]
-            else "none in the space"
-        )
-        n = r["noise"]
-        noise = (
-            f"{100 * n['median_rel_diff']:.0f}% median; pass-1 best is #{n['best1_rank_in_2']} in pass 2"
-            if n
-            else "one pass"
-        )
-        grid_time = " + ".join(f"{t / 60:.1f}" for t in r["grid_seconds"]) + " min"
-        g = r["grid_size"]
-        lines.append(
-            f"| {r['model']} | {g} | {grid_time} | {r['best_plan']} ({r['best_samples_per_s']:.1f}) | "
-            f"{r['within_3pct']} / {r['within_10pct']} | {noise} | {pick} | {_stats(r['replay']['tpe+planner'], g)} | "
-            f"{_stats(r['replay']['tpe'], g)} | {_stats(r['replay']['random'], g)} ({r['random_expected']:.1f}) |"
-        )
+    lines += [_table_row(r) for r in report]
     lines.append("")
     for r in report:
-        top = ", ".join(f"{p} {v:.1f}" for p, v in r["top5"])
-        picks = "; ".join(
-            f"{p} ({f'{v:.1f}' if v is not None else 'not measured'} samples/s, predicted {s * 1e3:.0f} ms/step)"
-            for p, v, s in r["planner_picks"]
-        )
-        hit = [v for v in r["replay"]["tpe+planner"] if v is not None]
-        met = bool(hit) and statistics.median(hit) <= 0.3 * r["grid_size"]
-        n = r["noise"]
-        rand = [v for v in r["replay"]["random"] if v is not None]
-        verdict = (
-            f"Target (median plans to within 3% <= 30% of the grid) for the default search: "
-            f"{'met' if met else 'not met'}"
-        )
-        if hit and rand:
-            better = statistics.median(hit) < statistics.median(rand)
-            verdict += f"; it needs {'fewer' if better else 'no fewer'} plans than random order (median)"
-        if n:
-            verdict += (
-                f"; the two grid passes differ by {100 * n['median_rel_diff']:.0f}% per plan (median), "
-                f"{'far ' if n['median_rel_diff'] > 0.09 else ''}more than the 3% the target asks for"
-            )
-        lines += [
-            f"**{r['model']}** ({r['description']}; {r['num_layers']} layers). Top 5: {top}. Slowest: "
-            f"{r['worst'][0]} {r['worst'][1]:.1f}. Planner's top 3 in the space: {picks}. {verdict}.",
-            "",
-        ]
-        if r["live"]:
-            lv = r["live"]
-            lines += [
-                f"Live seeded search ({lv['budget']} measured trials, {lv['seconds'] / 60:.1f} min, PlanSearch "
-                f"defaults): its best, {lv['best_plan']} at {lv['best_live_samples_per_s']:.1f} samples/s, is "
-                f"#{lv['grid_rank_of_that_plan']} in the grid ({lv['grid_value_of_that_plan'] or float('nan'):.1f}); "
-                f"the best plan it measured is #{lv['best_grid_rank_measured']} in the grid; plans measured until "
-                f"one within 3% of the grid's best: {lv['measured_until_within_3pct'] or 'none within the budget'}.",
-                "",
-            ]
+        lines += _paragraphs(r)
     lines += [
         "Reading it: the replay separates the sampler from measurement noise, the live search shows the loop "
         "with it. Where run-to-run noise is as large as the differences between plans, no sampler can do much "

@@ -65,6 +65,43 @@ def _state_bytes(module: Any, optimizers: list[Any]) -> int:
     return total
 
 
+def _step_timer(emit_events: bool) -> Any:
+    """A callback recording the wall time between the ends of consecutive optimizer steps (the first
+    from its start) and each step's rows; with ``emit_events`` it reports each step to the search."""
+    from lightning.pytorch import Callback
+
+    from dapple_lightning.microbatch import batch_size_of
+
+    class StepTimer(Callback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self.rows: list[int] = []
+            self._last = 0.0
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            if not self.times and not self._last:
+                self._last = time.perf_counter()
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            now = time.perf_counter()
+            self.times.append(now - self._last)
+            self.rows.append(batch_size_of(batch))
+            self._last = now
+            if emit_events:
+                emit("step", step=len(self.times) - 1, seconds=self.times[-1], rows=self.rows[-1])
+
+    return StepTimer()
+
+
+def _leave() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        # Leave together: a rank that exits while a peer still talks to it aborts that peer.
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def main(spec_path: str) -> int:
     start_parent_watchdog()
     spec = json.loads(Path(spec_path).read_text())
@@ -78,9 +115,8 @@ def main(spec_path: str) -> int:
     logging.getLogger("lightning.fabric").setLevel(logging.WARNING)
 
     import torch
-    from lightning.pytorch import Callback, Trainer, seed_everything
+    from lightning.pytorch import Trainer, seed_everything
 
-    from dapple_lightning.microbatch import batch_size_of
     from dapple_lightning.plan import Plan
     from dapple_lightning.search._factory import call_factory
     from dapple_lightning.strategy import DappleStrategy
@@ -97,27 +133,7 @@ def main(spec_path: str) -> int:
             (out / "infeasible.json").write_text(json.dumps({"reason": str(e)}))
         return INFEASIBLE
 
-    class StepTimer(Callback):
-        """Rank 0: wall time between the ends of consecutive optimizer steps (the first from its start)."""
-
-        def __init__(self) -> None:
-            self.times: list[float] = []
-            self.rows: list[int] = []
-            self._last = 0.0
-
-        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-            if not self.times and not self._last:
-                self._last = time.perf_counter()
-
-        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-            now = time.perf_counter()
-            self.times.append(now - self._last)
-            self.rows.append(batch_size_of(batch))
-            self._last = now
-            if rank == 0:
-                emit("step", step=len(self.times) - 1, seconds=self.times[-1], rows=self.rows[-1])
-
-    timer = StepTimer()
+    timer = _step_timer(emit_events=rank == 0)
     strategy = DappleStrategy(
         plan,
         start_method="popen",
@@ -152,12 +168,7 @@ def main(spec_path: str) -> int:
         "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
     (out / f"rank{rank}.json").write_text(json.dumps(record))
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        # Leave together: a rank that exits while a peer still talks to it aborts that peer.
-        dist.barrier()
-        dist.destroy_process_group()
+    _leave()
     return 0
 
 

@@ -45,38 +45,23 @@ def running_after(storage: str, completed: int):
     return check
 
 
+def search_command(storage: str) -> list[str]:
+    """A 4-trial search of the tiny MLP whose trials take a few seconds: time to catch one running."""
+    options = (
+        "--devices 2 --batch-size 8 --micro-batches 1,2,4 --trials 4 --warmup 1 --steps 2 --planner-seeds 0 "
+        "--study resume --timeout-per-trial 120"
+    )
+    return [
+        *(sys.executable, "-m", "dapple_lightning.search", "run"),
+        *("--model", "dapple_lightning.search.testing:mlp", "--model-kwargs", '{"step_delay_s": 0.3}'),
+        *options.split(),
+        *("--storage", storage),
+    ]
+
+
 def test_interrupted_or_killed_search_resumes_without_losing_trials(tmp_path):
     storage = f"sqlite:///{tmp_path / 'resume.db'}"
-    command = [
-        sys.executable,
-        "-m",
-        "dapple_lightning.search",
-        "run",
-        "--model",
-        "dapple_lightning.search.testing:mlp",
-        "--model-kwargs",
-        '{"step_delay_s": 0.3}',  # trials of a few seconds: time to catch one running
-        "--devices",
-        "2",
-        "--batch-size",
-        "8",
-        "--micro-batches",
-        "1,2,4",
-        "--trials",
-        "4",
-        "--warmup",
-        "1",
-        "--steps",
-        "2",
-        "--planner-seeds",
-        "0",
-        "--storage",
-        storage,
-        "--study",
-        "resume",
-        "--timeout-per-trial",
-        "120",
-    ]
+    command = search_command(storage)
 
     # 1. Ctrl-C during the second trial: the trial's processes are killed, the trial marked FAIL.
     first = subprocess.Popen(

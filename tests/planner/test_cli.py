@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -72,3 +74,20 @@ def test_bad_bandwidth_is_a_usage_error(capsys):
         main(["--profile", "x", "--global-batch", "8", "--p2p-gbps", "fast"])
     assert info.value.code == 2
     assert "GB/s" in capsys.readouterr().err
+
+
+def test_the_planner_and_its_cli_import_neither_torch_nor_lightning():
+    # A pure planner starts in a fraction of torch's own import time; run in a fresh process so
+    # that what other tests imported does not count.
+    script = (
+        "import runpy, sys\n"
+        "sys.argv = ['planner', '--help']\n"
+        "try:\n"
+        "    runpy.run_module('dapple_lightning.planner', run_name='__main__')\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'lightning', 'optuna')))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=60)
+    assert "usage: python -m dapple_lightning.planner" in done.stdout
+    assert done.stdout.splitlines()[-1] == "[]"

@@ -212,7 +212,7 @@ def worker_recv_latency(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from dapple_lightning import comm
+    from dapple_lightning import runtime as comm
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -291,7 +291,7 @@ def launch(
 
 def load_trace(path: str | Path):
     """The Chrome trace written by ``DappleStrategy(trace=...)`` as ``timeline.Event`` objects."""
-    from dapple_lightning.timeline import Event
+    from dapple_lightning.runtime import Event
 
     data = json.loads(Path(path).read_text())
     stage_of_rank: dict[int, int] = {}
@@ -530,7 +530,7 @@ def main() -> None:
     bubbles: dict[int, float] = {}
     breakdown: dict[int, dict[str, float]] = {}
     if args.trace_steps > 0:
-        from dapple_lightning.timeline import bubble_fractions
+        from dapple_lightning.runtime import bubble_fractions
 
         trace_dir = None
         if args.trace_path is None:

@@ -57,13 +57,21 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader, RandomSampler
 from typing_extensions import override
 
-from dapple_lightning import comm
 from dapple_lightning.checkpoint import by_name, to_local, to_single_device
 from dapple_lightning.microbatch import Rows, batch_size_of, slice_batch
 from dapple_lightning.plan import Plan
-from dapple_lightning.runtime import Pipeline, StageModule, StepStats, p2p_groups, stage_group
+from dapple_lightning.runtime import (
+    Pending,
+    Pipeline,
+    StageModule,
+    StepStats,
+    Timeline,
+    p2p_groups,
+    share,
+    stage_group,
+    write_chrome_trace,
+)
 from dapple_lightning.surgery import capture_input, find_sequential, partition, set_submodule, unchanged
-from dapple_lightning.timeline import Timeline, write_chrome_trace
 
 if TYPE_CHECKING:
     from dapple_lightning.autoplan import Measured
@@ -145,7 +153,7 @@ class DappleStrategy(ParallelStrategy):
         self._full_optimizer_names: list[list[list[str]]] = []
         self._sequential: tuple[str, nn.Sequential] | None = None
         self._failed = False
-        self._shared = comm.Pending()  # the last stage's loss broadcasts, in flight
+        self._shared = Pending()  # the last stage's loss broadcasts, in flight
         self._p2p: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None
         self._stage_groups: dict[Plan, dist.ProcessGroup | None] = {}
         self.auto_plan: Any = None
@@ -533,7 +541,7 @@ class DappleStrategy(ParallelStrategy):
             values = {n: (float(v), values[n][1]) for n, v in zip(sorted(values), summed[1:].tolist(), strict=True)}
         if self.world_size > len(last_ranks):  # ranks outside the last stage learn the values
             self._shared.wait()  # the previous step's, long done
-            loss, values = comm.share((loss, values), last_ranks[0], self.root_device, self._shared)
+            loss, values = share((loss, values), last_ranks[0], self.root_device, self._shared)
         return loss, values
 
     def _log_combined(self, values: dict[str, tuple[float, dict]]) -> None:
@@ -664,8 +672,6 @@ class DappleStrategy(ParallelStrategy):
             self._shared.wait()
         if self._pipeline is not None:
             self._pipeline.close()
-        if self._stage_module is not None:
-            self._stage_module._pipeline = None
         if self._partitioned and not self._failed:
             self._restore_sequential()
         super().teardown()

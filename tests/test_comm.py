@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from dapple_lightning import comm
+from dapple_lightning import runtime as comm
+from dapple_lightning.runtime._comm import NEW_SIGNATURE
 
 from distributed import run_ranks
 
@@ -67,7 +68,7 @@ def test_every_message_arrives_intact_with_receives_posted_ahead() -> None:
 def test_signature_header_round_trips() -> None:
     tensors = [torch.zeros(3, 2, 1, 4), torch.zeros(3, dtype=torch.bool)]
     sig = comm.Signature.of(tensors, as_tuple=True)
-    status, back = comm.Signature.decode(sig.encode(comm.NEW_SIGNATURE).tolist())
-    assert status == comm.NEW_SIGNATURE
+    status, back = comm.Signature.decode(sig.encode(NEW_SIGNATURE).tolist())
+    assert status == NEW_SIGNATURE
     assert back == sig
     assert [t.shape for t in back.empty(torch.device("cpu"))] == [t.shape for t in tensors]

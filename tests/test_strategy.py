@@ -80,7 +80,7 @@ def test_script_launched_plainly_matches_single_device(tmp_path, single_device):
 def test_chrome_trace_has_one_track_per_rank(tmp_path):
     import json
 
-    from dapple_lightning.timeline import bubble_fractions  # noqa: F401  (used by the benchmark)
+    from dapple_lightning.runtime import bubble_fractions  # noqa: F401  (used by the benchmark)
 
     plan = make_plan("2:1", "dapple")
     trace = tmp_path / "trace.json"

@@ -33,7 +33,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["MAX_DIMS", "MAX_TENSORS", "Incoming", "Link", "Pending", "Signature", "share"]
+from dapple_lightning.plan import Plan
+
+__all__ = ["MAX_DIMS", "MAX_TENSORS", "Incoming", "Link", "Pending", "Signature", "p2p_groups", "share", "stage_group"]
 
 MAX_TENSORS = 16
 MAX_DIMS = 8
@@ -212,3 +214,29 @@ def share(value: Any, src: int, device: torch.device, pending: Pending) -> Any:
     payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
     dist.broadcast(payload, src)
     return pickle.loads(payload.cpu().numpy().tobytes())
+
+
+def p2p_groups(**kwargs: Any) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """Two process groups over all ranks: one for activations, one for gradients (collective).
+
+    Gloo keeps one connection per pair of ranks and group. With both directions of a pipeline
+    on one connection, a posted receive waits behind the other direction's traffic (measured in
+    docs/benchmarks.md, "Runtime"). Activations flow only downstream and gradients only
+    upstream, so one group per kind gives each direction its own connection.
+    """
+    return dist.new_group(**kwargs), dist.new_group(**kwargs)
+
+
+def stage_group(plan: Plan, rank: int, **kwargs: Any) -> dist.ProcessGroup | None:
+    """The process group of ``rank``'s stage replicas (``None`` for a stage on one rank).
+
+    Every rank must call this with the same plan: creating a group is collective.
+    """
+    mine = None
+    for index in range(plan.num_stages):
+        ranks = list(plan.stage_ranks(index))
+        if len(ranks) > 1:
+            group = dist.new_group(ranks, **kwargs)
+            if rank in ranks:
+                mine = group
+    return mine

@@ -1,0 +1,37 @@
+"""The runtime: one rank's share of a plan, executed step by step.
+
+- :class:`Pipeline` runs the rank's lowered program (see :func:`dapple_lightning.schedule.lower`)
+  from a dispatch table: forwards, backwards, sends, receives and the gradient sum;
+- :class:`StageModule` stands in for the user's container and takes one :class:`StageCall`
+  per micro-batch from the executor (the hand-off between the user's step and the pipeline);
+- :class:`GradientReducer` sums gradients over a group while backward still runs;
+- :class:`Link` and :func:`share` move tensors and values between ranks;
+- :class:`Timeline` records spans for a Chrome trace.
+
+No Lightning and no Optuna here.
+"""
+
+from dapple_lightning.runtime._comm import Link, Pending, Signature, p2p_groups, share, stage_group
+from dapple_lightning.runtime._executor import Pipeline, StepStats
+from dapple_lightning.runtime._reducer import GradientReducer
+from dapple_lightning.runtime._stage import StageCall, StageExit, StageModule
+from dapple_lightning.runtime._timeline import Event, Timeline, bubble_fractions, write_chrome_trace
+
+__all__ = [
+    "Event",
+    "GradientReducer",
+    "Link",
+    "Pending",
+    "Pipeline",
+    "Signature",
+    "StageCall",
+    "StageExit",
+    "StageModule",
+    "StepStats",
+    "Timeline",
+    "bubble_fractions",
+    "p2p_groups",
+    "share",
+    "stage_group",
+    "write_chrome_trace",
+]

@@ -1,0 +1,383 @@
+"""Executes one rank's lowered program (see :func:`dapple_lightning.schedule.lower`) for one global batch.
+
+Each op of the program has a handler in a dispatch table: ``F``/``B`` run a micro-batch's
+forward (the user's step, through the :class:`~dapple_lightning.runtime.StageCall` hand-off)
+or backward, ``RECV_*`` wait for a piece of a micro-batch's input or gradient, ``SEND_*`` send
+one, and ``REDUCE`` starts summing the stage's gradients as the last backward finishes them.
+The order of messages is the program's, which the simulator has checked; the executor only
+posts each receive ahead of need (see :class:`_Inbox`), which never reorders a pair's messages.
+
+Gradients accumulate in ``.grad`` over the micro-batches; :class:`GradientReducer` sums them
+once per step, bucket by bucket while the step's last backward runs: a stage's over its
+replicas, the parameters outside the Sequential over every rank. The last stage's loss rides
+along with its gradients.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext, suppress
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dapple_lightning.plan import Plan
+from dapple_lightning.rows import Rows, even_split
+from dapple_lightning.runtime._comm import Incoming, Link, Pending
+from dapple_lightning.runtime._reducer import GradientReducer
+from dapple_lightning.runtime._stage import StageCall, StageExit, StageModule
+from dapple_lightning.runtime._timeline import Timeline
+from dapple_lightning.schedule import Op, lower
+
+__all__ = ["Pipeline", "StepStats"]
+
+Forward = Callable[[int, Rows], torch.Tensor | None]
+
+
+@dataclass
+class _InFlight:
+    """What one micro-batch leaves on this stage between its forward and its backward."""
+
+    inputs: list[torch.Tensor]
+    outputs: list[torch.Tensor] | None = None
+    loss: torch.Tensor | None = None
+    as_tuple: bool = False
+    saved_bytes: int = 0
+
+
+@dataclass
+class StepStats:
+    """What a step measured on this rank."""
+
+    peak_live_microbatches: int = 0
+    peak_live_bytes: int = 0
+    losses: list[torch.Tensor] = field(default_factory=list)
+    carried: torch.Tensor | None = None
+    """The sum over the stage's replicas of what ``Pipeline.run(carry=...)`` gave (float64)."""
+
+
+@dataclass
+class _Step:
+    """The state of one step's program while it runs."""
+
+    rows: list[Rows]
+    forward: Forward
+    forward_context: Callable[[], Any]
+    carry: Callable[[], torch.Tensor] | None
+    train: bool
+    inbox: _Inbox
+    live: dict[int, _InFlight] = field(default_factory=dict)
+    pieces: list[tuple[list[torch.Tensor], bool]] = field(default_factory=list)
+    """Received pieces of the next computation's input or gradient, in program order."""
+    input_grads: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    """Per micro-batch whose backward has run, the gradients its SEND_B ops send back."""
+    activation_sends: dict[int, Pending] = field(default_factory=dict)
+    """Per micro-batch, until its gradient comes back (then the peers surely have it)."""
+    gradient_sends: Pending = field(default_factory=Pending)
+
+    def outstanding(self) -> list[Pending]:
+        return [*self.activation_sends.values(), self.gradient_sends]
+
+
+class Pipeline:
+    """Runs one rank's share of a plan, step after step.
+
+    Args:
+        plan: the plan all ranks run.
+        rank: this process's global rank.
+        module: this rank's :class:`StageModule`.
+        device: where activations live.
+        timeline: optional event recorder.
+        stage_group: process group of this stage's replicas (``None`` for one replica); their
+            gradients are summed over it at the end of each training step.
+        shared_params: parameters outside the pipelined Sequential, held by every rank; their
+            gradients are summed over all ranks at the end of each training step.
+        track_memory: count the bytes autograd saves per micro-batch (costs a hook call per
+            saved tensor); the peak is reported in :attr:`stats`.
+        p2p_groups: process groups (over all ranks) for activations and for gradients; ``None``
+            uses the default group. With gloo, a connection per direction matters (see
+            :func:`~dapple_lightning.runtime.p2p_groups`).
+    """
+
+    def __init__(
+        self,
+        plan: Plan,
+        rank: int,
+        module: StageModule,
+        *,
+        device: torch.device,
+        timeline: Timeline | None = None,
+        stage_group: dist.ProcessGroup | None = None,
+        shared_params: Sequence[nn.Parameter] = (),
+        track_memory: bool = False,
+        p2p_groups: tuple[dist.ProcessGroup | None, dist.ProcessGroup | None] = (None, None),
+    ) -> None:
+        self.plan, self.rank, self.module, self.device = plan, rank, module, device
+        self.stage_group = stage_group
+        self.stage = plan.stage_of(rank)
+        self.replica = plan.replica_of(rank)
+        self.replicas = plan.stages[self.stage].replicas
+        self.is_first = self.stage == 0
+        self.is_last = self.stage == plan.num_stages - 1
+        self.timeline = timeline or Timeline(rank, self.stage, enabled=False)
+        self.track_memory = track_memory
+        self.stats = StepStats()
+        # Activations go downstream on one link, gradients upstream on the other.
+        self.links = {"F": Link(device, p2p_groups[0]), "B": Link(device, p2p_groups[1])}
+        # Gradients are summed while the step's last backward still runs: the stage's over its
+        # replicas, the parameters outside the Sequential over every rank.
+        self.reducers: list[GradientReducer] = []
+        self.stage_reducer: GradientReducer | None = None
+        if stage_group is not None:
+            self.stage_reducer = GradientReducer(module.parameters(), stage_group, device=device)
+            self.reducers.append(self.stage_reducer)
+        self.shared_params = list(shared_params)
+        shared = [p for p in self.shared_params if p.requires_grad]
+        if shared and dist.is_initialized() and dist.get_world_size() > 1:
+            self.reducers.append(GradientReducer(shared, None, device=device))
+        self._param_storages = {p.untyped_storage().data_ptr() for p in module.parameters()}
+        self._programs: dict[tuple[int, bool], tuple[Op, ...]] = {}
+        self._handlers: dict[str, Callable[[_Step, Op], None]] = {
+            "F": self._forward,
+            "B": self._backward,
+            "SEND_F": self._send,
+            "SEND_B": self._send,
+            "RECV_F": self._receive,
+            "RECV_B": self._receive,
+            "REDUCE": self._reduce,
+        }
+
+    # ------------------------------------------------------------------------ public API
+
+    def rows(self, batch_rows: int) -> list[Rows]:
+        """This rank's rows of the global batch, one range per micro-batch.
+
+        Every rank checks every stage, so a batch too small for the plan stops all ranks with
+        the same message instead of one rank failing and the others losing a peer.
+        """
+        micro = even_split(batch_rows, self.plan.micro_batches, "batch rows (micro-batches)")
+        widest = max(range(self.plan.num_stages), key=lambda s: self.plan.stages[s].replicas)
+        replicas = self.plan.stages[widest].replicas
+        smallest = min(range(len(micro)), key=lambda m: len(micro[m]))
+        if len(micro[smallest]) < replicas:
+            raise ValueError(
+                f"micro-batch {smallest} has {len(micro[smallest])} rows but stage {widest} has {replicas} replicas; "
+                f"use a global batch of at least {self.plan.micro_batches * replicas} rows or fewer micro-batches"
+            )
+        return [even_split(len(r), self.replicas)[self.replica].shift(r.start) for r in micro]
+
+    def program(self, batch_rows: int, *, train: bool) -> tuple[Op, ...]:
+        """This rank's ops for a global batch of ``batch_rows`` rows."""
+        key = (batch_rows, train)
+        if key not in self._programs:
+            self._programs[key] = lower(self.plan, batch_rows, train=train)[self.rank]
+        return self._programs[key]
+
+    def run(
+        self,
+        batch_rows: int,
+        forward: Forward,
+        *,
+        train: bool = True,
+        forward_context: Callable[[], Any] = nullcontext,
+        carry: Callable[[], torch.Tensor] | None = None,
+    ) -> StepStats:
+        """Run this rank's program for a global batch of ``batch_rows`` rows.
+
+        Args:
+            batch_rows: rows of the global batch (same on every rank).
+            forward: ``forward(m, rows)`` runs the user's step on this rank's ``rows`` of
+                micro-batch ``m``; the step must call the :class:`StageModule` exactly once.
+                On the last stage, when training, it returns the loss to back-propagate
+                (already scaled by the micro-batch's share of the global batch).
+            train: run the schedule's backwards (otherwise forwards only, in order).
+            forward_context: entered around each forward (e.g. autocast); backwards run outside.
+            carry: when training on a last stage with replicas, called once after the step's last
+                forward; the 1-D tensor it returns is summed over the stage's replicas along with
+                the gradients (no collective of its own) into ``stats.carried``.
+        """
+        rows = self.rows(batch_rows)
+        program = self.program(batch_rows, train=train)
+        step = _Step(rows, forward, forward_context, carry, train, _Inbox(program, self.links))
+        self.stats = StepStats()
+        try:
+            for op in program:
+                self._handlers[op.kind](step, op)
+            for outstanding in step.outstanding():
+                outstanding.wait()
+        except BaseException:
+            # The step is lost; pending sends to a failed peer would only raise again and bury
+            # the original error.
+            for outstanding in step.outstanding():
+                outstanding.abandon()
+            for reducer in self.reducers:
+                reducer.abandon()
+            raise
+        if train:
+            self._sync_gradients()
+        self.timeline.step += 1
+        return self.stats
+
+    def close(self) -> None:
+        """Detach from the module: remove the gradient hooks."""
+        for reducer in self.reducers:
+            reducer.remove()
+        self.module.call = None
+
+    # ---------------------------------------------------------------------- the handlers
+
+    def _receive(self, step: _Step, op: Op) -> None:
+        with self.timeline.span("recv", op.micro_batch):
+            step.pieces.append(step.inbox.take(op))
+
+    def _send(self, step: _Step, op: Op) -> None:
+        assert op.rows is not None
+        if op.kind == "SEND_F":
+            state = step.live[op.micro_batch]
+            assert state.outputs is not None
+            tensors, as_tuple, pending = state.outputs, state.as_tuple, step.activation_sends[op.micro_batch]
+        else:
+            tensors, as_tuple, pending = step.input_grads[op.micro_batch], False, step.gradient_sends
+        piece = [t[op.rows.start : op.rows.stop] for t in tensors]
+        with self.timeline.span("send", op.micro_batch):
+            self.links[op.kind[-1]].send(piece, op.peer, len(op.rows), pending, as_tuple=as_tuple)
+
+    def _reduce(self, step: _Step, op: Op) -> None:
+        for reducer in self.reducers:
+            reducer.arm(step.carry if reducer is self.stage_reducer and self.is_last else None)
+
+    def _forward(self, step: _Step, op: Op) -> None:
+        m = op.micro_batch
+        call = StageCall(self.stage, self.is_first, self.is_last)
+        if not self.is_first:
+            call.received, call.received_tuple = _concat(self.stage, m, step.pieces)
+            if step.train and torch.is_grad_enabled():
+                for t in call.received:
+                    if t.is_floating_point():
+                        t.requires_grad_(True)
+        step.pieces = []
+        if not step.train:
+            step.live.clear()  # the previous micro-batch's sends have gone out
+        saved: dict[int, int] = {}
+        hooks = self._saved_tensor_counter(saved) if (self.track_memory and step.train) else nullcontext()
+        loss = None  # stays None on stages the user's step leaves through StageExit
+        self.module.call = call
+        try:
+            with self.timeline.span("forward", m), hooks, step.forward_context(), suppress(StageExit):
+                loss = step.forward(m, step.rows[m])
+        finally:
+            self.module.call = None
+        if call.calls == 0:
+            raise RuntimeError(
+                "training_step/validation_step did not call the pipelined Sequential; dapple needs each step to "
+                "pass the batch through the Sequential exactly once"
+            )
+        if self.is_last and step.train and loss is None:
+            raise RuntimeError("training_step returned no loss; dapple needs a loss from every micro-batch")
+        state = _InFlight(inputs=call.inputs, outputs=call.outputs, loss=loss, as_tuple=call.output_tuple)
+        if self.track_memory and step.train:
+            for t in (*state.inputs, *(state.outputs or [])):
+                saved.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+            state.saved_bytes = sum(saved.values())
+        step.live[m] = state
+        step.activation_sends[m] = Pending()
+        if step.train:
+            self.stats.peak_live_microbatches = max(self.stats.peak_live_microbatches, len(step.live))
+            self.stats.peak_live_bytes = max(self.stats.peak_live_bytes, sum(s.saved_bytes for s in step.live.values()))
+
+    def _backward(self, step: _Step, op: Op) -> None:
+        m = op.micro_batch
+        state = step.live.pop(m)
+        if self.is_last:
+            assert state.loss is not None
+            with self.timeline.span("backward", m):
+                if state.loss.requires_grad:
+                    torch.autograd.backward(state.loss)
+            self.stats.losses.append(state.loss.detach())
+        else:
+            grads, _ = _concat(self.stage, m, step.pieces)
+            outs = [t for t in state.outputs or [] if t.is_floating_point()]
+            if len(outs) != len(grads):
+                raise RuntimeError(
+                    f"stage {self.stage} expected {len(outs)} gradients for micro-batch {m}, got {len(grads)}"
+                )
+            pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad]
+            with self.timeline.span("backward", m):
+                if pairs:
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        step.pieces = []
+        if not self.is_first:
+            step.input_grads[m] = [
+                t.grad if t.grad is not None else torch.zeros_like(t) for t in state.inputs if t.is_floating_point()
+            ]
+        # The peers have received activation m: they sent its gradient back.
+        step.activation_sends.pop(m).wait()
+
+    # ------------------------------------------------------------------------ the rest
+
+    def _sync_gradients(self) -> None:
+        with self.timeline.span("allreduce"):
+            for reducer in self.reducers:
+                carried = reducer.finish()
+                if reducer is self.stage_reducer:
+                    self.stats.carried = carried
+
+    def _saved_tensor_counter(self, saved: dict[int, int]):
+        params = self._param_storages
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr not in params:
+                saved.setdefault(ptr, storage.nbytes())
+            return t
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+
+def _concat(stage: int, m: int, pieces: list[tuple[list[torch.Tensor], bool]]) -> tuple[list[torch.Tensor], bool]:
+    """Concatenate the pieces of this replica's slice received from the peer stage's replicas."""
+    as_tuple = pieces[0][1]
+    if len({len(p[0]) for p in pieces}) != 1:
+        raise RuntimeError(f"stage {stage} received pieces of micro-batch {m} with different tensor counts")
+    if len(pieces) == 1:
+        return pieces[0][0], as_tuple
+    return [torch.cat(parts) for parts in zip(*(p[0] for p in pieces))], as_tuple
+
+
+class _Inbox:
+    """A step's receives, each posted as soon as the previous one on the same channel is in.
+
+    A channel is a direction (link) and a peer. Messages on a channel are matched in posting
+    order, so at most one per channel is posted ahead, and the program's order on each channel
+    is kept.
+    """
+
+    def __init__(self, program: Sequence[Op], links: dict[str, Link]) -> None:
+        self.links = links
+        self.queues: dict[tuple[str, int], deque[Op]] = {}
+        for op in program:
+            if op.kind.startswith("RECV"):
+                self.queues.setdefault((op.kind[-1], op.peer), deque()).append(op)
+        self.posted: dict[tuple[str, int], tuple[Op, Incoming]] = {}
+        for channel in self.queues:
+            self._post_next(channel)
+
+    def _post_next(self, channel: tuple[str, int]) -> None:
+        if self.queues[channel]:
+            op = self.queues[channel].popleft()
+            assert op.rows is not None
+            self.posted[channel] = (op, self.links[channel[0]].post(channel[1], len(op.rows)))
+
+    def take(self, op: Op) -> tuple[list[torch.Tensor], bool]:
+        """Wait for ``op``'s message, then post the channel's next receive."""
+        channel = (op.kind[-1], op.peer)
+        posted_for, incoming = self.posted.pop(channel)
+        assert posted_for == op, f"receive posted for {posted_for}, taken by {op}"
+        out = incoming.wait()
+        self._post_next(channel)
+        return out

@@ -1,0 +1,182 @@
+"""Sums a stage's gradients over its replicas while the step's last backward still runs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["GradientReducer"]
+
+
+class GradientReducer:
+    """Sums gradients over a group of replicas, starting while the step's last backward runs.
+
+    Parameters are cut into buckets in reverse registration order (about the order in which
+    backward finishes their gradients). A parameter of at least ``alone_bytes`` is a bucket of
+    its own, summed in place in its ``.grad``: no copy in and none out, where copies cost the
+    most. Smaller ones are packed into flat buckets (the first small, so that communication
+    starts early, then up to ``bucket_bytes``), each summed as one tensor whose views become the
+    gradients. A collective has a price of its own, so small weights are packed rather than
+    summed alone even though packing copies them; ``alone_bytes`` is where the copy starts to
+    cost more than the extra collective (see docs/benchmarks.md, "Runtime").
+    Once :meth:`arm` is called, each parameter's post-accumulate hook marks it final;
+    a bucket's asynchronous all-reduce starts when all its parameters are final and every
+    earlier bucket has started, so every replica issues the same collectives in the same order,
+    as DDP's reducer does.
+
+    The last bucket is always flat. It carries one flag per parameter (after the sum: how many
+    replicas had a gradient) and what the caller asks to have summed along (``arm(carry=...)``,
+    e.g. the step's loss), which saves a collective per step. :meth:`finish` starts what
+    backward did not reach (parameters without a gradient in the last micro-batch), waits, and
+    writes the sums into ``.grad``; a parameter keeps ``grad=None`` only if no replica produced
+    a gradient for it, as on one device.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[nn.Parameter],
+        group: dist.ProcessGroup | None,
+        *,
+        device: torch.device | None = None,
+        bucket_bytes: int = 25 * 2**20,
+        first_bucket_bytes: int = 2**20,
+        alone_bytes: int = 4 * 2**20,
+    ) -> None:
+        self.params = [p for p in params if p.requires_grad]
+        self.group = group
+        self.device = device if device is not None else (self.params[0].device if self.params else torch.device("cpu"))
+        self.buckets: list[list[nn.Parameter]] = []
+        self.alone: list[bool] = []  # per bucket: one parameter, summed in its own .grad
+        packing: list[nn.Parameter] = []  # the flat bucket being filled; alone buckets may pass it
+        size, limit = 0, first_bucket_bytes
+        for p in reversed(self.params):
+            nbytes = p.numel() * p.element_size()
+            if nbytes >= alone_bytes:
+                self.buckets.append([p])
+                self.alone.append(True)
+                continue
+            if packing and (size + nbytes > limit or packing[0].dtype != p.dtype):
+                self.buckets.append(packing)
+                self.alone.append(False)
+                packing, size, limit = [], 0, bucket_bytes
+            packing.append(p)
+            size += nbytes
+        if packing or (self.buckets and self.alone[-1]):  # the flags need a flat bucket last
+            self.buckets.append(packing)
+            self.alone.append(False)
+        self._bucket_of = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket}
+        self._armed = False
+        self._missing: list[int] = []
+        self._launched: list[tuple[torch.Tensor, Any]] = []
+        self._carry: Callable[[], torch.Tensor] | None = None
+        self._carried: torch.Tensor | None = None  # where the carried values are summed
+        self._carried_work: Any = None  # their own collective, when they could not ride along
+        self._carried_along = 0  # how many of them ride at the end of the last bucket
+
+        def ready(param: torch.Tensor) -> None:  # a closure, not a bound method: deepcopy keeps it shared
+            if self._armed:
+                self._ready(param)
+
+        self._handles = [p.register_post_accumulate_grad_hook(ready) for p in self.params]
+
+    def arm(self, carry: Callable[[], torch.Tensor] | None = None) -> None:
+        """The next backward is the step's last on this rank: start all-reduces as gradients land.
+
+        ``carry``, called once when the last bucket starts (after this step's forwards), returns a
+        1-D float64 tensor to sum over the replicas along with the gradients; :meth:`finish`
+        returns the sum.
+        """
+        self._missing = [len(bucket) for bucket in self.buckets]
+        self._launched = []
+        self._carry = carry
+        self._carried, self._carried_work, self._carried_along = None, None, 0
+        self._armed = True
+
+    def _ready(self, param: torch.Tensor) -> None:
+        b = self._bucket_of.get(id(param))
+        if b is None:
+            return
+        self._missing[b] -= 1
+        while len(self._launched) < len(self.buckets) and self._missing[len(self._launched)] <= 0:
+            self._launch(len(self._launched))
+
+    def _launch(self, b: int) -> None:
+        bucket = self.buckets[b]
+        if self.alone[b]:
+            (p,) = bucket
+            # A replica without a gradient adds zeros; the flags in the last bucket tell None apart.
+            grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            if not grad.is_contiguous():
+                grad = grad.contiguous()
+            self._launched.append((grad, dist.all_reduce(grad, group=self.group, async_op=True)))
+            return
+        pieces = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket]
+        dtype = bucket[0].dtype if bucket else torch.float64
+        last = b == len(self.buckets) - 1
+        if last:
+            pieces.append(torch.tensor([p.grad is not None for p in self.params], dtype=dtype, device=self.device))
+            if self._carry is not None and dtype in (torch.float32, torch.float64):
+                values = self._take_carry()
+                pieces.append(values.to(dtype))
+                self._carried_along = values.numel()
+            elif self._carry is not None:  # bf16 or fp16 is too coarse for a loss: a collective of its own
+                self._carry_alone()
+        flat = torch.cat(pieces)
+        self._launched.append((flat, dist.all_reduce(flat, group=self.group, async_op=True)))
+        if last and self._carried_along:
+            self._carried = flat[flat.numel() - self._carried_along :]
+
+    def _take_carry(self) -> torch.Tensor:
+        assert self._carry is not None
+        carry, self._carry = self._carry, None
+        return carry().to(device=self.device, dtype=torch.float64).reshape(-1)
+
+    def _carry_alone(self) -> None:
+        self._carried = self._take_carry()
+        self._carried_work = dist.all_reduce(self._carried, group=self.group, async_op=True)
+
+    def finish(self) -> torch.Tensor | None:
+        """Start the remaining buckets, wait for all, and write the sums into ``.grad``; returns
+        the sum of what :meth:`arm`'s ``carry`` gave (float64), if anything."""
+        if not self._armed:  # no backward this step (nothing to sum), as for a forward-only step
+            self.arm()
+        self._armed = False
+        while len(self._launched) < len(self.buckets):
+            self._launch(len(self._launched))
+        if not self.buckets and self._carry is not None:  # no gradients to ride along with
+            self._carry_alone()
+        for _, work in self._launched:
+            work.wait()
+        if self._carried_work is not None:
+            self._carried_work.wait()
+        if self.buckets:
+            last, end = self._launched[-1][0], self._launched[-1][0].numel() - self._carried_along
+            counts = dict(zip(map(id, self.params), last[end - len(self.params) : end].tolist(), strict=True))
+            for bucket, alone, (summed, _) in zip(self.buckets, self.alone, self._launched, strict=True):
+                offset = 0
+                for p in bucket:
+                    n = p.numel()
+                    # The sum becomes the gradient in place: the parameter's own tensor or a view into the bucket.
+                    grad = summed if alone else summed[offset : offset + n].view_as(p)
+                    p.grad = grad if counts[id(p)] else None
+                    offset += n
+        self._launched = []
+        carried = self._carried
+        self._carried, self._carried_work, self._carried_along = None, None, 0
+        return None if carried is None else carried.to(torch.float64)
+
+    def abandon(self) -> None:
+        """Forget outstanding all-reduces (the step failed; a peer may be gone)."""
+        self._armed = False
+        self._launched = []
+        self._carry = None
+        self._carried, self._carried_work, self._carried_along = None, None, 0
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []

@@ -1,0 +1,106 @@
+"""The stage module that stands in for the user's container, and its hand-off with the executor.
+
+The user's own step function calls the container once per micro-batch; after surgery it calls
+a :class:`StageModule` holding only this rank's layers. During a pipelined step the executor
+gives the module a :class:`StageCall` for each micro-batch, and that object is the whole
+hand-off between the two:
+
+* on the first stage the call runs the local layers on the argument the step passes;
+* on later stages it ignores that argument and runs them on what the executor ``received``;
+* it records the inputs and outputs the executor sends and back-propagates, and on every stage
+  but the last ends the rest of the user's step with :class:`StageExit` (no loss to compute).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["StageCall", "StageExit", "StageModule"]
+
+Activation = torch.Tensor | tuple[torch.Tensor, ...]
+
+
+class StageExit(BaseException):
+    """Ends the user's step on ranks that do not hold the last stage.
+
+    Derived from ``BaseException`` so that a user's ``except Exception`` cannot swallow it.
+    """
+
+
+def as_tensors(value: Any, where: str) -> tuple[list[torch.Tensor], bool]:
+    """``value`` (a tensor or a tuple of tensors) as a list, and whether it was a tuple."""
+    if isinstance(value, torch.Tensor):
+        return [value], False
+    if isinstance(value, tuple | list) and value and all(isinstance(v, torch.Tensor) for v in value):
+        return list(value), True
+    raise TypeError(
+        f"{where} is a {type(value).__name__}; what flows between pipeline stages must be a tensor or a "
+        "tuple of tensors with the batch in dim 0 (wrap other values in the layers or pass them as tensors)"
+    )
+
+
+@dataclass
+class StageCall:
+    """One micro-batch's pass through a :class:`StageModule` during a pipelined step.
+
+    The executor creates it with what the stage received (nothing on the first stage) and reads
+    back what the stage ran on and what it made once the user's step returns.
+    """
+
+    stage: int
+    first: bool
+    last: bool
+    received: list[torch.Tensor] = field(default_factory=list)
+    received_tuple: bool = False
+    inputs: list[torch.Tensor] = field(default_factory=list)
+    """What the local layers ran on (the step's argument on the first stage)."""
+    outputs: list[torch.Tensor] | None = None
+    output_tuple: bool = False
+    calls: int = 0
+
+    def run(self, layers: Callable[[Activation], Any], arg: Any) -> Any:
+        self.calls += 1
+        if self.calls > 1:
+            raise RuntimeError(
+                "training_step/validation_step called the pipelined Sequential more than once for one batch; "
+                "dapple needs each step to pass the batch through the Sequential exactly once"
+            )
+        if self.first:
+            self.inputs, as_tuple = as_tensors(arg, "the input of the pipelined Sequential")
+        else:
+            self.inputs, as_tuple = self.received, self.received_tuple
+        out = layers(tuple(self.inputs) if as_tuple else self.inputs[0])
+        self.outputs, self.output_tuple = as_tensors(out, f"the output of stage {self.stage}")
+        if not self.last:
+            raise StageExit
+        return out
+
+
+class StageModule(nn.Sequential):
+    """The layers ``[start, end)`` of the user's Sequential that live on this rank.
+
+    Children keep their indices in the original Sequential as names (``"6"``, ``"7"``, ...),
+    so ``state_dict`` keys equal those of the unpartitioned model. Outside a pipelined step
+    (``call`` is ``None``) it behaves like that slice of the Sequential.
+    """
+
+    def __init__(self, layers: Sequence[tuple[str, nn.Module]]) -> None:
+        super().__init__(OrderedDict(layers))
+        # A plain attribute, not a submodule: the executor sets it around each micro-batch.
+        self.call: StageCall | None = None
+
+    def forward(self, input: Any) -> Any:
+        if self.call is None:
+            return super().forward(input)
+        return self.call.run(super().forward, input)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["call"] = None  # a step's tensors are not the module's state
+        return state

@@ -24,7 +24,6 @@ from typing import Literal
 __all__ = ["Handle", "child_env", "default_launcher", "group_alive", "kill_group", "launch", "prestart"]
 
 Kind = Literal["trial", "probe"]
-_SUPERVISOR = Path(__file__).resolve().parent / "_supervisor.py"
 _READY_TIMEOUT_S = 600.0
 
 
@@ -245,7 +244,7 @@ def launch(kind: Kind, spec_path: Path, *, launcher: str, python: str) -> Handle
     out = spec_path.parent
     if launcher == "exec":
         if kind == "trial":
-            command = [python, str(_SUPERVISOR), str(spec_path)]
+            command = [python, "-m", "dapple_lightning.search._supervisor", str(spec_path)]
         else:
             command = [python, "-m", "dapple_lightning.search._probe", str(spec_path)]
         proc = subprocess.Popen(

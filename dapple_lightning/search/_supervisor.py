@@ -5,9 +5,10 @@ killing the group ends the whole trial. Like ``torchrun`` it sets the rendezvous
 each rank; unlike it, it keeps no agent polling on the cores. It runs in one of two ways
 (``TrialConfig.launcher``):
 
-- ``exec``: the search starts it *by path* (``python .../_supervisor.py SPEC.json``) so that it
-  imports only the standard library, and it starts each rank as
-  ``python -m dapple_lightning.search._worker SPEC.json``;
+- ``exec``: the search starts it as ``python -m dapple_lightning.search._supervisor SPEC.json``
+  (``dapple_lightning`` and its search package import neither torch nor Optuna, so it starts in a
+  fraction of a second), and it starts each rank as ``python -m dapple_lightning.search._worker
+  SPEC.json``;
 - ``fork``: the trial template process (``_zygote``), which has imported torch, Lightning and
   dapple_lightning once, forks it, and it forks each rank from itself, so no rank pays for those
   imports again.
@@ -32,8 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _child import emit  # stdlib-only sibling, imported by path
+from dapple_lightning.search._child import emit
 
 INFEASIBLE = 3
 POLL_S = 0.05

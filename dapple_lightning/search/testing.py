@@ -16,6 +16,7 @@ import os
 import signal
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,9 +39,11 @@ class MLP(LightningModule):
         hang_on: Sequence[int] = (),
         oom_on: Sequence[int] = (),
         step_delay_s: float = 0.0,
+        failure_stamp: str | None = None,
     ) -> None:
         super().__init__()
         self.step_delay_s = step_delay_s
+        self.failure_stamp = failure_stamp
         blocks: list[nn.Module] = []
         for i in range(layers):
             blocks += [nn.Linear(features if i == 0 else width, width), nn.Tanh()]
@@ -59,6 +62,8 @@ class MLP(LightningModule):
         if m in self.crash_on and self.trainer.global_rank == self.trainer.world_size - 1:
             raise RuntimeError(f"injected crash (micro_batches={m})")
         if m in self.oom_on and self.trainer.global_rank == self.trainer.world_size - 1:
+            if self.failure_stamp:  # when the rank died, for benchmarks/search_launcher.py
+                Path(self.failure_stamp).write_text(repr(time.time()))
             # What the kernel's OOM killer does to a process: SIGKILL, no traceback.
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -85,6 +90,7 @@ def mlp(
     hang_on: Sequence[int] = (),
     oom_on: Sequence[int] = (),
     step_delay_s: float = 0.0,
+    failure_stamp: str | None = None,
 ) -> tuple[MLP, DataLoader]:
     """A :class:`MLP` (``2 * layers`` modules in its Sequential) and a loader of ``batches`` batches.
 
@@ -96,10 +102,11 @@ def mlp(
             step on (the first completes: a trial that trained, then stalled).
         oom_on: micro-batch counts whose plans get SIGKILL, as from the OOM killer (last rank).
         step_delay_s: sleep this long in every ``training_step`` call (a slow model, without the CPU).
+        failure_stamp: a file an ``oom_on`` rank writes its ``time.time()`` to just before it dies.
     """
     rows = batch_size if max_rows is None else min(batch_size, max_rows)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(rows * batches, features, generator=g)
     y = torch.randn(rows * batches, 1, generator=g)
-    model = MLP(features, width, layers, crash_on, hang_on, oom_on, step_delay_s)
+    model = MLP(features, width, layers, crash_on, hang_on, oom_on, step_delay_s, failure_stamp)
     return model, DataLoader(TensorDataset(x, y), batch_size=rows, shuffle=False)

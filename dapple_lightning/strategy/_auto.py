@@ -1,0 +1,218 @@
+"""``plan="auto"`` inside the strategy's setup: profile on the real batch, measure close plans.
+
+The profiling, the process-group measurements and the planner's choice are in
+:mod:`dapple_lightning.autoplan`; this module gives them what only a running Lightning job has:
+a global batch from the training loader, the user's own step, optimizer and precision, and
+:class:`Trials`, which runs candidate plans for a few real training steps.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import nn
+from torch.optim import Optimizer
+
+from dapple_lightning.autoplan import AutoPlan, choose_plan, draw_batch, optimizer_factory, time_step_outside
+from dapple_lightning.microbatch import Rows, batch_size_of, slice_batch
+from dapple_lightning.plan import Plan
+from dapple_lightning.planner import SETTLE_STEPS, Measured
+from dapple_lightning.runtime import Pipeline, StageModule, Timeline
+from dapple_lightning.strategy._pipelines import Pipelines
+from dapple_lightning.strategy._step import MicroBatches
+from dapple_lightning.surgery import capture_input, partition, set_submodule, unchanged
+
+__all__ = ["AutoSetting", "Trials", "choose_automatically", "draw_global_batch"]
+
+
+@dataclass(frozen=True)
+class AutoSetting:
+    """What ``plan="auto"`` uses of the running job."""
+
+    module: Any
+    """The LightningModule, its container in place."""
+    rank: int
+    device: torch.device
+    nodes: int
+    pipelines: Pipelines
+    steps: MicroBatches
+    context: Callable
+    """The precision plugin's training-step context."""
+
+
+def choose_automatically(setting: AutoSetting, batch: Any, path: str, container: nn.Sequential) -> AutoPlan:
+    """Profile ``container`` on a slice of ``batch`` (a global batch on the device), measure close
+    plans in real steps, and return the choice (collective on every rank)."""
+    module = setting.module
+    rows = batch_size_of(batch)
+    # Profile on a micro-batch-sized slice: whole global batches make profiling slow, and the
+    # cost model scales times with the micro-batch size.
+    sample = slice_batch(batch, Rows(0, max(1, rows // max(dist.get_world_size(), 2))))
+    set_container = partial(set_submodule, module, path)
+    sample_input = capture_input(module, set_container, container, lambda: module.training_step(sample, 0))
+
+    def step_outside(n: int) -> tuple[float, float]:
+        part = slice_batch(sample, Rows(0, n))
+        return time_step_outside(
+            module,
+            set_container,
+            container,
+            lambda: module.training_step(part, 0),
+            slice_batch(sample_input, Rows(0, n)),
+        )
+
+    try:
+        optimizer = optimizer_factory(module)
+    except Exception as err:  # the plan can do without optimizer timings; say so and go on
+        rank_zero_warn(f"dapple plan='auto' could not time optimizer steps ({err!r}); planning without them")
+        optimizer = None
+    with unchanged(module):
+        trials = Trials(setting, batch, container, set_container, optimizer)
+        try:
+            return choose_plan(
+                container,
+                sample_input,
+                setting.device,
+                nodes=setting.nodes,
+                global_batch=rows,
+                optimizer=optimizer,
+                step_outside=step_outside,
+                trial=trials,
+            )
+        finally:
+            trials.close()
+
+
+def draw_global_batch(trainer: Any, to_device: Callable[[Any], Any]) -> Any:
+    """The first training batch, on the device, leaving the loader's order as it was."""
+    return to_device(draw_batch(trainer.fit_loop._data_source.dataloader()))
+
+
+class Trials:
+    """``plan="auto"``'s trials: calling it with a plan runs that plan for a few real training
+    steps (collective; see :func:`autoplan.measure_in_turns`, which calls it once per turn) and
+    returns what they took. A plan's pipeline is built on its first turn and kept for the later
+    ones, so that creating and connecting its process groups and its first, slower step are paid
+    once and never counted. The steps train: the caller puts the weights back
+    (``surgery.unchanged``); :meth:`close` detaches the pipelines and puts the Sequential back.
+    """
+
+    def __init__(
+        self,
+        setting: AutoSetting,
+        batch: Any,
+        sequential: nn.Sequential,
+        set_sequential: Callable[[nn.Module], None],
+        optimizer: Callable[[list[nn.Parameter]], Optimizer] | None,
+        *,
+        steps: int = 2,
+        budget_s: float = 0.25,
+    ) -> None:
+        self._setting, self._batch = setting, batch
+        self._sequential, self._set_sequential = sequential, set_sequential
+        self._make_optimizer = optimizer
+        self._steps, self._budget_s = steps, budget_s
+        # Per plan: its stage, pipeline, the parameters its rank holds, and its steps per turn.
+        self._built: dict[Plan, tuple[StageModule, Pipeline, list[nn.Parameter], int]] = {}
+        self._pipelines: list[Pipeline] = []  # every one built, to detach, even one whose warm-up failed
+        self._covered: dict[int, nn.Parameter] = {}  # what the optimizer steps
+        self._step: Callable[[], Any] = lambda: None
+
+    def _cover(self, params: list[nn.Parameter]) -> None:
+        """Have the optimizer step ``params`` too: a fresh one of the user's kind over every
+        parameter a measured plan held on this rank, no more (a stage needs no state for the
+        others). A fresh optimizer's first steps create its state and fault its pages in (see
+        planner._measure): it takes those steps here, over zero gradients, so that the plan
+        measured first does not pay for them."""
+        missing = [p for p in params if id(p) not in self._covered]
+        if self._make_optimizer is None or not missing:
+            return
+        self._covered.update((id(p), p) for p in missing)
+        covered = list(self._covered.values())
+        self._step = self._make_optimizer(covered).step
+        for p in covered:
+            p.grad = torch.zeros_like(p)
+        for _ in range(SETTLE_STEPS):
+            self._step()
+        for p in covered:
+            p.grad = None
+
+    def _train_step(self, pipeline: Pipeline, params: list[nn.Parameter]) -> None:
+        setting = self._setting
+        setting.steps.run(pipeline, "training_step", (self._batch, 0), {}, train=True, context=setting.context)
+        self._step()
+        for p in params:
+            p.grad = None
+
+    def _build(self, plan: Plan) -> tuple[StageModule, Pipeline, list[nn.Parameter], int]:
+        """``plan``'s stage, pipeline and parameters on this rank, after a warm-up step that also
+        tells how many steps a turn takes (collective)."""
+        setting = self._setting
+        rank = setting.rank
+        stage = partition(self._sequential, plan, rank)
+        self._set_sequential(stage)
+        params = [p for p in setting.module.parameters() if p.requires_grad]
+        self._cover(params)
+        pipeline = setting.pipelines.build(plan, stage, Timeline(rank, plan.stage_of(rank)))
+        self._pipelines.append(pipeline)
+        dist.barrier()
+        start = time.perf_counter()
+        self._train_step(pipeline, params)  # connects the plan's process groups: not counted
+        # Cheap steps are noisy: as many as fit the budget (every rank the same number).
+        wanted = torch.tensor([math.ceil(self._budget_s / (time.perf_counter() - start))], dtype=torch.int64)
+        dist.all_reduce(wanted, op=dist.ReduceOp.MAX)
+        return stage, pipeline, params, min(max(int(wanted), self._steps), 10 * self._steps)
+
+    def __call__(self, plan: Plan) -> Measured:
+        """Seconds per training step of ``plan`` and per pass of each stage: the real pipeline, the
+        user's step and the user's kind of optimizer, as training runs them, over at least
+        ``steps`` steps and about ``budget_s`` seconds."""
+        setting = self._setting
+        rank = setting.rank
+        try:
+            if plan not in self._built:
+                self._built[plan] = self._build(plan)
+            stage, pipeline, params, count = self._built[plan]
+            self._set_sequential(stage)
+            dist.barrier()
+            timeline = pipeline.timeline
+            timeline.events.clear()
+            start = time.perf_counter()
+            for _ in range(count):
+                self._train_step(pipeline, params)
+            seconds = (time.perf_counter() - start) / count
+        finally:
+            setting.steps.shared.wait()
+        passes = [
+            statistics.median([e.end - e.start for e in timeline.events if e.name == kind] or [0.0])
+            for kind in ("forward", "backward")
+        ]
+        # Every rank's step time and passes; a step lasts until its slowest rank is done, and a
+        # stage's pass until its slowest replica's.
+        mine = torch.tensor([[plan.stage_of(rank), seconds, *passes]], dtype=torch.float64)
+        everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(everyone, mine)
+        table = torch.cat(everyone)
+        stages = range(plan.num_stages)
+        return Measured(
+            step_s=float(table[:, 1].max()),
+            forward_s=tuple(float(table[table[:, 0] == s, 2].max()) for s in stages),
+            backward_s=tuple(float(table[table[:, 0] == s, 3].max()) for s in stages),
+        )
+
+    def close(self) -> None:
+        for pipeline in self._pipelines:
+            pipeline.close()
+        self._pipelines.clear()
+        self._built.clear()
+        self._step = lambda: None  # and the optimizer's state with it
+        self._set_sequential(self._sequential)

@@ -1,0 +1,47 @@
+"""The process groups a plan needs, created once and shared by every pipeline built on them."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dapple_lightning.plan import Plan
+from dapple_lightning.runtime import Pipeline, StageModule, Timeline, p2p_groups, stage_group
+
+__all__ = ["Pipelines"]
+
+
+class Pipelines:
+    """Builds this rank's :class:`Pipeline` of a plan, keeping the process groups it creates:
+    one pair of point-to-point groups for every plan (groups are costly), and each plan's stage
+    group, so that a plan measured by ``plan="auto"`` and then chosen trains on the same one."""
+
+    def __init__(self, module: nn.Module, rank: int, device: torch.device, timeout: timedelta) -> None:
+        self.module, self.rank, self.device, self.timeout = module, rank, device, timeout
+        self._p2p: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None
+        self._stage_groups: dict[Plan, dist.ProcessGroup | None] = {}
+
+    def build(self, plan: Plan, stage: StageModule, timeline: Timeline, *, track_memory: bool = False) -> Pipeline:
+        """``plan``'s pipeline on this rank (collective: may create process groups), with
+        ``stage`` already standing in for the container; parameters outside it are summed over
+        every rank."""
+        local = {id(p) for p in stage.parameters()}
+        outside = [p for p in self.module.parameters() if id(p) not in local]
+        if plan.num_stages > 1 and self._p2p is None:
+            self._p2p = p2p_groups(timeout=self.timeout)
+        if plan not in self._stage_groups:
+            self._stage_groups[plan] = stage_group(plan, self.rank, timeout=self.timeout)
+        return Pipeline(
+            plan,
+            self.rank,
+            stage,
+            device=self.device,
+            timeline=timeline,
+            stage_group=self._stage_groups[plan],
+            shared_params=outside,
+            track_memory=track_memory,
+            p2p_groups=self._p2p if plan.num_stages > 1 else (None, None),
+        )

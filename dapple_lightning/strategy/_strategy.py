@@ -1,0 +1,498 @@
+"""``DappleStrategy``: DAPPLE pipeline + data parallel training as a Lightning strategy.
+
+Lifecycle glue only: it builds the process groups, asks model surgery for the rank's stage
+(:mod:`~dapple_lightning.surgery`), hands each step to :class:`~._step.MicroBatches` (which
+runs the rank's :class:`~dapple_lightning.runtime.Pipeline`), and keeps Lightning's contracts
+for checkpoints (:mod:`._checkpoint`), ``plan="auto"`` (:mod:`._auto`) and launching.
+
+One optimizer step under Lightning's automatic optimization:
+
+1. Lightning calls :meth:`DappleStrategy.training_step` with the global batch; the rank's
+   schedule runs every micro-batch, the gradients are summed per stage and set aside, logged
+   values become global-batch values on every rank, and every rank returns the global loss.
+2. Lightning zeroes gradients (or not) and calls :meth:`DappleStrategy.backward`, which adds
+   the fresh gradients instead of differentiating the returned loss.
+3. Lightning steps each rank's optimizer over that rank's parameters only.
+"""
+
+from __future__ import annotations
+
+import atexit
+import warnings
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.distributed import (
+    _destroy_dist_connection,
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+)
+from lightning.fabric.utilities.optimizer import _optimizer_to_device, _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch import Trainer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import _augment_message
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from torch.utils.data import DataLoader, RandomSampler
+from typing_extensions import override
+
+from dapple_lightning.plan import Plan
+from dapple_lightning.runtime import Pipeline, StepStats, Timeline, write_chrome_trace
+from dapple_lightning.strategy._auto import AutoSetting, choose_automatically, draw_global_batch
+from dapple_lightning.strategy._checkpoint import Consolidated, gather_on_zero, optimizer_names, write_atomically
+from dapple_lightning.strategy._launcher import SpawnLauncher
+from dapple_lightning.strategy._pipelines import Pipelines
+from dapple_lightning.strategy._step import MicroBatches
+from dapple_lightning.surgery import Cut, find_sequential
+
+__all__ = ["DappleStrategy"]
+
+PlanLike = Plan | Mapping[str, Any] | str | Any
+
+SUPPORTED_PRECISION = frozenset({"32-true", "32", "64-true", "64", "bf16-mixed", "bf16-true", "16-true"})
+
+
+class DappleStrategy(ParallelStrategy):
+    """Synchronous pipeline + data parallel training with a DAPPLE plan.
+
+    Args:
+        plan: a :class:`~dapple_lightning.plan.Plan`, a dict, an OmegaConf node, YAML text or a
+            YAML file path. ``"auto"`` (the default) profiles the model and lets the planner
+            choose (see :mod:`dapple_lightning.planner`). A plan search's best plan comes from
+            :func:`dapple_lightning.search.strategy_from_study`.
+        sequential: attribute path of the ``nn.Sequential`` to pipeline (e.g. ``"layers"`` or
+            ``"model.blocks"``); found automatically when the module has exactly one.
+        timeout: how long a rank waits on a peer before giving up; a dead or stuck peer ends
+            the job after at most this long.
+        start_method: ``"popen"`` re-launches the script once per rank (Lightning's default for
+            scripts); ``"spawn"`` starts ranks with multiprocessing (notebooks, pytest).
+        trace: write a Chrome trace (Perfetto) of every rank's forwards, backwards, sends,
+            receives and all-reduces to this path when training ends.
+        track_memory: count the activation bytes autograd keeps alive per micro-batch; the
+            last step's peak is in ``strategy.step_stats.peak_live_bytes``.
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
+        process_group_backend: as for Lightning's ``DDPStrategy``.
+    """
+
+    strategy_name = "dapple"
+
+    def __init__(
+        self,
+        plan: PlanLike = "auto",
+        *,
+        sequential: str | None = None,
+        timeout: timedelta = timedelta(seconds=120),
+        start_method: Literal["popen", "spawn"] = "popen",
+        trace: str | None = None,
+        track_memory: bool = False,
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        if start_method not in ("popen", "spawn"):
+            raise ValueError(f"start_method must be 'popen' or 'spawn', got {start_method!r}")
+        if isinstance(plan, str) and plan.strip().startswith("optuna://"):
+            raise ValueError(
+                f"plan={plan!r} names a plan search's study; build the strategy with "
+                "dapple_lightning.search.strategy_from_study(...) or resolve it with "
+                "dapple_lightning.search.resolve_plan_spec(...)"
+            )
+        # Parse early so a malformed plan fails in the constructor, before any process starts.
+        self._plan_spec: Plan | str = "auto" if _is_auto(plan) else Plan.coerce(plan)
+        self._sequential_name = sequential
+        self._timeout = timeout
+        self._start_method = start_method
+        self._trace_path = trace
+        self._track_memory = track_memory
+        self._process_group_backend = process_group_backend
+        self._num_nodes = 1
+        self.plan: Plan | None = None
+        self.auto_plan: Any = None
+        """With ``plan="auto"``: the profile, cluster and prediction behind the chosen plan."""
+        self._cut: Cut | None = None
+        self._pipeline: Pipeline | None = None
+        self._steps: MicroBatches | None = None
+        self._checkpoint: Consolidated | None = None
+        self._full_state_keys: list[str] = []
+        self._full_optimizer_names: list[list[list[str]]] = []
+        self._failed = False
+        self._shuffle_seed = 0
+
+    # ------------------------------------------------------------------ Lightning plumbing
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        # False on purpose: the plan acts as one device, so every rank must see every batch in
+        # the single-device order. Lightning injects a DistributedSampler (which also forces
+        # shuffling) only for distributed strategies, and `self.log(sync_dist=True)` would
+        # reduce values that the strategy already combined.
+        return False
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": 1, "rank": 0}
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = SpawnLauncher(self, start_method=self._start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        self._validate()  # refuse bad input before any collective
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        self._process_group_backend = backend
+        assert self.cluster_environment is not None
+        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+        # Without an explicit destroy, gloo's threads are torn down at interpreter exit and the
+        # process aborts ("terminate called without an active exception").
+        atexit.register(_destroy_dist_connection)
+        if dist.get_world_size() != self.world_size:
+            raise RuntimeError(
+                f"the process group has {dist.get_world_size()} ranks but this Trainer expects {self.world_size}; a "
+                "process group left over from an earlier run in this process (e.g. a Hydra multirun with "
+                "start_method='popen') cannot be reused for another size: use DappleStrategy(start_method='spawn')"
+            )
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        # Lightning advises sync_dist=True for epoch-level values in multi-process runs; under
+        # dapple every rank already logs the exact global value, so the advice would only mislead.
+        warnings.filterwarnings("ignore", message=r".*recommended to use `self\.log\(.*sync_dist=True")
+
+    def _validate(self) -> tuple[str, nn.Sequential]:
+        """Check the module and an explicit plan; raises before any process group exists."""
+        module = self.lightning_module
+        if not module.automatic_optimization:
+            raise ValueError(
+                "dapple supports automatic optimization only: the pipeline schedule runs each micro-batch's "
+                "backward itself. Remove `self.automatic_optimization = False` or use strategy='ddp'"
+            )
+        precision = str(getattr(self.precision_plugin, "precision", "32-true"))
+        if precision not in SUPPORTED_PRECISION:
+            raise ValueError(
+                f"precision={precision!r} is not supported by dapple (supported: {sorted(SUPPORTED_PRECISION)}); "
+                "16-mixed needs a gradient scaler inside the pipeline's backward, which dapple does not run yet: "
+                "use precision='bf16-mixed'"
+            )
+        name, sequential = find_sequential(module, self._sequential_name)
+        if isinstance(self._plan_spec, Plan):
+            self._plan_spec.check(num_layers=len(sequential), world_size=self.world_size)
+        return name, sequential
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        name, sequential = self._validate()
+        self.precision_plugin.convert_module(module)
+        _broadcast_module(module)  # same initial weights on every rank, as DDP does
+        self._full_state_keys = list(module.state_dict().keys())
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            self._full_optimizer_names = optimizer_names(module)
+        pipelines = Pipelines(module, self.global_rank, self.root_device, self._timeout)
+        self._steps = MicroBatches(module, self.root_device)
+        self.plan = self._resolve_plan(trainer, name, sequential, pipelines)
+        rank = self.global_rank
+        self._cut = Cut.apply(module, name, sequential, self.plan, rank)
+        self.model_to_device()
+        timeline = Timeline(rank, self.plan.stage_of(rank), enabled=self._trace_path is not None)
+        self._pipeline = pipelines.build(self.plan, self._cut.stage, timeline, track_memory=self._track_memory)
+        self._checkpoint = Consolidated(
+            module, self._cut, self.plan, rank, self._full_state_keys, self._full_optimizer_names
+        )
+        seed = torch.tensor([torch.initial_seed() % 2**62], dtype=torch.int64)
+        dist.broadcast(seed, 0)
+        self._shuffle_seed = int(seed)
+        if self.auto_plan is None:
+            rank_zero_info(f"dapple plan:\n{self.plan.table()}")
+        if fitting:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        # Lightning clips with the norm of this rank's gradients; the norm must span all stages.
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _resolve_plan(self, trainer: Trainer, name: str, sequential: nn.Sequential, pipelines: Pipelines) -> Plan:
+        if isinstance(self._plan_spec, Plan):
+            return self._plan_spec
+        if trainer.state.fn != TrainerFn.FITTING:
+            # Forward-only loops have no training batch to profile; every rank holds every layer.
+            return Plan.data_parallel(len(sequential), self.world_size)
+        assert self._steps is not None
+        setting = AutoSetting(
+            self.lightning_module,
+            self.global_rank,
+            self.root_device,
+            self.num_nodes,
+            pipelines,
+            self._steps,
+            self.precision_plugin.train_step_context,
+        )
+        chosen = choose_automatically(setting, draw_global_batch(trainer, self.batch_to_device), name, sequential)
+        rank_zero_info(chosen.report())
+        self.auto_plan = chosen
+        return chosen.plan
+
+    def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
+        assert self._checkpoint is not None
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        owned = self._checkpoint.owned()
+        square = torch.zeros((), dtype=torch.float64, device=self.root_device)
+        for g in optimizer.param_groups:
+            for p in g["params"]:
+                if p.grad is not None and id(p) in owned:
+                    square += p.grad.detach().double().pow(2).sum()
+        dist.all_reduce(square)
+        coef = min(float(clip_val) / (float(square.sqrt()) + 1e-6), 1.0)
+        for grad in grads:
+            grad.detach().mul_(coef)
+
+    @property
+    def step_stats(self) -> StepStats:
+        """What the last pipelined step measured on this rank (peak live micro-batches and bytes)."""
+        if self._pipeline is None:
+            raise RuntimeError("the strategy has run no step yet")
+        return self._pipeline.stats
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        # Every rank must draw the same order. A RandomSampler without a generator draws its
+        # order from each process's global RNG, which the ranks consume differently (dropout in
+        # different layers), so give it a generator seeded identically on every rank.
+        sampler = getattr(dataloader, "sampler", None)
+        if isinstance(dataloader, DataLoader) and isinstance(sampler, RandomSampler) and sampler.generator is None:
+            sampler.generator = torch.Generator().manual_seed(self._shuffle_seed)
+        return dataloader
+
+    # ---------------------------------------------------------------------- the steps
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
+        assert self._steps is not None and self._pipeline is not None
+        return self._steps.train(self._pipeline, args, kwargs, self.precision_plugin.train_step_context)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        assert self._steps is not None
+        module = self.lightning_module
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        # Lightning divides the returned loss by accumulate_grad_batches before backward; the
+        # pipeline's gradients were taken of the undivided loss.
+        self._steps.add_fresh_gradients(1.0 / module.trainer.accumulate_grad_batches)
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluate("validation_step", args, kwargs, self.precision_plugin.val_step_context)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluate("test_step", args, kwargs, self.precision_plugin.test_step_context)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Predictions of the whole global batch, in batch order, on every rank."""
+        return self._evaluate("predict_step", args, kwargs, self.precision_plugin.predict_step_context)
+
+    def _evaluate(self, hook: str, args: tuple, kwargs: dict, context: Callable) -> Any:
+        assert self._steps is not None and self._pipeline is not None
+        return self._steps.evaluate(self._pipeline, hook, args, kwargs, context)
+
+    # --------------------------------------------------------------------- collectives
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if _distributed_is_initialized():
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        if not isinstance(tensor, Tensor) or not _distributed_is_initialized():
+            return tensor
+        from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+
+        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        from lightning.fabric.utilities.distributed import _all_gather_ddp_if_available
+
+        return _all_gather_ddp_if_available(tensor, group=group, sync_grads=sync_grads)
+
+    # ------------------------------------------------------------------------ checkpoints
+
+    @property
+    def _partitioned(self) -> bool:
+        return self._cut is not None and self._checkpoint is not None and _distributed_is_initialized()
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The full model's state dict, keys as in the unpartitioned model (collective; complete on rank 0)."""
+        if not self._partitioned:
+            return self.lightning_module.state_dict()
+        assert self._checkpoint is not None
+        full = self._checkpoint.state_dict()
+        return full if full is not None else self.lightning_module.state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The optimizer's state in the single-device layout (collective; complete on rank 0)."""
+        if not self._partitioned:
+            return optimizer.state_dict()
+        assert self._checkpoint is not None
+        index = next(i for i, o in enumerate(self.optimizers) if o is optimizer)
+        full = self._checkpoint.optimizer_state(optimizer, index)
+        return full if full is not None else optimizer.state_dict()
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        assert self._checkpoint is not None
+        for index, (optimizer, state) in enumerate(zip(self.optimizers, checkpoint["optimizer_states"])):
+            optimizer.load_state_dict(self._checkpoint.local_optimizer_state(optimizer, index, state))
+            _optimizer_to_device(optimizer, self.root_device)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Write on rank 0 to a temporary file, then rename: a crash mid-write keeps the old file intact."""
+        if self.is_global_zero:
+            write_atomically(self.checkpoint_io, checkpoint, filepath, storage_options)
+
+    # -------------------------------------------------------------------------- the end
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        self._failed = True
+        _augment_message(
+            exception,
+            pattern=r"(?s).*(Connection closed by peer|Connection reset by peer|Broken pipe|Timed out).*",
+            new_message=(
+                f"dapple: rank {self.global_rank} lost a peer. Another rank failed or was killed; its own "
+                "error is reported by that rank. (If no rank reports an error, a peer stalled for longer "
+                f"than DappleStrategy(timeout={self._timeout.total_seconds():.0f} s).)"
+            ),
+        )
+
+    @override
+    def teardown(self) -> None:
+        if self._pipeline is not None and self._trace_path is not None and not self._failed:
+            self._write_trace()
+        if self._steps is not None:
+            if self._failed:
+                self._steps.shared.abandon()
+            else:
+                self._steps.shared.wait()
+        if self._pipeline is not None:
+            self._pipeline.close()
+        if self._partitioned and not self._failed:
+            self._restore_container()
+        super().teardown()
+
+    def _restore_container(self) -> None:
+        """Put the whole container back on every rank, with the trained weights of every stage."""
+        assert self._cut is not None
+        full = self.lightning_module_state_dict()  # collective: complete on rank 0
+        box = [full if self.global_rank == 0 else None]
+        dist.broadcast_object_list(box, 0)
+        prefix = self._cut.prefix
+        self._cut.restore({k[len(prefix) :]: v for k, v in box[0].items() if k.startswith(prefix)}, self.root_device)
+        self._cut = None
+        self._checkpoint = None
+
+    def _write_trace(self) -> None:
+        assert self._pipeline is not None
+        gathered = gather_on_zero(self._pipeline.timeline.events)
+        if gathered is not None:
+            path = write_chrome_trace([e for part in gathered for e in part], self._trace_path)
+            rank_zero_info(f"dapple: wrote Chrome trace to {path}")
+
+
+@torch.no_grad()
+def _broadcast_module(module: nn.Module) -> None:
+    """Give every rank rank 0's parameters and buffers."""
+    if not _distributed_is_initialized() or dist.get_world_size() == 1:
+        return
+    tensors = [t for t in module.state_dict(keep_vars=True).values() if isinstance(t, Tensor)]
+    by_dtype: dict[torch.dtype, list[Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for same in by_dtype.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in same])
+        dist.broadcast(flat, 0)
+        offset = 0
+        for t in same:
+            n = t.numel()
+            t.data.copy_(flat[offset : offset + n].view_as(t))
+            offset += n
+
+
+def _is_auto(plan: Any) -> bool:
+    return plan is None or (isinstance(plan, str) and plan.strip().lower() == "auto")

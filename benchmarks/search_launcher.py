@@ -5,11 +5,12 @@ on 2 ranks, 1 warm-up and 2 timed steps, trained by the search's own rank progra
 dapple_lightning.search._worker SPEC``, which reads the variables every launcher sets). Four ways
 to start its ranks, run interleaved (the order rotates every repeat), medians reported:
 
-- ``own fork``: the search's default on Linux: a template process that imported torch and
-  Lightning once forks the trial's leader, which forks the ranks (``TrialConfig(launcher="fork")``;
-  the template is warmed by one untimed trial, as a search's first trial warms it);
-- ``own exec``: the same leader, started as a fresh interpreter that starts one fresh interpreter
-  per rank (``launcher="exec"``);
+- ``search fork``: the search's default on Linux (``TrialConfig(launcher="fork")``): a template
+  process that imported torch and Lightning once forks the trial's leader (warmed by one untimed
+  trial, as a search's first trial warms it); up to c8ba39f the leader was the search's own
+  supervisor, since then PyTorch's elastic agent forks the ranks (``_leader``);
+- ``search exec``: the same leader started as a fresh interpreter, and fresh interpreters for the
+  ranks (``launcher="exec"``);
 - ``torchrun``: ``python -m torch.distributed.run --standalone --nproc-per-node 2 --max-restarts 0
   --monitor-interval 0.1 -m dapple_lightning.search._worker SPEC`` in a new session;
 - ``elastic fork``: ``torch.distributed.launcher.api.elastic_launch`` with ``start_method="fork"``,
@@ -44,7 +45,7 @@ from dapple_lightning.plan import Plan
 from dapple_lightning.search import TrialConfig, run_trial
 
 WORKER = "dapple_lightning.search._worker"
-LAUNCHERS = ("own fork", "own exec", "torchrun", "elastic fork")
+LAUNCHERS = ("search fork", "search exec", "torchrun", "elastic fork")
 
 
 def trial_config(launcher: str, stamp: str | None) -> TrialConfig:
@@ -76,7 +77,8 @@ def _spec(template: dict[str, Any], out: Path, stamp: str | None) -> Path:
 def _torchrun(spec: Path) -> bool:
     command = [
         *(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"),
-        *("--max-restarts", "0", "--monitor-interval", "0.1", "-m", WORKER, str(spec)),
+        *("--max-restarts", "0", "--monitor-interval", "0.1", "--log-dir", str(spec.parent / "elastic")),
+        *("-m", WORKER, str(spec)),
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     with open(spec.parent / "launcher.out", "wb") as out, open(spec.parent / "launcher.err", "wb") as err:
@@ -100,6 +102,7 @@ def _elastic_fork(spec: Path) -> bool:
         code = 1
         try:
             os.setsid()
+            from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
             from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
             config = LaunchConfig(
@@ -112,6 +115,7 @@ def _elastic_fork(spec: Path) -> bool:
                 max_restarts=0,
                 monitor_interval=0.1,
                 start_method="fork",
+                logs_specs=DefaultLogsSpecs(log_dir=str(spec.parent / "elastic")),
             )
             with open(spec.parent / "launcher.err", "wb") as err:
                 os.dup2(err.fileno(), 2)
@@ -135,7 +139,7 @@ def one(launcher: str, template: dict[str, Any], killed: bool) -> float:
         out = Path(tmp)
         stamp = str(out / "killed_at") if killed else None
         start = time.time()
-        if launcher.startswith("own"):
+        if launcher.startswith("search"):
             result = run_trial(PLAN, trial_config(launcher.split()[1], stamp))
             ok = result.status == "complete"
         else:

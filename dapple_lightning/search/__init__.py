@@ -21,7 +21,7 @@ Pieces, one module each:
 
 - what to search: :class:`PlanSpace` (``_space``, valid plans only, define-by-run);
 - one measurement: :class:`TrialConfig`, :func:`run_trial` (``_trial``; its processes in
-  ``_launch``, ``_zygote``, ``_supervisor``, ``_worker``), :func:`probe_model` (``_probe``);
+  ``_launch``, ``_zygote``, ``_leader`` on PyTorch's elastic agent, ``_worker``), :func:`probe_model` (``_probe``);
 - the study: :func:`optimize` (``_loop``, the one loop), its bookkeeping (``_bookkeeping``:
   :class:`RepeatGuard`, ...), the planner's seeds (:func:`planner_seeds`, ``_seed``);
 - the fronts that drive the loop: :class:`PlanSearch` / :func:`run_search` (``_study``) and the

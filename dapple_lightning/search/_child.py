@@ -1,7 +1,6 @@
 """Helpers for the search's child processes (the trial ranks and the model probe).
 
-Stdlib only: the supervisor of a trial imports nothing heavy, and these helpers run before torch
-is imported in the ranks.
+Stdlib only: these helpers run before torch is imported in the ranks and the probe.
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ def parse_event(line: str) -> dict[str, Any] | None:
 def start_parent_watchdog(interval_s: float = 0.5) -> None:
     """Kill this process's whole group when its parent dies.
 
-    A trial runs in its own process group, so it survives the search process (or the supervisor)
+    A trial runs in its own process group, so it survives the search process (or its leader)
     being killed with SIGKILL, which no handler can catch. An orphan is re-parented, so a
     changed parent pid means the parent is gone: then nobody will collect the trial, and it must
     not keep the machine's cores busy.

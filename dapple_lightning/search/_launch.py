@@ -3,7 +3,8 @@
 Either way the child leads a new session, so its process group holds everything it starts and
 :func:`kill_group` ends all of it; either way it notices when the search process dies and kills
 its own group. The difference is start-up cost (see ``_zygote``): ``exec`` pays the torch and
-Lightning imports in every rank of every trial, ``fork`` once per search.
+Lightning imports in every rank of every trial, ``fork`` once per search. Inside, a trial's leader
+runs PyTorch's elastic agent either way (``_leader``).
 """
 
 from __future__ import annotations
@@ -244,7 +245,7 @@ def launch(kind: Kind, spec_path: Path, *, launcher: str, python: str) -> Handle
     out = spec_path.parent
     if launcher == "exec":
         if kind == "trial":
-            command = [python, "-m", "dapple_lightning.search._supervisor", str(spec_path)]
+            command = [python, "-m", "dapple_lightning.search._leader", str(spec_path)]
         else:
             command = [python, "-m", "dapple_lightning.search._probe", str(spec_path)]
         proc = subprocess.Popen(

@@ -1,18 +1,18 @@
 """One measurement: train a candidate plan for a few steps in fresh processes, and say how it went.
 
 The search process never runs a candidate itself. :func:`run_trial` starts the trial's leader in
-a new session (its own process group, no terminal signals), which starts one worker per rank
-with the variables ``torchrun`` sets (``_supervisor``, ``_worker``; how they start, ``fork`` from
-a template or ``exec``, is ``_launch``'s and ``_zygote``'s business). Whatever happens to the
+a new session (its own process group, no terminal signals), which hands the ranks to PyTorch's
+elastic agent (``_leader``, ``_worker``; how they start, ``fork`` from a template or ``exec``, is
+``_launch``'s and ``_zygote``'s business). Whatever happens to the
 trial, a crash, a hang, an out-of-memory kill, a plan that does not fit, ends that process group
 and comes back as a :class:`TrialResult`; only the search process's own interruption
 (``KeyboardInterrupt``, ``SystemExit``) propagates, after the trial's processes are killed.
 
 Why not ``Trainer(strategy=DappleStrategy(start_method="spawn"))`` in one child: the spawning
 parent imports torch and Lightning too, and Lightning's spawn launcher pickles the model and the
-results back through queues. Measured on the 2-core machine with the tiny MLP: about 9 s of extra
-wall time per trial (6 s to start, 3 s to finish) against 0.3 s for external launching; with the
-``fork`` launcher a whole trial of that model takes about 0.5-1 s instead of 8-14 s.
+results back through queues, seconds per trial; the ranks here read the launcher's variables and
+start nothing of their own. What each way of starting a trial costs is measured in
+docs/benchmarks.md ("Search: trial launchers").
 
 Measurements (rank 0 unless said otherwise):
 
@@ -49,7 +49,7 @@ from dapple_lightning.search._launch import Handle, default_launcher, group_aliv
 # group_alive is re-exported: tests and callers check that a trial's processes are gone.
 __all__ = ["FailKind", "TrialConfig", "TrialResult", "classify_failure", "group_alive", "run_trial"]
 
-INFEASIBLE = 3  # the exit code of _worker / _supervisor for a plan that does not fit
+INFEASIBLE = 3  # the exit code of _worker / _leader for a plan that does not fit
 _OOM_MARKERS = (
     "MemoryError",
     "out of memory",
@@ -97,8 +97,6 @@ class TrialConfig:
     """``seed_everything`` in every rank before the factory is called."""
     pg_timeout_s: float = 60.0
     """``DappleStrategy(timeout=...)``: how long a rank waits on a dead peer."""
-    grace_s: float = 5.0
-    """After one rank fails, how long the others get to end on their own before they are killed."""
     workdir: str | None = None
     """Where trial directories are made; ``None``: the system's temporary directory."""
     keep_logs: bool = False
@@ -184,7 +182,7 @@ class TrialResult:
 def classify_failure(returncodes: list[int | None], killed: list[int], stderr: str) -> tuple[FailKind, str]:
     """Name a failed trial: ``("oom", detail)`` or ``("crash", stderr tail)``.
 
-    A rank ended by SIGKILL that the supervisor did not send was killed from outside, on Linux
+    A rank ended by SIGKILL that the launcher did not send was killed from outside, on Linux
     almost always by the kernel's OOM killer; an allocator error in the stderr is an
     out-of-memory too. Everything else is a crash.
     """
@@ -218,7 +216,6 @@ def _spec(plan: Plan, config: TrialConfig, out: Path) -> dict[str, Any]:
         "threads": config.threads,
         "seed": config.seed,
         "pg_timeout_s": config.pg_timeout_s,
-        "grace_s": config.grace_s,
         "python": config.python,
         "out_dir": str(out),
     }
@@ -332,9 +329,7 @@ def _watch(
                 if event is None:
                     continue
                 last_progress = time.monotonic()
-                if event.get("event") == "rank_failed":
-                    stepping = False  # ending: the supervisor's grace period bounds the rest
-                elif event.get("event") == "step":
+                if event.get("event") == "step":
                     stepping = True
                     step, seconds = int(event["step"]), float(event["seconds"])
                     if on_step is not None and step >= config.warmup and seconds > 0:

@@ -1,10 +1,10 @@
 """The trial template: a process that imports torch, Lightning and dapple_lightning once, then forks trials.
 
-Starting a rank costs seconds of imports (torch and Lightning: about 3.5 s of CPU each on the
-2-core reference machine, so 4 ranks take 7 s of wall time before they do anything); a trial of a
-small model trains for well under a second. The template pays the imports once per search; each
-trial's leader is forked from it, calls ``setsid`` (its own session and process group, as with
-the ``exec`` launcher) and forks its ranks from itself.
+Starting a rank costs seconds of CPU in imports (torch and Lightning), more than a trial of a
+small model takes to train (docs/benchmarks.md, "Search: trial launchers"). The template pays the
+imports once per search; each trial's leader is forked from it, calls ``setsid`` (its own session
+and process group, as with the ``exec`` launcher), and PyTorch's elastic agent in it forks the
+ranks (``_leader``).
 
 A trial started this way is still a fresh set of processes: the template has only imported
 modules. It never builds a model, runs an operation, starts a thread or touches a device, so
@@ -42,18 +42,19 @@ def _leader(kind: str, spec_path: str, events_path: str, ready_w: int) -> int:
         from dapple_lightning.search._probe import main as probe
 
         return probe(spec_path)
-    from dapple_lightning.search._supervisor import supervise
+    from dapple_lightning.search._leader import lead
 
-    return supervise(spec_path, fork=True)
+    return lead(spec_path, fork=True)
 
 
 def main() -> int:
     # The expensive part, once per search.
     import lightning.pytorch  # noqa: F401
-    import torch  # noqa: F401
+    import torch
+    import torch.distributed.launcher.api  # noqa: F401
 
+    import dapple_lightning.search._leader
     import dapple_lightning.search._probe
-    import dapple_lightning.search._supervisor
     import dapple_lightning.search._worker
     import dapple_lightning.strategy  # noqa: F401
 

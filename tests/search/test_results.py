@@ -130,7 +130,7 @@ def test_fingerprint_validates_its_fields():
     [
         ([1, 1], [], "Traceback...\nRuntimeError: injected crash", "crash"),
         ([1, -9], [], "", "oom"),  # SIGKILL nobody in the trial sent: the OOM killer
-        ([1, -9], [1], "Traceback...\nRuntimeError: boom", "crash"),  # SIGKILL by the supervisor after rank 0 failed
+        ([1, -9], [1], "Traceback...\nRuntimeError: boom", "crash"),  # SIGKILL by the launcher after rank 0 failed
         ([1, 0], [], "Traceback...\nMemoryError", "oom"),
         (
             [1, 1],

@@ -27,9 +27,9 @@ The models (``benchmarks/search_models.py``): the runtime benchmark's transforme
 + 2 hidden FC + classifier). The space: schedule ``dapple``, ``M`` in ``--micro-batches``, at most
 ``--max-stages`` stages, any cut and any replica split.
 
-    python benchmarks/search.py                          # defaults, see --help; ~27 min on 2 cores
-    python benchmarks/search.py --passes 1               # one grid pass: ~16 min, noisier ground truth
-    python benchmarks/search.py --quick                  # smoke run (CNN, 22 plans), ~2 min
+    python benchmarks/search.py                          # defaults, see --help (grid times: docs/benchmarks.md)
+    python benchmarks/search.py --passes 1               # one grid pass: half the time, noisier ground truth
+    python benchmarks/search.py --quick                  # smoke run (CNN, 22 plans), minutes
     python benchmarks/search.py --write-docs             # also update docs/benchmarks.md
 """
 

@@ -21,7 +21,7 @@ Two figures per launcher: the wall time of a clean trial (start to return), and 
 rank's SIGKILL (the last rank kills itself at its first step, as the kernel's OOM killer would:
 ``mlp(oom_on=..., failure_stamp=...)``) to the moment the launcher has returned.
 
-    python benchmarks/search_launcher.py                 # 5 repeats, about 3 minutes on 2 cores
+    python benchmarks/search_launcher.py                 # 5 repeats, a few minutes
     python benchmarks/search_launcher.py --repeats 3
 """
 

@@ -69,8 +69,8 @@ __all__ = [
 
 DEFAULT_MAX_PLANS = 10_000
 """Default cap of :func:`enumerate_plans`: above it, measuring every plan is not an option anyway
-(at ~10 s per short run, 10,000 plans take more than a day), so the function refuses rather than
-silently returning a partial grid."""
+(a short run takes seconds, so 10,000 plans take most of a day or more; what runs take here is in
+docs/benchmarks.md), so the function refuses rather than silently returning a partial grid."""
 
 
 def _int(value: Any, what: str, low: int = 1) -> int:

@@ -174,7 +174,12 @@ class Cluster:
         """One message latency plus ``nbytes`` at :meth:`transfer_coefficient`."""
         if nbytes <= 0:
             return 0.0
-        return self.latency_s + nbytes * self.transfer_coefficient(sender, receiver)
+        return self.message_time(nbytes, self.transfer_coefficient(sender, receiver))
+
+    def message_time(self, nbytes: float, per_byte: float) -> float:
+        """One message latency plus ``nbytes`` at ``per_byte`` seconds (a
+        :meth:`transfer_coefficient`, for callers in a hot loop); no time for no bytes."""
+        return self.latency_s + nbytes * per_byte if nbytes > 0 else 0.0
 
     def devices_per_server(self, ranks: Sequence[int]) -> tuple[int, ...]:
         """How many of ``ranks`` sit on each server."""

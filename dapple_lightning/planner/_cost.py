@@ -42,26 +42,16 @@ latency is the longest. The pivot is the ``Q`` of the longest chain, ties going 
 stage when that stage's steady work outweighs the current pivot's plus the work between them)
 written as a maximum. ``Estimate`` reports ``T_w``, ``T_s`` and ``T_e = step - T_w - T_s``.
 
-The same maximum is computed from the back in four numbers per suffix starting at ``t``
-(:func:`combine`; what the planner's dynamic program carries)::
-
-    D_t  = max(M (F_t + B_t), F_t + B_t + D_{t+1})        # chains from t's first pass, to t
-    RT_t = F_t + B_t + RT_{t+1}                          # one micro-batch's round trip
-    X_t  = max(RT_t + AR_t, F_t + X_{t+1})               # ... and on to an all-reduce past t
-    Z_t  = max(AR_t + D_t,                               # every chain, from t's first forward
-               M F_t + (M - K_t) B_t + X_{t+1},
-               M F_t + (M - K_t) B_t + RT_{t+1} + B_t + AR_t,
-               F_t + Z_{t+1})
-    latency = Z_0
-
-(links enter as stages whose chains are ``M C^F + RT + C^B`` or ``C^F + RT + M C^B`` to their
-last transfer and ``M C^F`` up to their last forward one; RT is the round trip beyond them).
 Two more kinds of chain bound the steady phase when transfers and downstream stages are slow,
 both missing from the paper's formula: a stage that runs ``K`` forwards ahead must wait for
 micro-batch ``m``'s gradient before it may start ``m + K``, so
 ``ceil(M / K) (F + B + round trip) + ...`` runs one after another (in ``D``); under GPipe, a
 stage's first backward waits for its last forward's round trip, ``M F + round trip + M B``.
 The GPipe schedule otherwise has the same chains with ``K_t = M``.
+
+The same maximum is computed from the back in five numbers per suffix (``_recurrence``: what
+:meth:`CostModel.estimate` folds over a plan's stages and the planner's dynamic program
+carries); :func:`chains` writes every chain out, as a check and to name the pivot.
 
 **Memory** per device of stage ``s``: parameters + gradients (same size) + optimizer state
 (``optimizer_factor`` x parameters unless the profile gives bytes; Adam keeps 2) + ``K_s``
@@ -79,8 +69,9 @@ from typing import NamedTuple
 from dapple_lightning.plan import Plan
 from dapple_lightning.planner._cluster import Cluster
 from dapple_lightning.planner._profile import ModelProfile
+from dapple_lightning.planner._recurrence import Tail, combine, stage_chain
 
-__all__ = ["CostModel", "Estimate", "Placement", "chains", "combine", "estimate", "stage_chain"]
+__all__ = ["CostModel", "Estimate", "Placement", "chains", "estimate"]
 
 # Relative slack when comparing chain lengths, so that float noise does not move the pivot.
 _TIE = 1e-12
@@ -103,92 +94,6 @@ class Placement(NamedTuple):
     def of(cls, cluster: Cluster, ranks: Sequence[int]) -> Placement:
         take = cluster.devices_per_server(ranks)
         return cls(len(ranks), sum(1 for c in take if c), take)
-
-
-Tail = tuple[float, float, float, float, float]
-"""``(D, Z, RT, X, F + B)`` of a partial pipeline, as :func:`combine` returns it."""
-
-
-def stage_chain(
-    forward: float,
-    backward: float,
-    micro_batches: int,
-    depth: int,
-    round_trip: float,
-    partner: float | None,
-    gpipe: bool,
-) -> tuple[float, float]:
-    """Longest chains from a stage's first forward to its last backward, and to its last forward.
-
-    ``round_trip``: from the stage's output to the gradient coming back (0 for the last stage).
-    ``partner``: transfers both ways plus the next stage's ``F + B``, when the next stage warms
-    up one micro-batch less (DAPPLE, ``K_{s+1} = K_s - 1``), else ``None``. The chains: all
-    passes in the stage's order; the warm-up window (micro-batch ``m + K`` waits for ``m``'s
-    gradient, a full round trip); under DAPPLE, the ping-pong with the next stage (``B_j`` here,
-    ``F_{j+K}`` here and there, ``B_{j+2}`` there and here: a detour through the next stage in
-    place of this stage's ``B_{j+1}, F_{j+K+1}`` lengthens the chain by ``partner - F - B``);
-    under GPipe, all forwards, the last one's round trip, all backwards.
-    """
-    m = micro_batches
-    fb = forward + backward
-    jumps = (m - 1) // depth + 1
-    work = max(m * fb, jumps * (fb + round_trip) + (m - jumps * depth + depth - 1) * backward)
-    lead = m * forward + max(0, m - depth) * backward
-    if gpipe:
-        work = max(work, m * forward + round_trip + m * backward)
-    if partner is not None:
-        # Detours start at F_{j+K}, j >= 0, at least two apart. One at j = M - K - 1 (from the
-        # last forward) skips only B_{j+1}; earlier ones skip B_{j+1} and F_{j+K+1}. Before the
-        # last forward, only detours that land (at B_{j+2}) ahead of it count.
-        last = m - depth - 1
-        if last >= 0:
-            work = max(work, m * fb + (partner - backward) + (last // 2) * max(0.0, partner - fb))
-        if last >= 2 and partner > fb:
-            lead = lead + ((last - 2) // 2 + 1) * (partner - fb)
-    return work, lead
-
-
-def combine(
-    forward: float,
-    backward: float,
-    allreduce: float,
-    send_forward: float,
-    send_backward: float,
-    micro_batches: int,
-    depth: int,
-    tail: Tail | None,
-    next_depth: int = 0,
-    gpipe: bool = False,
-) -> Tail:
-    """``(D, Z, RT, X, F + B)`` of a stage, its link and a suffix whose own values are ``tail``.
-
-    ``depth`` is the stage's warm-up depth ``K`` and ``next_depth`` the next stage's (``M`` for
-    GPipe). The one place the recurrence is written, so the planner (which inlines all but
-    :func:`stage_chain`) and :func:`estimate` agree to the last bit; see the module docstring
-    for what the numbers are.
-    """
-    m = micro_batches
-    fb = forward + backward
-    if tail is None:
-        d = m * fb
-        return d, allreduce + d, fb, fb + allreduce, fb
-    d_next, z_next, rt_next, x_next, fb_next = tail
-    d_link = max(
-        send_forward + send_backward + d_next,
-        m * send_forward + rt_next + send_backward,
-        send_forward + rt_next + m * send_backward,
-    )
-    z_link = send_forward + z_next
-    rt_link = send_forward + send_backward + rt_next
-    x_link = send_forward + x_next
-    zm_link = m * send_forward + x_next
-    partner = send_forward + send_backward + fb_next if not gpipe and next_depth == depth - 1 else None
-    work, lead = stage_chain(forward, backward, m, depth, rt_link, partner, gpipe)
-    d = max(work, fb + d_link)
-    rt = fb + rt_link
-    x = max(rt + allreduce, forward + x_link)
-    z = max(allreduce + d, lead + x_link, lead + (rt_link + backward + allreduce), forward + zm_link, forward + z_link)
-    return d, z, rt, x, fb
 
 
 @dataclass(frozen=True)
@@ -347,6 +252,13 @@ class CostModel:
             + (self._backward_var[end] - self._backward_var[start]) * scale,
         )
 
+    def passes(self, start: int, end: int, micro_batches: int, samples: int) -> tuple[float, float]:
+        """Forward and backward seconds of one micro-batch of ``samples`` samples through layers
+        ``[start, end)`` in a step of ``micro_batches``, the backward with its average cost of
+        adding into gradients (:meth:`accumulate`)."""
+        forward, backward = self.compute(start, end, samples)
+        return forward, backward + self.accumulate(start, end, micro_batches)
+
     @staticmethod
     def accumulating(micro_batches: int) -> float:
         """Share of a step's backwards that add into existing gradients: all but the first."""
@@ -414,8 +326,7 @@ class CostModel:
         stages = plan.stages
         count = len(stages)
         samples = tuple(self.samples(m, s.replicas) for s in stages)
-        fwd, bwd = zip(*(self.compute(s.start, s.end, n) for s, n in zip(stages, samples)))
-        bwd = tuple(b + self.accumulate(s.start, s.end, m) for b, s in zip(bwd, stages))
+        fwd, bwd = zip(*(self.passes(s.start, s.end, m, n) for s, n in zip(stages, samples)))
         ar = tuple(self.allreduce(s.start, s.end, p) for s, p in zip(stages, places))
         update = tuple(self.update(s.start, s.end) for s in stages)
         closing = tuple(a + u for a, u in zip(ar, update))

@@ -6,7 +6,6 @@ import pytest
 
 from dapple_lightning.plan import Plan, Stage
 from dapple_lightning.planner import Cluster, CostModel, LayerProfile, ModelProfile, estimate
-from dapple_lightning.planner._cost import chains, combine
 
 # Slow, round numbers: 100 bytes/s links, 1 GB/s all-reduce, no latency.
 SLOW = Cluster(1, 4, intra_p2p_bw=100, inter_p2p_bw=100, intra_allreduce_bw=1e9, inter_allreduce_bw=1e9,
@@ -66,15 +65,6 @@ def test_the_heavy_stage_is_the_pivot():
     assert est.pivot_name == "stage 1"
     # Warm-up reaches stage 1 (1 + 5), it runs 7 more micro-batches (70), the last drains (5 + 1).
     assert est.step_s == pytest.approx(6 + 70 + 6)
-
-
-def test_recurrence_matches_the_written_out_chains():
-    est = estimate(Plan(TWO_BY_TWO, 2), PROFILE, SLOW, 8)
-    written = max(c[0] for c in chains(est.forward_s, est.backward_s, est.allreduce_s, est.send_forward_s, [2, 1], 2))
-    assert written == est.step_s
-    tail = combine(1.5, 1.5, 1.0, 0.0, 0.0, 2, 1, None)
-    _d, z, rt, _x, fb = combine(1.0, 2.0, 1.0, 0.5, 0.5, 2, 2, tail, next_depth=1)
-    assert z == est.step_s and rt == 1.0 + 2.0 + 0.5 + 0.5 + 3.0 and fb == 3.0
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,368 @@
+"""The planner's dynamic program: a branch and bound over plans, exact for the analytic cost model.
+
+**Why a dynamic program is exact here.** The cost model's latency is ``Z_0`` of the recurrence
+in ``_recurrence``, computed from the last stage backwards. Building the pipeline from its last
+stage forwards, a partial pipeline (a suffix) enters the rest of the computation only through
+five numbers of its first stage (its :data:`~dapple_lightning.planner._recurrence.Tail`:
+``D, Z, RT, X`` and its ``F + B``), that stage's devices per server (for the transfer to the
+stage before it), the free devices per server (for placement) and its number of stages up to
+``M`` (the warm-up depth ``K_s = min(S - s, M)`` of the stages before it changes both their
+memory and their chains). Latency only grows with the five numbers, so for each state (layer,
+free devices, first stage's devices, stage count) the search keeps the partial pipelines that
+fewer than ``top`` others beat in all five. Nothing else is pruned except with bounds that are
+provably below the final latency (branch and bound against the ``top``-th best plan found so
+far). Tests compare it with enumerating every plan. With a ``beam``, each state keeps only its
+partial plans of lowest ``Z``: fast, not guaranteed optimal.
+
+A search runs per (micro-batch count, placement policy); ``_dp.plan_dapple`` decides which, in
+what order, and with which cut points.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import operator
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from dapple_lightning.planner._cost import CostModel, Placement
+from dapple_lightning.planner._placement import allocate, place
+from dapple_lightning.planner._recurrence import Link, prepend, through_link
+
+__all__: list[str] = []
+
+
+@dataclass(slots=True, eq=False)
+class _Suffix:
+    """A partial pipeline: its first stage, layers ``[start, end)`` on ``replicas`` devices, then
+    ``rest``; with its stage count (up to ``M``) and the recurrence's five numbers of it."""
+
+    stages: int
+    d: float
+    z: float
+    round_trip: float
+    x: float
+    passes: float
+    start: int
+    end: int
+    replicas: int
+    rest: _Suffix | None
+
+
+_Candidate = tuple[int, int, bool, Link | None, _Suffix | None]
+"""A suffix ready to get a stage in front of it: the new stage's warm-up depth ``K``, the stage
+count the longer suffix is kept under, whether the suffix's first stage warms up one
+micro-batch less (``K - 1``: the two ping-pong), the suffix seen through the link to the new
+stage (``None`` when the new stage is the last), and the suffix itself."""
+
+_Placed = tuple[tuple[int, ...], Placement, float]
+"""Where a new stage goes: the free devices per server after it, its devices (per server in the
+new state's server order), and the seconds per byte of its transfer to the stage after it."""
+
+
+class _Top:
+    """The ``k`` best distinct plans found so far; the ``k``-th latency bounds the search."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+        self.bound = math.inf
+        self.items: list[tuple[float, tuple[Any, ...], Any]] = []
+        self.seen: dict[tuple[Any, ...], tuple[float, Any]] = {}
+        """Every plan offered, kept or not (valid plans, so bounds for a later search)."""
+
+    def offer(self, z: float, key: tuple[Any, ...], payload: Any) -> None:
+        self.seen.setdefault(key, (z, payload))
+        if z > self.bound or any(key == k for _, k, _ in self.items):
+            return
+        self.items.append((z, key, payload))
+        self.items.sort(key=lambda item: item[0])
+        del self.items[self.k :]
+        if len(self.items) >= self.k:
+            # A hair above the k-th latency: bounds summed in another order of float
+            # operations must not cut a plan that ties with it.
+            self.bound = self.items[-1][0] * (1 + 1e-12)
+
+
+_z = operator.attrgetter("z")
+
+
+def _insert(front: list[_Suffix], new: _Suffix, k: int, beam: int | None) -> None:
+    """Add ``new`` to ``front`` (sorted by Z) unless ``k`` kept suffixes beat it in all numbers.
+
+    With ``k = 1`` the suffixes ``new`` beats leave; with ``k > 1`` they stay (counting who
+    beats whom again costs more than carrying a few extra suffixes). With a ``beam``, only that
+    many suffixes of lowest Z stay: a heuristic, for large searches.
+    """
+    z, d, x, round_trip, passes, stages = new.z, new.d, new.x, new.round_trip, new.passes, new.stages
+    stop = bisect.bisect_right(front, z, key=_z)
+    beaten = 0
+    # Each test alone decides, so their order is only speed: the ones that fail most often first.
+    for old in front[:stop]:
+        if old.passes <= passes and old.x <= x and old.round_trip <= round_trip and old.d <= d and old.stages == stages:
+            beaten += 1
+            if beaten >= k:
+                return
+    if k == 1:
+        start = bisect.bisect_left(front, z, key=_z)
+        # The suffixes that `new` beats in all numbers leave.
+        front[start:] = [
+            old
+            for old in front[start:]
+            if not (
+                passes <= old.passes
+                and x <= old.x
+                and round_trip <= old.round_trip
+                and d <= old.d
+                and z <= old.z
+                and stages == old.stages
+            )
+        ]
+        stop = bisect.bisect_right(front, z, key=_z)
+    front.insert(stop, new)
+    if beam is not None and len(front) > beam:
+        del front[beam:]
+
+
+class _Pass:
+    """What one pass of the search (a micro-batch count, a placement policy, the cut points)
+    computes once: the stage counts it may use, where stages may begin, and lower bounds.
+
+    Lower bounds on the latency of any plan that puts layers ``[0, i)`` on ``left`` devices in
+    front of a suffix whose Z is ``z``:
+
+    - ``z + forward_per_sample[i] * samples[left] + forward_fixed[i]``: the prefix's forwards
+      of micro-batch 0 precede every chain of the suffix (``Z_0 >= sum F + Z``), and no prefix
+      stage has more than ``left`` replicas;
+    - ``prefix_work[i] / left``: some prefix stage does at least its share of the prefix's work.
+    """
+
+    def __init__(
+        self, model: CostModel, policy: str, micro_batches: int, cuts: Sequence[int] | None, replicas: Sequence[int]
+    ) -> None:
+        m = micro_batches
+        layers = model.num_layers
+        batch = model.profile.profile_batch_size
+        forward_fixed, backward_fixed, forward_var, backward_var, _, _ = model.affine_prefix_sums()
+        self.model = model
+        self.cluster = model.cluster
+        self.policy = policy
+        self.micro_batches = m
+        self.most = model.max_replicas(m)
+        self.counts = [r for r in replicas if r <= self.most]
+        self.samples = [0] + [model.samples(m, r) for r in range(1, model.cluster.world_size + 1)]
+        self.allowed = sorted(set(range(1, layers)) if cuts is None else {c for c in cuts if 0 < c < layers})
+        self.forward_fixed = forward_fixed
+        self.forward_per_sample = [x / batch for x in forward_var]
+        self.prefix_work = [
+            model.global_batch * (forward_var[i] + backward_var[i]) / batch + m * (forward_fixed[i] + backward_fixed[i])
+            for i in range(layers + 1)
+        ]
+        # Under "fresh" and "scatter", servers with equal (free devices, devices of the first
+        # stage) are interchangeable (see _placement), so a state lists its servers sorted by
+        # that pair, and placements equal up to renaming servers become one state. "append"
+        # follows server numbers and keeps them.
+        self._canonical = policy != "append"
+        self.placed: dict[tuple[tuple[int, ...], tuple[int, ...] | None, int], _Placed] = {}
+        """What :meth:`place` found, by its arguments: the search asks the same again and again."""
+
+    def place(self, free: tuple[int, ...], first: tuple[int, ...] | None, replicas: int) -> _Placed:
+        """A new stage of ``replicas`` devices taken from ``free``, in front of a first stage
+        with ``first`` devices per server (``None``: the new stage is the last)."""
+        key = (free, first, replicas)
+        placed = self.placed.get(key)
+        if placed is None:
+            cluster = self.cluster
+            left, take = allocate(free, replicas, self.policy, cluster.devices_per_node, first)
+            servers = sum(1 for c in take if c)
+            per_byte = 0.0 if first is None else cluster.transfer_coefficient(take, first)
+            if self._canonical:
+                order = sorted(range(cluster.nodes), key=lambda n: (left[n], take[n]), reverse=True)
+                left = tuple(left[n] for n in order)
+                take = tuple(take[n] for n in order)
+            placed = self.placed[key] = (left, Placement(replicas, servers, take), per_byte)
+        return placed
+
+
+_States = list[dict[tuple[int, ...], dict[tuple[tuple[int, ...], int] | None, list[_Suffix]]]]
+"""``states[j][free][(first, n)]``: fronts of suffixes ``[j, L)`` of ``n`` stages (up to M)
+that leave ``free`` devices per server and whose first stage has ``first`` devices per server."""
+
+
+class _Search:
+    """The branch and bound, run per (micro-batch count, placement policy); keeps the best plans
+    of all its runs in ``top``."""
+
+    def __init__(
+        self, model: CostModel, top: int, replicas: Sequence[int], schedule: str, beam: int | None = None
+    ) -> None:
+        self.model = model
+        self.beam = beam
+        self.top = _Top(top)
+        self.replicas = tuple(replicas)
+        self.schedule = schedule
+        self.gpipe = schedule == "gpipe"
+        self.states_expanded = 0
+        self.best_offered = math.inf
+        self.end_bound = math.inf
+        """The bound when the last run ended: that run found every plan of its own below it."""
+
+    def run(self, policy: str, micro_batches: int, cuts: Sequence[int] | None = None) -> float:
+        """Offer the best plans with ``micro_batches`` under ``policy`` to ``self.top``.
+
+        ``cuts`` restricts where stages begin (every layer when ``None``). Returns the
+        latency of the best plan this run offered (``inf`` if none).
+        """
+        self.best_offered = math.inf
+        search = _Pass(self.model, policy, micro_batches, cuts, self.replicas)
+        cluster = self.model.cluster
+        layers = self.model.num_layers
+        states: _States = [{} for _ in range(layers + 1)]
+        states[layers][(cluster.devices_per_node,) * cluster.nodes] = {None: []}  # nothing placed yet
+        for j in range(layers, 0, -1):
+            for free, fronts in states[j].items():
+                self._expand(search, states, j, free, fronts)
+            states[j].clear()
+        self.end_bound = self.top.bound
+        return self.best_offered
+
+    def _expand(
+        self,
+        search: _Pass,
+        states: _States,
+        j: int,
+        free: tuple[int, ...],
+        fronts: dict[tuple[tuple[int, ...], int] | None, list[_Suffix]],
+    ) -> None:
+        """Put every stage ``[i, j)`` the state allows in front of the suffixes of ``fronts``."""
+        left = sum(free)
+        if search.prefix_work[j] / left > self.top.bound:
+            return
+        head_start = search.forward_per_sample[j] * search.samples[left] + search.forward_fixed[j]
+        self.states_expanded += 1
+        options = [r for r in search.counts if r < left]
+        if left <= search.most:
+            options.append(left)
+        nbytes = self.model.cut_bytes(j, search.micro_batches)
+        for r in options:
+            groups = self._through_links(search, free, fronts, r, nbytes, head_start)
+            for (left_free, stage), candidates in groups.items():
+                if candidates:
+                    self._prepend_stages(search, states, j, left - r, left_free, stage, candidates)
+
+    def _through_links(
+        self,
+        search: _Pass,
+        free: tuple[int, ...],
+        fronts: dict[tuple[tuple[int, ...], int] | None, list[_Suffix]],
+        replicas: int,
+        nbytes: float,
+        head_start: float,
+    ) -> dict[tuple[tuple[int, ...], Placement], list[_Candidate]]:
+        """Each suffix seen through its link to a new stage of ``replicas`` devices, grouped by
+        where that stage goes (the state it leads to); suffixes the bound rules out are left out."""
+        m = search.micro_batches
+        gpipe = self.gpipe
+        bound = self.top.bound
+        groups: dict[tuple[tuple[int, ...], Placement], list[_Candidate]] = {}
+        for sub, front in fronts.items():
+            first = None if sub is None else sub[0]
+            left_free, stage, per_byte = search.placed.get((free, first, replicas)) or search.place(
+                free, first, replicas
+            )
+            candidates = groups.setdefault((left_free, stage), [])
+            if first is None:
+                depth = m if gpipe else 1
+                candidates.append((depth, 0 if gpipe else depth, not gpipe, None, None))
+                continue
+            send = search.cluster.message_time(nbytes, per_byte)
+            stages = -1
+            for suffix in front:  # sorted by Z: once one is out of the bound, so are the rest
+                if send + suffix.z + head_start > bound:
+                    break
+                if suffix.stages != stages:  # one count per front unless it is a beam's
+                    # The stage count matters only through K = min(S - s, M) of the stages
+                    # before, and whether the next one has K - 1: up to M.
+                    stages = suffix.stages
+                    depth = m if gpipe else min(stages + 1, m)
+                    kept = 0 if gpipe else depth
+                    pairs = not gpipe and stages == depth - 1
+                link = through_link(suffix.d, suffix.z, suffix.round_trip, suffix.x, suffix.passes, send, send, m)
+                candidates.append((depth, kept, pairs, link, suffix))
+        return groups
+
+    def _prepend_stages(
+        self,
+        search: _Pass,
+        states: _States,
+        j: int,
+        rest: int,
+        left_free: tuple[int, ...],
+        stage: Placement,
+        candidates: list[_Candidate],
+    ) -> None:
+        """Stages ``[i, j)`` on ``stage`` in front of each of ``candidates``, for each ``i`` the
+        bounds allow, leaving ``rest`` devices for the layers before ``i``: whole plans
+        (``i == 0``) are offered to ``top``, partial ones kept in the fronts of their states."""
+        model = self.model
+        top = self.top
+        m = search.micro_batches
+        gpipe = self.gpipe
+        beam = self.beam
+        cap = model.cluster.memory_bytes
+        if rest == 0:
+            starts: Iterable[int] = (0,)
+        else:
+            # Skip the cuts whose prefix alone is more work than `rest` devices can do within
+            # the bound (prefix_work only grows with i).
+            allowed = search.allowed
+            top_i = bisect.bisect_right(search.prefix_work, top.bound * rest) - 1
+            hi = min(bisect.bisect_left(allowed, j), bisect.bisect_right(allowed, top_i))
+            starts = (allowed[x] for x in range(hi - 1, -1, -1))
+        ahead_samples = search.samples[rest] if rest else 0
+        samples = search.samples[stage.replicas]
+        for i in starts:
+            forward, backward = model.passes(i, j, m, samples)
+            static = model.static_memory(i, j)
+            activation = model.activation_memory(i, j, samples)
+            if static + activation > cap:
+                break  # memory only grows as the stage takes earlier layers
+            closing = model.allreduce(i, j, stage) + model.update(i, j)
+            bound = top.bound
+            if closing + m * (forward + backward) > bound:
+                break  # and so does the stage's own chain
+            if i and search.prefix_work[i] / rest > bound:
+                continue
+            head_start = search.forward_per_sample[i] * ahead_samples + search.forward_fixed[i]
+            front: list[_Suffix] | None = None
+            front_stages = -1
+            for depth, stages, pairs, link, suffix in candidates:
+                if static + depth * activation > cap:
+                    continue
+                d, z, round_trip, x, passes = prepend(forward, backward, closing, m, depth, link, pairs, gpipe)
+                if z + head_start > bound:
+                    continue
+                new = _Suffix(stages, d, z, round_trip, x, passes, i, j, stage.replicas, suffix)
+                if i == 0:
+                    self._offer(new, search.policy, m)
+                    bound = top.bound
+                    continue
+                if front is None or front_stages != stages:
+                    # A beam keeps one front whatever the stage count.
+                    front_stages = stages
+                    sub = (stage.take, 0 if beam else stages)
+                    front = states[i].setdefault(left_free, {}).setdefault(sub, [])
+                _insert(front, new, top.k, beam)
+
+    def _offer(self, plan: _Suffix, policy: str, m: int) -> None:
+        spec: list[tuple[int, int, int]] = []
+        node: _Suffix | None = plan
+        while node is not None:
+            spec.append((node.start, node.end, node.replicas))
+            node = node.rest
+        # The policy places the same replica counts the same way up to renaming servers, so
+        # the costs are those the search computed (plan_dapple checks).
+        ranks = place(self.model.cluster, policy, [r for _, _, r in spec])
+        self.best_offered = min(self.best_offered, plan.z)
+        self.top.offer(plan.z, (m, tuple(spec), ranks), (policy, m, tuple(spec), ranks))

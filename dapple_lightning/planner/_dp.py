@@ -251,19 +251,37 @@ def plan_dapple(
     if max_cuts is not None and (isinstance(max_cuts, bool) or not isinstance(max_cuts, int) or max_cuts < 1):
         raise ValueError(f"max_cuts must be an integer >= 1 or None (every layer), got {max_cuts!r}")
 
-    # Branch and bound needs a good bound early. A first pass lets stages begin only at a few
-    # cut points spread evenly over the work; its plans are plans of the full space, so the
-    # full pass may cut anything slower than them and stays exact. The full pass visits the
-    # (micro-batches, placement) pairs best first, so that its bound is tight from the start.
-    # Beyond 16 devices the states keep a beam of partial plans unless asked to be exact.
-    runs = [(m, policy) for m in candidates for policy in placements]
     cuts = None if max_cuts is None or profile.num_layers - 1 <= max_cuts else _even_cuts(model, max_cuts)
     if exact is None:
         exact = cluster.world_size <= 16
-    beam = None if exact else _BEAM
+    runs = [(m, policy) for m in candidates for policy in placements]
+    search = _search(model, runs, cuts, counts, schedule, top, beam=None if exact else _BEAM)
+    if not search.top.items:
+        raise ValueError(_no_fit_message(model, candidates, counts, schedule, cuts))
+    return _planned(model, search, _data_parallel_step(model, candidates), schedule)
+
+
+def _search(
+    model: CostModel,
+    runs: list[tuple[int, str]],
+    cuts: Sequence[int] | None,
+    counts: Sequence[int],
+    schedule: str,
+    top: int,
+    beam: int | None,
+) -> _Search:
+    """The search over every (micro-batch count, placement policy) of ``runs``, its ``top`` best
+    plans in its ``top``.
+
+    Branch and bound needs a good bound early. A first pass lets stages begin only at a few cut
+    points spread evenly over the work; its plans are plans of the full space, so the full pass
+    may cut anything slower than them and stays exact. The full pass visits the (micro-batches,
+    placement) pairs best first, so that its bound is tight from the start.
+    """
+    runs = list(runs)
     search = _Search(model, 1, counts, schedule, beam)
     rank: dict[tuple[int, str], float] = {}
-    if len(cuts if cuts is not None else range(1, profile.num_layers)) > _COARSE:
+    if len(cuts if cuts is not None else range(1, model.num_layers)) > _COARSE:
         coarse = _even_cuts(model, _COARSE)
         if cuts is not None:
             # Stay inside the search space: the nearest allowed cut points.
@@ -275,24 +293,27 @@ def plan_dapple(
     for m, policy in runs:
         rank[(m, policy)] = min(rank.get((m, policy), math.inf), search.run(policy, m, cuts))
         done[(m, policy)] = search.end_bound
+    if top == 1 or not search.top.items:
+        return search
     # For the `top` best, search again keeping the partial plans that fewer than `top` others
     # beat. Every plan the first search met is a real plan, so the `top`-th of those bounds the
     # second search from the start; and a run is skipped when the first search found all of
     # its plans below that bound (its own bound never fell under it) and none was.
-    if top > 1 and search.top.items:
-        seen = search.top.seen
-        search = _Search(model, top, counts, schedule, beam)
-        for key, (z, payload) in seen.items():
-            search.top.offer(z, key, payload)
-        bound = search.top.bound
-        for m, policy in sorted(runs, key=lambda run: rank[run]):
-            if rank[(m, policy)] > bound and done[(m, policy)] >= bound:
-                continue
-            search.run(policy, m, cuts)
-    if not search.top.items:
-        raise ValueError(_no_fit_message(model, candidates, counts, schedule, cuts))
+    seen = search.top.seen
+    search = _Search(model, top, counts, schedule, beam)
+    for key, (z, payload) in seen.items():
+        search.top.offer(z, key, payload)
+    bound = search.top.bound
+    for m, policy in sorted(runs, key=lambda run: rank[run]):
+        if rank[(m, policy)] > bound and done[(m, policy)] >= bound:
+            continue
+        search.run(policy, m, cuts)
+    return search
 
-    dp_step = _data_parallel_step(model, candidates)
+
+def _planned(model: CostModel, search: _Search, dp_step: float | None, schedule: str) -> list[PlannedPlan]:
+    """The plans ``search`` kept, fastest first, each checked against :meth:`CostModel.estimate`
+    (they share the recurrence, so they agree to rounding) and replayed by the simulator."""
     out: list[PlannedPlan] = []
     for z, _, (policy, m, spec, ranks) in search.top.items:
         plan = _build(spec, ranks, m, schedule)

@@ -106,27 +106,8 @@ def profile_layers(
         ValueError: For no layers, ``repeats < 1``, ``warmup < 0`` or a ``small_batch`` outside
             ``[1, batch)``.
     """
-    import torch
-
     modules = list(layers)
-    if not modules:
-        raise ValueError("profile_layers needs at least one layer")
-    for index, module in enumerate(modules):
-        if not isinstance(module, torch.nn.Module):
-            raise TypeError(f"layer {index} is a {type(module).__name__}, not a torch.nn.Module")
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"warmup must be an integer >= 0, got {warmup!r}")
-    first = _tensors(sample_input)
-    if not first or first[0].dim() == 0:
-        raise ValueError("sample_input must hold a tensor with the batch in dim 0")
-    batch = first[0].shape[0]
-    device = first[0].device
-    if small_batch is not None and (isinstance(small_batch, bool) or not isinstance(small_batch, int)
-                                    or not 1 <= small_batch < batch):  # fmt: skip
-        raise ValueError(f"small_batch must be an integer in [1, {batch}), got {small_batch!r}")
-
+    batch, device = _checked(modules, sample_input, repeats, warmup, small_batch)
     # Adding into gradients costs the same at any batch: it is timed on the cheaper pass.
     timed, output_bytes, accumulate = _time_layers(
         modules, sample_input, repeats, warmup, device, accumulate=small_batch is None
@@ -145,6 +126,7 @@ def profile_layers(
         zip(modules, timed, fixed, output_bytes, accumulate)
     ):
         params = [p for p in module.parameters() if p.requires_grad]
+        update = _time_update(params, optimizer, repeats, warmup, device, in_step) if optimizer and params else 0.0
         profiles.append(
             LayerProfile(
                 name=f"{index}:{type(module).__name__}",
@@ -154,13 +136,37 @@ def profile_layers(
                 param_bytes=sum(p.numel() * p.element_size() for p in module.parameters()),
                 forward_fixed_s=fwd_fixed,
                 backward_fixed_s=bwd_fixed,
-                update_s=_time_update(params, optimizer, repeats, warmup, device, in_step)
-                if optimizer and params
-                else 0.0,
+                update_s=update,
                 accumulate_s=added,
             )
         )
     return ModelProfile(layers=tuple(profiles), profile_batch_size=int(batch), device=_device_name(device))
+
+
+def _checked(
+    modules: list[torch.nn.Module], sample_input: Any, repeats: int, warmup: int, small_batch: int | None
+) -> tuple[int, torch.device]:
+    """The batch size and device of ``sample_input``, once :func:`profile_layers`' arguments are
+    found valid."""
+    import torch
+
+    if not modules:
+        raise ValueError("profile_layers needs at least one layer")
+    for index, module in enumerate(modules):
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"layer {index} is a {type(module).__name__}, not a torch.nn.Module")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup must be an integer >= 0, got {warmup!r}")
+    first = _tensors(sample_input)
+    if not first or first[0].dim() == 0:
+        raise ValueError("sample_input must hold a tensor with the batch in dim 0")
+    batch = first[0].shape[0]
+    if small_batch is not None and (isinstance(small_batch, bool) or not isinstance(small_batch, int)
+                                    or not 1 <= small_batch < batch):  # fmt: skip
+        raise ValueError(f"small_batch must be an integer in [1, {batch}), got {small_batch!r}")
+    return batch, first[0].device
 
 
 def _time_layers(

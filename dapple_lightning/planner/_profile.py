@@ -366,7 +366,15 @@ def _parse_pipedream(text: str, name: str | None, profile_batch_size: int | None
             )
         profile_batch_size = int(match.group(1))
     where = name or "<text>"
+    nodes, edges = _read_graph(text, where)
+    order, successors = _chain_order(nodes, edges, where)
+    layers = tuple(nodes[n] for n in order)
+    cuts = _cut_bytes(order, nodes, successors)
+    return ModelProfile(layers, profile_batch_size=profile_batch_size, device=device, cut_bytes=cuts)
 
+
+def _read_graph(text: str, where: str) -> tuple[dict[str, LayerProfile], list[tuple[str, str]]]:
+    """The node lines (as layers, by node id) and the edges of a PipeDream graph."""
     nodes: dict[str, LayerProfile] = {}
     edges: list[tuple[str, str]] = []
     for number, line in enumerate(text.splitlines(), 1):
@@ -378,33 +386,46 @@ def _parse_pipedream(text: str, name: str | None, profile_batch_size: int | None
             continue
         if len(parts) < 3:
             raise ValueError(f"{where}:{number}: expected 'nodeN -- name -- metrics' or 'nodeA -- nodeB'")
-        # The name may itself contain ' -- '; the id is the first field, metrics the last.
-        node, label, metrics = parts[0], " -- ".join(parts[1:-1]), parts[-1]
-        values: dict[str, str] = {}
-        for item in re.split(r",\s*(?=\w+=)", metrics):
-            key, sep, value = item.partition("=")
-            if not sep:
-                raise ValueError(f"{where}:{number}: metric {item!r} is not key=value")
-            values[key.strip()] = value.strip()
-        missing = [k for k in _METRICS if k not in values]
-        if missing:
-            raise ValueError(f"{where}:{number}: node {node} lacks {missing}")
-        if node in nodes:
-            raise ValueError(f"{where}:{number}: node {node} is defined twice")
-        try:
-            forward_ms = float(values["forward_compute_time"])
-            backward_ms = float(values["backward_compute_time"])
-        except ValueError:
-            raise ValueError(f"{where}:{number}: compute times of {node} are not numbers") from None
-        nodes[node] = LayerProfile(
-            name=label,
-            forward_s=forward_ms / 1e3,
-            backward_s=backward_ms / 1e3,
-            activation_bytes=_size(values["activation_size"], f"{where}:{number}"),
-            param_bytes=_size(values["parameter_size"], f"{where}:{number}"),
-        )
+        layer = _read_node(parts, f"{where}:{number}")
+        if parts[0] in nodes:
+            raise ValueError(f"{where}:{number}: node {parts[0]} is defined twice")
+        nodes[parts[0]] = layer
     if not nodes:
         raise ValueError(f"{where}: no node lines found")
+    return nodes, edges
+
+
+def _read_node(parts: list[str], where: str) -> LayerProfile:
+    """One node line, split at ``' -- '``, as a layer."""
+    # The name may itself contain ' -- '; the id is the first field, metrics the last.
+    node, label, metrics = parts[0], " -- ".join(parts[1:-1]), parts[-1]
+    values: dict[str, str] = {}
+    for item in re.split(r",\s*(?=\w+=)", metrics):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"{where}: metric {item!r} is not key=value")
+        values[key.strip()] = value.strip()
+    missing = [k for k in _METRICS if k not in values]
+    if missing:
+        raise ValueError(f"{where}: node {node} lacks {missing}")
+    try:
+        forward_ms = float(values["forward_compute_time"])
+        backward_ms = float(values["backward_compute_time"])
+    except ValueError:
+        raise ValueError(f"{where}: compute times of {node} are not numbers") from None
+    return LayerProfile(
+        name=label,
+        forward_s=forward_ms / 1e3,
+        backward_s=backward_ms / 1e3,
+        activation_bytes=_size(values["activation_size"], where),
+        param_bytes=_size(values["parameter_size"], where),
+    )
+
+
+def _chain_order(
+    nodes: dict[str, LayerProfile], edges: list[tuple[str, str]], where: str
+) -> tuple[list[str], dict[str, list[str]]]:
+    """The nodes in an order every edge follows (stable by node number), and each one's consumers."""
     successors: dict[str, list[str]] = {n: [] for n in nodes}
     indegree = dict.fromkeys(nodes, 0)
     for a, b in edges:
@@ -428,7 +449,11 @@ def _parse_pipedream(text: str, name: str | None, profile_batch_size: int | None
     if len(order) != len(nodes):
         stuck = sorted((n for n in nodes if n not in set(order)), key=_node_key)
         raise ValueError(f"{where}: the graph has a cycle through {stuck[:5]}")
+    return order, successors
 
+
+def _cut_bytes(order: list[str], nodes: dict[str, LayerProfile], successors: dict[str, list[str]]) -> tuple[int, ...]:
+    """Bytes crossing each cut of the chain ``order``: every output still to be consumed past it."""
     position = {n: i for i, n in enumerate(order)}
     # A node at position p whose last consumer sits at q crosses the cuts p+1 .. q.
     delta = [0] * (len(order) + 2)
@@ -443,12 +468,7 @@ def _parse_pipedream(text: str, name: str | None, profile_batch_size: int | None
     for i in range(1, len(order)):
         running += delta[i]
         cuts[i] = running
-    return ModelProfile(
-        layers=tuple(nodes[n] for n in order),
-        profile_batch_size=profile_batch_size,
-        device=device,
-        cut_bytes=tuple(cuts),
-    )
+    return tuple(cuts)
 
 
 def load_profile(path: str | os.PathLike[str], profile_batch_size: int | None = None) -> ModelProfile:

@@ -1,8 +1,9 @@
 """Plan a model from its layer profile: ``python -m dapple_lightning.planner --help``.
 
-Examples::
+Examples (the DAPPLE paper's profiles ship in ``dapple_lightning/planner/profiles``)::
 
-    python -m dapple_lightning.planner --profile vgg-19-pbs-32.txt --cluster 2x8 --global-batch 1024
+    python -m dapple_lightning.planner --profile dapple_lightning/planner/profiles/vgg-19-pbs-32.txt \\
+        --cluster 2x8 --global-batch 1024
     python -m dapple_lightning.planner --profile profile.json --cluster 4x8 --global-batch 512 \\
         --top 3 --baselines --memory-gb 32
     python -m dapple_lightning.planner --profile bert-48-pbs-2.txt --global-batch 128 --json > plan.json

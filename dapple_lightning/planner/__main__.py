@@ -1,6 +1,6 @@
 """Plan a model from its layer profile: ``python -m dapple_lightning.planner --help``.
 
-Examples (the DAPPLE paper's profiles ship in ``dapple_lightning/planner/profiles``)::
+The DAPPLE paper's profiles ship in ``dapple_lightning/planner/profiles``. Examples::
 
     python -m dapple_lightning.planner --profile dapple_lightning/planner/profiles/vgg-19-pbs-32.txt \\
         --cluster 2x8 --global-batch 1024

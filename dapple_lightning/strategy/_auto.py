@@ -131,7 +131,7 @@ class Trials:
         """Have the optimizer step ``params`` too: a fresh one of the user's kind over every
         parameter a measured plan held on this rank, no more (a stage needs no state for the
         others). A fresh optimizer's first steps create its state and fault its pages in (see
-        planner._measure): it takes those steps here, over zero gradients, so that the plan
+        planner.SETTLE_STEPS): it takes those steps here, over zero gradients, so that the plan
         measured first does not pay for them."""
         missing = [p for p in params if id(p) not in self._covered]
         if self._make_optimizer is None or not missing:

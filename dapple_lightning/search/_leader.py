@@ -17,7 +17,8 @@ costs per trial (docs/benchmarks.md, "Search: trial launchers").
 
 Rank 0's stdout is the leader's (the channel the search reads step events from); every other
 stream goes to a file in the trial directory. ``supervisor.json`` records the ranks that failed
-(with their exit codes; the agent ended the others) and the leader's own code: 0 when every rank
+(with their exit codes; the agent ended the others), the ranks that ended without Python
+running (``vanished``: a signal, not an exception) and the leader's own code: 0 when every rank
 succeeded, ``INFEASIBLE`` (3) when the plan does not fit (``infeasible.json``), 1 otherwise.
 """
 
@@ -44,6 +45,8 @@ def _rank(spec_path: str) -> None:
     """One rank (in the agent's child): its streams to the trial directory, then the worker."""
     out = Path(json.loads(Path(spec_path).read_text())["out_dir"])
     rank = int(os.environ["RANK"])
+    alive = out / f"rank{rank}.alive"
+    alive.touch()  # removed on any end Python sees; left behind by a signal (see `lead`)
     if rank != 0:
         os.dup2(os.open(out / f"rank{rank}.out", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 1)
     os.dup2(os.open(out / f"rank{rank}.err", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 2)
@@ -57,6 +60,7 @@ def _rank(spec_path: str) -> None:
         traceback.print_exc()
         raise
     finally:
+        alive.unlink(missing_ok=True)
         sys.stdout.flush()
         sys.stderr.flush()
     if code:
@@ -99,6 +103,10 @@ def lead(spec_path: str, *, fork: bool = False) -> int:
             "killed_after_failure": [rank for rank in range(world_size) if rank not in failed],
         }
         exit_code = INFEASIBLE if (out / "infeasible.json").exists() else 1
+    # The agent reports only the first rank it sees fail. When that rank merely lost a peer, the
+    # cause may be a rank that vanished without running any Python (SIGKILL from the OOM killer):
+    # its marker file is still there. The search reads both and decides (`_trial._collect`).
+    record["vanished"] = [rank for rank in range(world_size) if (out / f"rank{rank}.alive").exists()]
     (out / "supervisor.json").write_text(json.dumps({**record, "exit_code": exit_code}))
     return exit_code
 

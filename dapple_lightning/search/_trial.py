@@ -362,7 +362,10 @@ def _collect(returncode: int, config: TrialConfig, out: Path) -> TrialResult:
     order = ([first] if first is not None else []) + [r for r in range(config.world_size) if r != first]
     errors = [(rank, text) for rank in order if (text := _read(out / f"rank{rank}.err")).strip()]
     # A rank that lost its peer reports that, not the cause: prefer a rank with an error of its own.
-    primary = [(r, t) for r, t in errors if not _secondary(t)] or errors
+    primary = [(r, t) for r, t in errors if not _secondary(t)]
+    if not primary:
+        codes, killed = _vanished_as_killed(codes, killed, sup.get("vanished") or [])
+    primary = primary or errors
     stderr = primary[0][1] if primary else _read(out / "supervisor.err")
     if returncode < 0 and not sup:
         # The leader itself was killed from outside.
@@ -374,6 +377,16 @@ def _collect(returncode: int, config: TrialConfig, out: Path) -> TrialResult:
 
 
 _SECONDARY = ("lost a peer", "Connection reset by peer", "Connection closed by peer", "Broken pipe")
+
+
+def _vanished_as_killed(codes: list, killed: list[int], vanished: list[int]) -> tuple[list, list[int]]:
+    """When no rank has an error of its own, the ranks that vanished (no Python ran at their end)
+    and that no recorded exit code explains were killed from outside, not by the agent: the agent
+    records only the first rank it sees fail, which may be a peer that lost them."""
+    if any(isinstance(c, int) and c < 0 for c in codes):
+        return codes, killed  # a signal death is on record already
+    codes = [-signal.SIGKILL if r in vanished and c is None else c for r, c in enumerate(codes)]
+    return codes, [r for r in killed if r not in vanished]
 
 
 def _secondary(stderr: str) -> bool:

@@ -168,3 +168,28 @@ def test_repeated_proposals_lead_to_an_unmeasured_plan():
     study.tell(trial, 2.0)
     assert unmeasured_plan(study, space, seed=0) is None
     assert finished_count(study) == len(plans)
+
+
+@pytest.mark.parametrize(
+    ("sup", "errors", "reason"),
+    [
+        # The agent saw the peer that lost rank 1 first; rank 1 vanished (SIGKILL): an out-of-memory.
+        ({"returncodes": [1, None], "first_failure": 0, "killed_after_failure": [1], "vanished": [1]},
+         {0: "RuntimeError: dapple: rank 0 lost a peer."}, "oom"),
+        # A rank with an error of its own is the cause, whatever vanished after it.
+        ({"returncodes": [None, 1], "first_failure": 1, "killed_after_failure": [0], "vanished": [0]},
+         {1: "ValueError: injected crash"}, "ValueError: injected crash"),
+    ],
+)  # fmt: skip
+def test_a_rank_that_vanished_behind_a_lost_peer_is_the_cause(tmp_path, sup, errors, reason):
+    import json
+
+    from dapple_lightning.search import TrialConfig
+    from dapple_lightning.search._trial import _collect
+
+    (tmp_path / "supervisor.json").write_text(json.dumps({**sup, "exit_code": 1}))
+    for rank, text in errors.items():
+        (tmp_path / f"rank{rank}.err").write_text(f"Traceback (most recent call last):\n{text}\n")
+    result = _collect(1, TrialConfig(model="dapple_lightning.search.testing:mlp", world_size=2, global_batch=8), tmp_path)
+    assert result.status == "failed"
+    assert result.reason == reason if reason == "oom" else reason in result.reason

@@ -197,3 +197,9 @@ class BarMLP(MLP):
         loss = nn.functional.mse_loss(self.layers(x), y)
         self.log("train_loss", loss, prog_bar=True)
         return loss
+
+
+class ScheduledHeadMLP(HeadMLP):
+    """Parameters outside the Sequential, AdamW with two param groups and a per-step LR schedule."""
+
+    configure_optimizers = ScheduledMLP.configure_optimizers

@@ -1,16 +1,17 @@
 """The Lightning glue: :class:`DappleStrategy`, registered with Lightning as ``"dapple"``.
 
 The strategy keeps Lightning's lifecycle and hands the work to small modules: the micro-batch
-step and its gradient set-aside (``_step``), checkpoint state in the single-device layout
-(``_checkpoint``), ``plan="auto"``'s setup (``_auto``), the process groups (``_pipelines``)
+step and its gradient set-aside (``_step``), checkpoints in the single-device layout,
+full (``_checkpoint``, streamed by ``_stream``) or sharded (``_sharded``), ``plan="auto"``'s setup (``_auto``), the process groups (``_pipelines``)
 and the spawn launcher (``_launcher``).
 """
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from dapple_lightning.strategy._sharded import consolidate_checkpoint
 from dapple_lightning.strategy._strategy import DappleStrategy
 
-__all__ = ["DappleStrategy"]
+__all__ = ["DappleStrategy", "consolidate_checkpoint"]
 
 if "dapple" not in StrategyRegistry:
     StrategyRegistry.register(

@@ -1,115 +1,415 @@
-"""Checkpoint state of a partitioned model, in the single-device layout.
+"""Checkpoints of a partitioned model, in the single-device layout.
 
 Each rank holds its stage (and the parameters outside the container); a checkpoint holds the
-whole model under the unpartitioned model's keys and the optimizer state as
-``configure_optimizers`` lays it out on one device. The stage's entries come from its first
-replica, everything outside the container from rank 0, so each value is written once.
+whole model under the unpartitioned model's keys, and the optimizer state as
+``configure_optimizers`` lays it out on one device. Every value has one *owner*, the rank that
+writes it: a stage's entries belong to the stage's first replica, everything outside the
+container to rank 0. Ownership of optimizer state is fixed when the optimizers are built, so
+it still holds after ``fit`` has put the whole model back on every rank.
+
+Rank 0 builds the checkpoint dict as Lightning asks for it, with meta-device *stand-ins* for
+values other ranks own. Saving fills them in without a full copy anywhere:
+
+* ``"full"``: rank 0 writes one ``torch.save`` file record by record; the owners send their
+  tensors to it one at a time (:mod:`._stream`).
+* ``"sharded"``: every owner writes its own values into a torch.distributed.checkpoint
+  directory (:mod:`._sharded`).
+
+Both write under a temporary name and rename, so a crash leaves the previous checkpoint
+whole; with ``async_save`` the writing runs in a background thread on a process group of its
+own after the values are copied (the only time training waits).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+import shutil
+import threading
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
-from lightning.fabric.plugins import CheckpointIO
-from torch import nn
+from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
+from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from dapple_lightning.checkpoint import by_name, to_local, to_single_device
 from dapple_lightning.plan import Plan
-from dapple_lightning.strategy._step import to_cpu
+from dapple_lightning.strategy import _sharded
+from dapple_lightning.strategy._stream import StreamingFile, write_atomically
 from dapple_lightning.surgery import Cut
 
-__all__ = ["Consolidated", "gather_on_zero", "optimizer_names", "write_atomically"]
+__all__ = ["Checkpoints", "gather_on_zero", "optimizer_names", "write_atomically"]
+
+Path_ = tuple[Any, ...]
+"""Where a value lives: ``("model", key)`` or ``("optim", index, param_name, state_key)``."""
 
 
-class Consolidated:
-    """The single-device checkpoint state of ``module``, cut by ``cut`` under ``plan`` (collective).
+class Checkpoints:
+    """Checkpoint state and files of one rank's part of the model (methods are collective)."""
 
-    Args:
-        full_state_keys: the unpartitioned model's state-dict keys, in order.
-        full_optimizer_names: parameter names of each param group of each optimizer, as on one
-            device (see :func:`optimizer_names`).
-    """
+    def __init__(self, state_dict_type: str, async_save: bool, timeout: Any) -> None:
+        if state_dict_type not in ("full", "sharded"):
+            raise ValueError(f"state_dict_type must be 'full' or 'sharded', got {state_dict_type!r}")
+        self.state_dict_type, self.async_save, self.timeout = state_dict_type, async_save, timeout
+        self.module: nn.Module | None = None
+        self.cut: Cut | None = None
+        self.rank, self.device = 0, torch.device("cpu")
+        self.full_state_keys: list[str] = []
+        self.full_optimizer_names: list[list[list[str]]] = []
+        self.optimizers: list[Optimizer] = []
+        self._owner: dict[str, int] = {}  # state keys inside the container -> owner rank
+        self._everywhere = True  # every rank holds every layer
+        self._owned_optimizer_state: set[str] = set()  # parameter names
+        self._stand_ins: dict[int, tuple[Tensor, int, Path_]] = {}
+        self._group: Any = None
+        self._pending: _Background | None = None
 
-    def __init__(
-        self,
-        module: nn.Module,
-        cut: Cut,
-        plan: Plan,
-        rank: int,
-        full_state_keys: list[str],
-        full_optimizer_names: list[list[list[str]]],
-    ) -> None:
-        self.module, self.cut, self.plan, self.rank = module, cut, plan, rank
-        self.full_state_keys = full_state_keys
-        self.full_optimizer_names = full_optimizer_names
+    # ------------------------------------------------------------------ who owns what
 
-    def owned(self) -> set[int]:
+    def attach(self, module: nn.Module, cut: Cut, plan: Plan, rank: int, device: torch.device, keys: list[str]) -> None:
+        """Take the module as cut for ``rank`` (collective when saving asynchronously)."""
+        self.module, self.cut, self.rank, self.device, self.full_state_keys = module, cut, rank, device, keys
+        named = list(cut.container.named_children())
+        self._everywhere = plan.num_stages == 1
+        self._owner = {}
+        for s, stage in enumerate(plan.stages):
+            first = plan.stage_ranks(s)[0]
+            for child, layer in named[stage.start : stage.end]:
+                for key in layer.state_dict():
+                    self._owner[f"{cut.prefix}{child}.{key}"] = first
+        if self.async_save and self._group is None and _distributed():
+            # Background writes talk on their own group, so they never interleave with training's.
+            self._group = dist.new_group(backend="gloo", timeout=self.timeout)
+
+    def owner(self, key: str) -> int:
+        return self._owner.get(key, 0)
+
+    def set_optimizers(self, optimizers: list[Optimizer], full_names: list[list[list[str]]]) -> None:
+        """The optimizers ``fit`` built on this rank, and their layout on one device."""
+        assert self.module is not None
+        self.optimizers, self.full_optimizer_names = optimizers, full_names
+        names = {n for o in optimizers for group in self._names(o) for n in group}
+        self._owned_optimizer_state = {n for n in names if self.owner(n) == self.rank}
+
+    def owns_gradient(self) -> set[int]:
         """Parameters this rank speaks for when something must count each parameter once."""
-        local = {id(p) for p in self.cut.stage.parameters()}
-        owned = local if self.plan.replica_of(self.rank) == 0 else set()
-        if self.rank == 0:
-            owned = owned | {id(p) for p in self.module.parameters() if id(p) not in local}
-        return owned
+        assert self.module is not None
+        return {id(p) for n, p in self.module.named_parameters() if n in self._owned_optimizer_state}
 
-    def state_dict(self) -> dict[str, Any] | None:
-        """The full model's state dict on rank 0 (``None`` elsewhere)."""
-        prefix = self.cut.prefix
-        first_replica = self.plan.replica_of(self.rank) == 0
-        mine = {
-            key: to_cpu(value)
-            for key, value in self.module.state_dict().items()
-            if (first_replica if key.startswith(prefix) else self.rank == 0)
+    def whole_container(self) -> dict[str, Tensor]:
+        """The container's state (keys relative to it) on every rank, each entry broadcast by its owner."""
+        assert self.cut is not None
+        local = self.cut.stage.state_dict()
+        if self._everywhere:
+            return {k: local[k] for k in self.cut.container.state_dict()}
+        whole = {}
+        for key, meta in self.cut.container.state_dict().items():
+            src = self.owner(self.cut.prefix + key)
+            if src == self.rank:
+                tensor = local[key].contiguous()
+            else:
+                tensor = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
+            dist.broadcast(tensor, src)
+            whole[key] = tensor
+        return whole
+
+    def detach(self) -> None:
+        """The container is whole again: every rank has every weight; optimizer ownership stays."""
+        self.cut = None
+
+    # ------------------------------------------------------------ the checkpoint dict
+
+    def model_state(self) -> dict[str, Any]:
+        """The full state dict on rank 0, with stand-ins for other ranks' entries; the local one elsewhere."""
+        assert self.module is not None
+        self._stand_ins = {}
+        local = self.module.state_dict()
+        if self.rank != 0 or self.cut is None or not _distributed():
+            return local
+        elsewhere = {f"{self.cut.prefix}{k}": v for k, v in self.cut.container.state_dict().items()}
+        return {
+            key: local[key] if key in local else self._stand_in(elsewhere[key], self.owner(key), ("model", key))
+            for key in self.full_state_keys
         }
-        gathered = gather_on_zero(mine)
-        if gathered is None:
-            return None
-        merged = {k: v for part in gathered for k, v in part.items()}
-        order = {k: i for i, k in enumerate(self.full_state_keys)}
-        return dict(sorted(merged.items(), key=lambda kv: order.get(kv[0], len(order))))
 
-    def optimizer_state(self, optimizer: Optimizer, index: int) -> dict[str, Any] | None:
-        """Optimizer ``index``'s state in the single-device layout on rank 0 (``None`` elsewhere)."""
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The single-device ``state_dict`` of ``optimizer`` on rank 0, with stand-ins; the local one elsewhere."""
         local = optimizer.state_dict()
-        owned = self.owned()
-        owned_names = {n for n, p in self.module.named_parameters() if id(p) in owned}
-        mine = {
-            name: to_cpu(value)
-            for name, value in by_name(local, self._local_names(optimizer)).items()
-            if name in owned_names
-        }
-        gathered = gather_on_zero(mine)
-        if gathered is None:
-            return None
-        states = {k: v for part in gathered for k, v in part.items()}
+        if not _distributed() or dist.get_world_size() == 1:
+            return local
+        index = next(i for i, o in enumerate(self.optimizers) if o is optimizer)
+        mine = {n: s for n, s in by_name(local, self._names(optimizer)).items() if n in self._owned_optimizer_state}
+        described = gather_on_zero({n: {k: _describe(v) for k, v in s.items()} for n, s in mine.items()})
+        if described is None:
+            return local
+        states = dict(mine)
+        for owner, part in enumerate(described):
+            if owner == 0:
+                continue
+            for name, entries in part.items():
+                states[name] = {
+                    k: self._stand_in(torch.empty(v[0], dtype=v[1], device="meta"), owner, ("optim", index, name, k))
+                    if isinstance(v, tuple) and len(v) == 3 and v[2] == _SHAPE
+                    else v
+                    for k, v in entries.items()
+                }
         return to_single_device(states, local["param_groups"], self.full_optimizer_names[index])
 
-    def local_optimizer_state(self, optimizer: Optimizer, index: int, single: Mapping[str, Any]) -> dict[str, Any]:
-        """This rank's share of a single-device optimizer state, for ``optimizer.load_state_dict``."""
-        return to_local(single, self.full_optimizer_names[index], self._local_names(optimizer))
+    def _stand_in(self, meta: Tensor, owner: int, path: Path_) -> Tensor:
+        self._stand_ins[id(meta)] = (meta, owner, path)
+        return meta
 
-    def _local_names(self, optimizer: Optimizer) -> list[list[str]]:
+    def _names(self, optimizer: Optimizer) -> list[list[str]]:
+        assert self.module is not None
         name_of = {id(p): n for n, p in self.module.named_parameters()}
         return [[name_of[id(p)] for p in group["params"]] for group in optimizer.param_groups]
 
+    # ----------------------------------------------------------------------- saving
 
-def write_atomically(
-    checkpoint_io: CheckpointIO, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None
-) -> None:
-    """Write to a temporary file, then rename: a crash mid-write keeps the old file intact."""
-    path = Path(filepath)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        checkpoint_io.save_checkpoint(checkpoint, tmp, storage_options=storage_options)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    def save(self, checkpoint: dict[str, Any], path: Any, storage_options: Any, checkpoint_io: CheckpointIO) -> None:
+        """Write ``checkpoint`` (rank 0's dict is the one written; collective)."""
+        self.wait()
+        if self.rank == 0 and "://" not in str(path):
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        requests = self._requests(checkpoint)
+        if self.state_dict_type == "sharded":
+            self._save_sharded(checkpoint, Path(path), requests)
+        elif _streams(checkpoint_io, path, storage_options):
+            self._save_streaming(checkpoint, Path(path), requests)
+        else:
+            full = self._materialize(checkpoint, requests)
+            if self.rank == 0:
+                _save_with(checkpoint_io, full, path, storage_options)
+
+    def _requests(self, checkpoint: dict[str, Any]) -> dict[int, list[Path_]]:
+        """Rank 0's stand-ins still in ``checkpoint`` (callbacks may have dropped some), by owner; on every rank."""
+        requests: dict[int, list[Path_]] = {}
+        if self.rank == 0:
+            for tensor in _tensors(checkpoint):
+                if id(tensor) in self._stand_ins:
+                    _, owner, path = self._stand_ins[id(tensor)]
+                    requests.setdefault(owner, []).append(path)
+        if not _distributed() or dist.get_world_size() == 1:
+            return requests
+        box = [requests]
+        dist.broadcast_object_list(box, 0)
+        return box[0]
+
+    def _lookup(self, paths: list[Path_], copy: bool) -> list[Tensor]:
+        """This rank's live tensors at ``paths`` (copied to CPU when the write runs in the background)."""
+        assert self.module is not None
+        model = self.module.state_dict()
+        params = dict(self.module.named_parameters())
+        out = []
+        for path in paths:
+            tensor = model[path[1]] if path[0] == "model" else self.optimizers[path[1]].state[params[path[2]]][path[3]]
+            out.append(tensor.detach().to("cpu", copy=True) if copy else tensor.detach().contiguous())
+        return out
+
+    def _save_streaming(self, checkpoint: dict[str, Any], path: Path, requests: dict[int, list[Path_]]) -> None:
+        mine = self._lookup(requests.get(self.rank, []), copy=self.async_save) if self.rank != 0 else []
+        stand_ins = dict(self._stand_ins)
+        if self.rank == 0 and self.async_save:
+            checkpoint = _copy_to_cpu(checkpoint, keep=stand_ins)
+        group = self._group if self.async_save else None
+        device = torch.device("cpu") if self.async_save else self.device
+
+        def write() -> None:
+            if self.rank != 0:
+                for tensor in mine:
+                    dist.send(tensor, 0, group=group)
+                return
+            tmp = _temporary(path)
+            file = StreamingFile(tmp)
+            try:
+                records = {}
+                for owner in sorted(requests):
+                    for wanted in requests[owner]:
+                        meta = next(t for t, o, p in stand_ins.values() if o == owner and p == wanted)
+                        received = torch.empty(meta.shape, dtype=meta.dtype, device=device)
+                        dist.recv(received, owner, group=group)
+                        records[id(meta)] = file.add(received)
+                file.finish(checkpoint, records)
+                os.replace(tmp, path)
+            finally:
+                file.abort()
+                tmp.unlink(missing_ok=True)
+
+        self._run(write)
+
+    def _save_sharded(self, checkpoint: dict[str, Any], path: Path, requests: dict[int, list[Path_]]) -> None:
+        tmp = _temporary(path)
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # what a killed save left behind
+        paths = requests.get(self.rank, [])
+        values = dict(zip(map(_sharded.key, paths), self._lookup(paths, copy=self.async_save)))
+        if self.rank == 0:
+            values.update(_sharded.rank_zero_values(checkpoint, self._stand_ins, self.full_optimizer_names))
+            if self.async_save:
+                values = _copy_to_cpu(values, keep={})
+        if _distributed():
+            dist.barrier()
+        group = self._group if self.async_save else None
+
+        def write() -> None:
+            _sharded.save(values, tmp, group)
+            if self.rank == 0:
+                _replace_directory(tmp, path)
+
+        self._run(write)
+
+    def _materialize(self, checkpoint: dict[str, Any], requests: dict[int, list[Path_]]) -> dict[str, Any] | None:
+        """``checkpoint`` with every stand-in replaced by its tensor, on rank 0 (a full copy; for other IO plugins)."""
+        if self.rank != 0:
+            for tensor in self._lookup(requests.get(self.rank, []), copy=False):
+                dist.send(tensor, 0)
+            return None
+        filled: dict[int, Tensor] = {}
+        for owner in sorted(requests):
+            for wanted in requests[owner]:
+                meta = next(t for t, o, p in self._stand_ins.values() if o == owner and p == wanted)
+                filled[id(meta)] = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
+                dist.recv(filled[id(meta)], owner)
+        return _replace_tensors(checkpoint, lambda t: filled.get(id(t), t).cpu())
+
+    def _run(self, write: Any) -> None:
+        if self.async_save:
+            self._pending = _Background(write)
+        else:
+            write()
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is written; raise its error."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    # ---------------------------------------------------------------------- loading
+
+    def load(self, path: Any, checkpoint_io: CheckpointIO, weights_only: bool | None) -> dict[str, Any]:
+        """The checkpoint at ``path``; from a sharded directory only what this rank holds."""
+        self.wait()
+        path = _sharded.existing(Path(path)) if "://" not in str(path) else path
+        if isinstance(path, Path) and path.is_dir():
+            assert self.module is not None
+            return _sharded.load(path, set(self.module.state_dict()), [self._names(o) for o in self.optimizers])
+        if type(checkpoint_io) is TorchCheckpointIO and isinstance(path, Path):
+            # Memory-mapped: each rank reads only the records of the tensors it keeps.
+            return torch.load(path, map_location="cpu", mmap=True, weights_only=bool(weights_only))
+        return checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+
+    def load_model(self, checkpoint: Mapping[str, Any], strict: bool) -> None:
+        """Load this rank's entries of the checkpoint's full state dict."""
+        assert self.module is not None
+        state = checkpoint["state_dict"]
+        saved = checkpoint.get(_sharded.STATE_KEYS, list(state))
+        if strict:
+            missing = [k for k in self.full_state_keys if k not in set(saved)]
+            unexpected = [k for k in saved if k not in set(self.full_state_keys)]
+            if missing or unexpected:
+                raise RuntimeError(
+                    f"Error(s) in loading state_dict: missing keys {missing}, unexpected keys {unexpected}"
+                )
+        local = self.module.state_dict()
+        self.module.load_state_dict({k: v for k, v in state.items() if k in local}, strict=False)
+
+    def load_optimizers(self, checkpoint: Mapping[str, Any]) -> None:
+        for index, (optimizer, single) in enumerate(zip(self.optimizers, checkpoint["optimizer_states"])):
+            optimizer.load_state_dict(to_local(single, self.full_optimizer_names[index], self._names(optimizer)))
+
+    def remove(self, path: Any, checkpoint_io: CheckpointIO) -> None:
+        self.wait()
+        if self.rank == 0:
+            checkpoint_io.remove_checkpoint(path)
+
+
+_SHAPE = "dapple:tensor"
+
+
+def _describe(value: Any) -> Any:
+    return (tuple(value.shape), value.dtype, _SHAPE) if isinstance(value, Tensor) else value
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _streams(checkpoint_io: CheckpointIO, path: Any, storage_options: Any) -> bool:
+    """Whether the file can be streamed: Lightning's own IO (plain or wrapped async) to a local path."""
+    inner = checkpoint_io.checkpoint_io if isinstance(checkpoint_io, AsyncCheckpointIO) else checkpoint_io
+    return type(inner) is TorchCheckpointIO and storage_options is None and "://" not in str(path)
+
+
+def _save_with(checkpoint_io: CheckpointIO, checkpoint: Any, path: Any, storage_options: Any) -> None:
+    if "://" in str(path):
+        checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
+    else:
+        write_atomically(checkpoint_io, checkpoint, path, storage_options)
+
+
+def _tensors(obj: Any) -> Iterator[Tensor]:
+    if isinstance(obj, Tensor):
+        yield obj
+    elif isinstance(obj, Mapping):
+        for value in obj.values():
+            yield from _tensors(value)
+    elif isinstance(obj, list | tuple):
+        for value in obj:
+            yield from _tensors(value)
+
+
+def _replace_tensors(obj: Any, fn: Any) -> Any:
+    if isinstance(obj, Tensor):
+        return fn(obj)
+    if isinstance(obj, Mapping):
+        items = {k: _replace_tensors(v, fn) for k, v in obj.items()}
+        return type(obj)(items) if isinstance(obj, dict) and type(obj) is not dict else items
+    if isinstance(obj, list | tuple) and not hasattr(obj, "_fields"):
+        return type(obj)(_replace_tensors(v, fn) for v in obj)
+    return obj
+
+
+def _copy_to_cpu(obj: Any, keep: Mapping[int, Any]) -> Any:
+    """A snapshot the background writer can read while training changes the live tensors."""
+    return _replace_tensors(obj, lambda t: t if id(t) in keep else t.detach().to("cpu", copy=True))
+
+
+def _temporary(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp")
+
+
+def _replace_directory(new: Path, path: Path) -> None:
+    """Put directory ``new`` at ``path``; the old one moves aside first, so one of them is always whole."""
+    old = path.with_name(f".{path.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if path.exists():
+        os.replace(path, old)
+    os.replace(new, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+class _Background:
+    """One write running in a daemon thread (a dead peer must not keep the process from exiting)."""
+
+    def __init__(self, fn: Any) -> None:
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._target, args=(fn,), name="dapple-checkpoint", daemon=True)
+        self._thread.start()
+
+    def _target(self, fn: Any) -> None:
+        try:
+            fn()
+        except BaseException as error:  # handed to the thread that waits
+            self._error = error
+
+    def result(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise RuntimeError(f"dapple: the asynchronous checkpoint save failed: {self._error!r}") from self._error
 
 
 def gather_on_zero(obj: Any) -> list[Any] | None:

@@ -1,4 +1,5 @@
-"""The process groups a plan needs, created once and shared by every pipeline built on them."""
+"""The process groups a plan needs, created once and shared by every pipeline built on them;
+and the start every rank shares (rank 0's weights)."""
 
 from __future__ import annotations
 
@@ -6,12 +7,13 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from lightning.fabric.utilities.distributed import _distributed_is_initialized
+from torch import Tensor, nn
 
 from dapple_lightning.plan import Plan
 from dapple_lightning.runtime import Pipeline, StageModule, Timeline, p2p_groups, stage_group
 
-__all__ = ["Pipelines"]
+__all__ = ["Pipelines", "broadcast_module"]
 
 
 class Pipelines:
@@ -45,3 +47,22 @@ class Pipelines:
             track_memory=track_memory,
             p2p_groups=self._p2p if plan.num_stages > 1 else (None, None),
         )
+
+
+@torch.no_grad()
+def broadcast_module(module: nn.Module) -> None:
+    """Give every rank rank 0's parameters and buffers."""
+    if not _distributed_is_initialized() or dist.get_world_size() == 1:
+        return
+    tensors = [t for t in module.state_dict(keep_vars=True).values() if isinstance(t, Tensor)]
+    by_dtype: dict[torch.dtype, list[Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for same in by_dtype.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in same])
+        dist.broadcast(flat, 0)
+        offset = 0
+        for t in same:
+            n = t.numel()
+            t.data.copy_(flat[offset : offset + n].view_as(t))
+            offset += n

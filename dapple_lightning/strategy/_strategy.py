@@ -32,7 +32,7 @@ from lightning.fabric.utilities.distributed import (
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
 )
-from lightning.fabric.utilities.optimizer import _optimizer_to_device, _optimizers_to_device
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import Trainer
 from lightning.pytorch.plugins.precision import Precision
@@ -50,9 +50,9 @@ from typing_extensions import override
 from dapple_lightning.plan import Plan
 from dapple_lightning.runtime import Pipeline, StepStats, Timeline, write_chrome_trace
 from dapple_lightning.strategy._auto import AutoSetting, choose_automatically, draw_global_batch
-from dapple_lightning.strategy._checkpoint import Consolidated, gather_on_zero, optimizer_names, write_atomically
-from dapple_lightning.strategy._launcher import SpawnLauncher
-from dapple_lightning.strategy._pipelines import Pipelines
+from dapple_lightning.strategy._checkpoint import Checkpoints, gather_on_zero, optimizer_names
+from dapple_lightning.strategy._launcher import STATE_LEFT_IN_SPAWNED_RANKS, SpawnLauncher
+from dapple_lightning.strategy._pipelines import Pipelines, broadcast_module
 from dapple_lightning.strategy._step import MicroBatches
 from dapple_lightning.surgery import Cut, find_sequential
 
@@ -81,6 +81,12 @@ class DappleStrategy(ParallelStrategy):
             receives and all-reduces to this path when training ends.
         track_memory: count the activation bytes autograd keeps alive per micro-batch; the
             last step's peak is in ``strategy.step_stats.peak_live_bytes``.
+        state_dict_type: ``"full"`` writes one single-device checkpoint file, streamed by rank
+            0 one tensor at a time; ``"sharded"`` writes a torch.distributed.checkpoint
+            directory in which each stage's first replica writes its own state (resumable
+            under any plan; ``python -m dapple_lightning.strategy.consolidate`` makes the file).
+        async_save: write checkpoints in the background; training waits only while the
+            values are copied, and the next save waits for the previous one.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend: as for Lightning's ``DDPStrategy``.
     """
@@ -96,6 +102,8 @@ class DappleStrategy(ParallelStrategy):
         start_method: Literal["popen", "spawn"] = "popen",
         trace: str | None = None,
         track_memory: bool = False,
+        state_dict_type: Literal["full", "sharded"] = "full",
+        async_save: bool = False,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -133,9 +141,10 @@ class DappleStrategy(ParallelStrategy):
         self._cut: Cut | None = None
         self._pipeline: Pipeline | None = None
         self._steps: MicroBatches | None = None
-        self._checkpoint: Consolidated | None = None
+        self._checkpoints = Checkpoints(state_dict_type, async_save, timeout)
         self._full_state_keys: list[str] = []
-        self._full_optimizer_names: list[list[list[str]]] = []
+        self._spawned_ranks_kept_state = False
+        self._leaves_at_exit = False
         self._failed = False
         self._shuffle_seed = 0
 
@@ -190,15 +199,23 @@ class DappleStrategy(ParallelStrategy):
         self._process_group_backend = backend
         assert self.cluster_environment is not None
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
-        # Without an explicit destroy, gloo's threads are torn down at interpreter exit and the
-        # process aborts ("terminate called without an active exception").
-        atexit.register(_destroy_dist_connection)
+        if not self._leaves_at_exit:
+            atexit.register(self._leave)
+            self._leaves_at_exit = True
         if dist.get_world_size() != self.world_size:
             raise RuntimeError(
                 f"the process group has {dist.get_world_size()} ranks but this Trainer expects {self.world_size}; a "
                 "process group left over from an earlier run in this process (e.g. a Hydra multirun with "
                 "start_method='popen') cannot be reused for another size: use DappleStrategy(start_method='spawn')"
             )
+
+    def _leave(self) -> None:
+        """At exit, finish a save still in flight, then leave the process group (without an explicit
+        destroy, gloo's threads die at exit: "terminate called without an active exception")."""
+        try:
+            self._checkpoints.wait()
+        finally:
+            _destroy_dist_connection()
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -236,11 +253,10 @@ class DappleStrategy(ParallelStrategy):
         module = self.lightning_module
         name, sequential = self._validate()
         self.precision_plugin.convert_module(module)
-        _broadcast_module(module)  # same initial weights on every rank, as DDP does
+        broadcast_module(module)  # same initial weights on every rank, as DDP does
         self._full_state_keys = list(module.state_dict().keys())
         fitting = trainer.state.fn == TrainerFn.FITTING
-        if fitting:
-            self._full_optimizer_names = optimizer_names(module)
+        full_optimizer_names = optimizer_names(module) if fitting else []
         pipelines = Pipelines(module, self.global_rank, self.root_device, self._timeout)
         self._steps = MicroBatches(module, self.root_device)
         self.plan = self._resolve_plan(trainer, name, sequential, pipelines)
@@ -249,9 +265,7 @@ class DappleStrategy(ParallelStrategy):
         self.model_to_device()
         timeline = Timeline(rank, self.plan.stage_of(rank), enabled=self._trace_path is not None)
         self._pipeline = pipelines.build(self.plan, self._cut.stage, timeline, track_memory=self._track_memory)
-        self._checkpoint = Consolidated(
-            module, self._cut, self.plan, rank, self._full_state_keys, self._full_optimizer_names
-        )
+        self._checkpoints.attach(module, self._cut, self.plan, rank, self.root_device, self._full_state_keys)
         seed = torch.tensor([torch.initial_seed() % 2**62], dtype=torch.int64)
         dist.broadcast(seed, 0)
         self._shuffle_seed = int(seed)
@@ -259,6 +273,7 @@ class DappleStrategy(ParallelStrategy):
             rank_zero_info(f"dapple plan:\n{self.plan.table()}")
         if fitting:
             self.setup_optimizers(trainer)
+            self._checkpoints.set_optimizers(self.optimizers, full_optimizer_names)
         self.setup_precision_plugin()
         # Lightning clips with the norm of this rank's gradients; the norm must span all stages.
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
@@ -287,9 +302,8 @@ class DappleStrategy(ParallelStrategy):
         return chosen.plan
 
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
-        assert self._checkpoint is not None
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        owned = self._checkpoint.owned()
+        owned = self._checkpoints.owns_gradient()
         square = torch.zeros((), dtype=torch.float64, device=self.root_device)
         for g in optimizer.param_groups:
             for p in g["params"]:
@@ -391,40 +405,50 @@ class DappleStrategy(ParallelStrategy):
     # ------------------------------------------------------------------------ checkpoints
 
     @property
-    def _partitioned(self) -> bool:
-        return self._cut is not None and self._checkpoint is not None and _distributed_is_initialized()
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # After the cut, each rank loads only what it holds (a sharded checkpoint reads only that).
+        return True
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The full model's state dict, keys as in the unpartitioned model (collective; complete on rank 0)."""
-        if not self._partitioned:
-            return self.lightning_module.state_dict()
-        assert self._checkpoint is not None
-        full = self._checkpoint.state_dict()
-        return full if full is not None else self.lightning_module.state_dict()
+        """The unpartitioned state dict (collective); on rank 0, meta stand-ins for other ranks' entries,
+        which :meth:`save_checkpoint` fills in as it writes."""
+        attached = self._checkpoints.module is not None
+        return self._checkpoints.model_state() if attached else self.lightning_module.state_dict()
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """The optimizer's state in the single-device layout (collective; complete on rank 0)."""
-        if not self._partitioned:
-            return optimizer.state_dict()
-        assert self._checkpoint is not None
-        index = next(i for i, o in enumerate(self.optimizers) if o is optimizer)
-        full = self._checkpoint.optimizer_state(optimizer, index)
-        return full if full is not None else optimizer.state_dict()
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        assert self._checkpoint is not None
-        for index, (optimizer, state) in enumerate(zip(self.optimizers, checkpoint["optimizer_states"])):
-            optimizer.load_state_dict(self._checkpoint.local_optimizer_state(optimizer, index, state))
-            _optimizer_to_device(optimizer, self.root_device)
+        """The optimizer's state in the single-device layout (collective; stand-ins as above)."""
+        known = bool(self._checkpoints.optimizers)
+        return self._checkpoints.optimizer_state(optimizer) if known else optimizer.state_dict()
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Write on rank 0 to a temporary file, then rename: a crash mid-write keeps the old file intact."""
-        if self.is_global_zero:
-            write_atomically(self.checkpoint_io, checkpoint, filepath, storage_options)
+        """Write a file (or a sharded directory) under a temporary name, then rename (collective)."""
+        if self._spawned_ranks_kept_state:
+            raise RuntimeError(STATE_LEFT_IN_SPAWNED_RANKS)
+        self._checkpoints.save(checkpoint, filepath, storage_options, self.checkpoint_io)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        return self._checkpoints.load(checkpoint_path, self.checkpoint_io, weights_only)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if self._checkpoints.module is None:
+            super().load_model_state_dict(checkpoint, strict)
+        else:
+            self._checkpoints.load_model(checkpoint, strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        self._checkpoints.load_optimizers(checkpoint)
+        _optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        self._checkpoints.remove(filepath, self.checkpoint_io)
 
     # -------------------------------------------------------------------------- the end
 
@@ -452,20 +476,14 @@ class DappleStrategy(ParallelStrategy):
                 self._steps.shared.wait()
         if self._pipeline is not None:
             self._pipeline.close()
-        if self._partitioned and not self._failed:
-            self._restore_container()
+        if not self._failed:
+            self._checkpoints.wait()
+            if self._cut is not None and _distributed_is_initialized():
+                # The whole container back on every rank, with the trained weights of every stage.
+                self._cut.restore(self._checkpoints.whole_container(), self.root_device)
+                self._cut = None
+                self._checkpoints.detach()
         super().teardown()
-
-    def _restore_container(self) -> None:
-        """Put the whole container back on every rank, with the trained weights of every stage."""
-        assert self._cut is not None
-        full = self.lightning_module_state_dict()  # collective: complete on rank 0
-        box = [full if self.global_rank == 0 else None]
-        dist.broadcast_object_list(box, 0)
-        prefix = self._cut.prefix
-        self._cut.restore({k[len(prefix) :]: v for k, v in box[0].items() if k.startswith(prefix)}, self.root_device)
-        self._cut = None
-        self._checkpoint = None
 
     def _write_trace(self) -> None:
         assert self._pipeline is not None
@@ -473,25 +491,6 @@ class DappleStrategy(ParallelStrategy):
         if gathered is not None:
             path = write_chrome_trace([e for part in gathered for e in part], self._trace_path)
             rank_zero_info(f"dapple: wrote Chrome trace to {path}")
-
-
-@torch.no_grad()
-def _broadcast_module(module: nn.Module) -> None:
-    """Give every rank rank 0's parameters and buffers."""
-    if not _distributed_is_initialized() or dist.get_world_size() == 1:
-        return
-    tensors = [t for t in module.state_dict(keep_vars=True).values() if isinstance(t, Tensor)]
-    by_dtype: dict[torch.dtype, list[Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    for same in by_dtype.values():
-        flat = torch.cat([t.detach().reshape(-1) for t in same])
-        dist.broadcast(flat, 0)
-        offset = 0
-        for t in same:
-            n = t.numel()
-            t.data.copy_(flat[offset : offset + n].view_as(t))
-            offset += n
 
 
 def _is_auto(plan: Any) -> bool:

@@ -190,6 +190,8 @@ def test_a_rank_that_vanished_behind_a_lost_peer_is_the_cause(tmp_path, sup, err
     (tmp_path / "supervisor.json").write_text(json.dumps({**sup, "exit_code": 1}))
     for rank, text in errors.items():
         (tmp_path / f"rank{rank}.err").write_text(f"Traceback (most recent call last):\n{text}\n")
-    result = _collect(1, TrialConfig(model="dapple_lightning.search.testing:mlp", world_size=2, global_batch=8), tmp_path)
+    result = _collect(
+        1, TrialConfig(model="dapple_lightning.search.testing:mlp", world_size=2, global_batch=8), tmp_path
+    )
     assert result.status == "failed"
     assert result.reason == reason if reason == "oom" else reason in result.reason

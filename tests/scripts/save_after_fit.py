@@ -1,0 +1,36 @@
+"""Fits a tests/models.py module with dapple, launched plainly, then saves as a user would: after fit returns.
+
+Usage: python save_after_fit.py OUT_DIR MODEL_NAME PLAN_JSON [DappleStrategy kwargs as JSON]
+
+Writes OUT_DIR/after_fit.ckpt, then runs ``trainer.validate`` and writes OUT_DIR/after_validate.ckpt.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lightning.pytorch import Trainer
+
+import models
+from dapple_lightning import DappleStrategy, Plan
+
+out, model_name, plan = Path(sys.argv[1]), sys.argv[2], Plan.coerce(json.loads(sys.argv[3]))
+extra = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
+model = getattr(models, model_name)()
+trainer = Trainer(
+    accelerator="cpu",
+    devices=plan.world_size,
+    strategy=DappleStrategy(plan, **extra),
+    max_steps=4,
+    logger=False,
+    enable_progress_bar=False,
+    enable_checkpointing=False,
+    enable_model_summary=False,
+    limit_val_batches=2,
+)
+trainer.fit(model, train_dataloaders=models.loader())
+trainer.save_checkpoint(out / "after_fit.ckpt")
+trainer.validate(model, models.loader(), verbose=False)
+trainer.save_checkpoint(out / "after_validate.ckpt")

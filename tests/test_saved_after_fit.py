@@ -1,0 +1,158 @@
+"""Checkpoints saved as users save them: ``trainer.save_checkpoint`` after ``fit`` returns.
+
+The run is launched plainly (Lightning re-launches the script per rank), so the ranks are still
+alive after ``fit`` and the plan's optimizer state is spread over them. The reference is
+single-device Lightning saving after its own ``fit`` and resuming from that file.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+
+from dapple_lightning import Plan
+from dapple_lightning.strategy import consolidate_checkpoint
+
+import models
+from harness import assert_close_tree, assert_same, fit
+
+SCRIPT = Path(__file__).parent / "scripts" / "save_after_fit.py"
+MODEL = models.ScheduledHeadMLP
+
+
+def plan(*stages, micro_batches=3) -> Plan:
+    return Plan(stages=[{"layers": list(layers), "replicas": r} for layers, r in stages], micro_batches=micro_batches)
+
+
+PLAN_2_1 = plan(((0, 4), 2), ((4, 7), 1))
+PLAN_1_1 = plan(((0, 3), 1), ((3, 7), 1), micro_batches=2)
+PLAN_1_2 = plan(((0, 3), 1), ((3, 7), 2), micro_batches=2)
+PLAN_1_1_1 = plan(((0, 2), 1), ((2, 5), 1), ((5, 7), 1), micro_batches=4)
+
+
+def save_after_fit(out: Path, plan: Plan, **strategy_kwargs) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, str(SCRIPT), str(out), MODEL.__name__, json.dumps(plan.to_dict())]
+    proc = subprocess.run([*command, json.dumps(strategy_kwargs)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    """Single-device Lightning: 4 steps, save after fit, resume from that file to 8 steps."""
+    root = tmp_path_factory.mktemp("single")
+    model = MODEL()
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=4,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, models.loader())
+    trainer.save_checkpoint(root / "single.ckpt")
+    resumed = fit(MODEL, root / "resumed", max_steps=8, ckpt_path=str(root / "single.ckpt"))
+    return torch.load(root / "single.ckpt", weights_only=False), resumed
+
+
+@pytest.fixture(scope="module")
+def full(tmp_path_factory):
+    return save_after_fit(tmp_path_factory.mktemp("full"), PLAN_2_1)
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    return save_after_fit(tmp_path_factory.mktemp("sharded"), PLAN_2_1, state_dict_type="sharded")
+
+
+def _assert_single_device_file(path: Path, want: dict) -> None:
+    got = torch.load(path, weights_only=False)
+    assert list(got["state_dict"]) == list(want["state_dict"])
+    assert_close_tree(got["state_dict"], want["state_dict"])
+    num_params = len(list(MODEL().parameters()))
+    for optimizer in got["optimizer_states"]:
+        assert len(optimizer["state"]) == num_params, "a parameter has no optimizer state in the file"
+    assert_close_tree(got["optimizer_states"], want["optimizer_states"])
+    assert_close_tree(got["lr_schedulers"], want["lr_schedulers"])
+    assert_close_tree(got["loops"], want["loops"])
+    assert got["global_step"] == want["global_step"] == 4
+
+
+def test_the_file_saved_after_fit_is_complete(single, full):
+    _assert_single_device_file(full / "after_fit.ckpt", single[0])
+
+
+def test_validate_after_fit_keeps_the_optimizer_state(single, full):
+    want = torch.load(full / "after_fit.ckpt", weights_only=False)
+    got = torch.load(full / "after_validate.ckpt", weights_only=False)
+    assert_close_tree(got["optimizer_states"], want["optimizer_states"])
+    assert_close_tree(got["state_dict"], want["state_dict"])
+
+
+@pytest.mark.parametrize("under", [PLAN_1_1, None], ids=["1:1 on 2 ranks", "one device, plain Lightning"])
+def test_resuming_the_file_gives_single_device_losses(single, full, under, tmp_path):
+    got = fit(MODEL, tmp_path, plan=under, max_steps=8, ckpt_path=str(full / "after_fit.ckpt"))
+    assert_same(got, single[1])
+
+
+def test_a_sharded_checkpoint_is_a_directory_each_owner_wrote(sharded):
+    directory = sharded / "after_fit.ckpt"
+    assert directory.is_dir() and (directory / ".metadata").is_file()
+    written = sorted(p.name for p in directory.glob("*.distcp") if p.stat().st_size > 0)
+    assert written == ["__0_0.distcp", "__2_0.distcp"], written  # stage 0's first replica and stage 1's only one
+
+
+@pytest.mark.parametrize("under", [PLAN_1_2, PLAN_1_1_1], ids=["1:2", "1:1:1"])
+def test_resuming_a_sharded_checkpoint_under_another_plan(single, sharded, under, tmp_path):
+    got = fit(MODEL, tmp_path, plan=under, max_steps=8, ckpt_path=str(sharded / "after_fit.ckpt"))
+    assert_same(got, single[1])
+
+
+def test_a_consolidated_sharded_checkpoint_is_the_single_device_file(single, sharded, tmp_path):
+    path = consolidate_checkpoint(sharded / "after_fit.ckpt", tmp_path / "one.ckpt")
+    _assert_single_device_file(path, single[0])
+    model = MODEL.load_from_checkpoint(path, map_location="cpu")
+    assert_close_tree(dict(model.state_dict()), dict(single[0]["state_dict"]))
+    assert_same(fit(MODEL, tmp_path / "resumed", max_steps=8, ckpt_path=str(path)), single[1])
+
+
+def test_the_consolidation_command(sharded, tmp_path):
+    out = tmp_path / "one.ckpt"
+    command = [
+        sys.executable,
+        "-m",
+        "dapple_lightning.strategy.consolidate",
+        str(sharded / "after_validate.ckpt"),
+        str(out),
+    ]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert torch.load(out, weights_only=False)["global_step"] == 4
+
+
+def test_saving_in_the_main_process_after_a_spawned_fit_is_refused(tmp_path):
+    from dapple_lightning import DappleStrategy
+
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=DappleStrategy(PLAN_1_1, start_method="spawn"),
+        max_steps=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(MODEL(), models.loader())
+    with pytest.raises(RuntimeError, match="stayed in the spawned ranks"):
+        trainer.save_checkpoint(tmp_path / "x.ckpt")
+    assert not (tmp_path / "x.ckpt").exists()

@@ -63,6 +63,18 @@ def fit(
     return read_metrics(Path(tmp_path) / "run" / "version_0" / "metrics.csv"), model.state_dict()
 
 
+def quiet_trainer(**kwargs: Any) -> Trainer:
+    """A CPU Trainer without logger, progress bar, checkpointing or model summary; ``kwargs`` override."""
+    options = {
+        "accelerator": "cpu",
+        "logger": False,
+        "enable_progress_bar": False,
+        "enable_checkpointing": False,
+        "enable_model_summary": False,
+    }
+    return Trainer(**{**options, **kwargs})
+
+
 def read_metrics(path: Path) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {}
     with path.open() as f:

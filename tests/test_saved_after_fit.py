@@ -14,13 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightning.pytorch import Trainer
 
 from dapple_lightning import Plan
 from dapple_lightning.strategy import consolidate_checkpoint
 
 import models
-from harness import assert_close_tree, assert_same, fit
+from harness import assert_close_tree, assert_same, fit, quiet_trainer
 
 SCRIPT = Path(__file__).parent / "scripts" / "save_after_fit.py"
 MODEL = models.ScheduledHeadMLP
@@ -49,15 +48,7 @@ def single(tmp_path_factory):
     """Single-device Lightning: 4 steps, save after fit, resume from that file to 8 steps."""
     root = tmp_path_factory.mktemp("single")
     model = MODEL()
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=4,
-        logger=False,
-        enable_progress_bar=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(devices=1, max_steps=4)
     trainer.fit(model, models.loader())
     trainer.save_checkpoint(root / "single.ckpt")
     resumed = fit(MODEL, root / "resumed", max_steps=8, ckpt_path=str(root / "single.ckpt"))
@@ -104,11 +95,19 @@ def test_resuming_the_file_gives_single_device_losses(single, full, under, tmp_p
     assert_same(got, single[1])
 
 
-def test_a_sharded_checkpoint_is_a_directory_each_owner_wrote(sharded):
+def test_each_owner_writes_its_own_part_of_a_sharded_checkpoint(sharded):
+    import torch.distributed.checkpoint as dcp
+
     directory = sharded / "after_fit.ckpt"
-    assert directory.is_dir() and (directory / ".metadata").is_file()
-    written = sorted(p.name for p in directory.glob("*.distcp") if p.stat().st_size > 0)
-    assert written == ["__0_0.distcp", "__2_0.distcp"], written  # stage 0's first replica and stage 1's only one
+    metadata = dcp.FileSystemReader(directory).read_metadata()
+    files = {index.fqn: info.relative_path for index, info in metadata.storage_data.items()}
+    # Stage 0 (layers 0-3, ranks 0 and 1) is written by rank 0, stage 1 (layers 4-6) by rank 2, even
+    # after fit has put every weight back on rank 0; rank 0 also writes what is outside the container.
+    for key, file in files.items():
+        want = "__2_0.distcp" if key.startswith(("model/layers.5.", "optim/0/layers.5.")) else "__0_0.distcp"
+        assert file == want, (key, file)
+    assert "model/layers.5.weight" in files and "optim/0/layers.5.weight/exp_avg" in files
+    assert "model/head.weight" in files and "model/layers.1.weight" in files
 
 
 @pytest.mark.parametrize("under", [PLAN_1_2, PLAN_1_1_1], ids=["1:2", "1:1:1"])
@@ -142,16 +141,7 @@ def test_the_consolidation_command(sharded, tmp_path):
 def test_saving_in_the_main_process_after_a_spawned_fit_is_refused(tmp_path):
     from dapple_lightning import DappleStrategy
 
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=DappleStrategy(PLAN_1_1, start_method="spawn"),
-        max_steps=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(devices=2, strategy=DappleStrategy(PLAN_1_1, start_method="spawn"), max_steps=1)
     trainer.fit(MODEL(), models.loader())
     with pytest.raises(RuntimeError, match="stayed in the spawned ranks"):
         trainer.save_checkpoint(tmp_path / "x.ckpt")

@@ -124,17 +124,28 @@ class Checkpoints:
     # ------------------------------------------------------------ the checkpoint dict
 
     def model_state(self) -> dict[str, Any]:
-        """The full state dict on rank 0, with stand-ins for other ranks' entries; the local one elsewhere."""
+        """The full state dict on rank 0, with stand-ins for other ranks' entries; the local one elsewhere.
+
+        Sharded, every entry rank 0 does not own is a stand-in, even one it holds (after ``fit``):
+        each owner writes its own.
+        """
         assert self.module is not None
         self._stand_ins = {}
         local = self.module.state_dict()
-        if self.rank != 0 or self.cut is None or not _distributed():
+        sharded = self.state_dict_type == "sharded"
+        if self.rank != 0 or not _distributed() or (self.cut is None and not sharded):
             return local
-        elsewhere = {f"{self.cut.prefix}{k}": v for k, v in self.cut.container.state_dict().items()}
-        return {
-            key: local[key] if key in local else self._stand_in(elsewhere[key], self.owner(key), ("model", key))
-            for key in self.full_state_keys
-        }
+        elsewhere = {} if self.cut is None else self.cut.container.state_dict()
+        prefix = "" if self.cut is None else self.cut.prefix
+
+        def entry(key: str) -> Tensor:
+            owner = self.owner(key)
+            if key in local and (owner == 0 or not sharded):
+                return local[key]
+            like = local[key] if key in local else elsewhere[key[len(prefix) :]]
+            return self._stand_in(torch.empty_like(like, device="meta"), owner, ("model", key))
+
+        return {key: entry(key) for key in self.full_state_keys}
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """The single-device ``state_dict`` of ``optimizer`` on rank 0, with stand-ins; the local one elsewhere."""

@@ -11,24 +11,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning.pytorch import Trainer
-
 import models
+from harness import quiet_trainer
 from dapple_lightning import DappleStrategy, Plan
 
 out, model_name, plan = Path(sys.argv[1]), sys.argv[2], Plan.coerce(json.loads(sys.argv[3]))
 extra = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
 model = getattr(models, model_name)()
-trainer = Trainer(
-    accelerator="cpu",
-    devices=plan.world_size,
-    strategy=DappleStrategy(plan, **extra),
-    max_steps=4,
-    logger=False,
-    enable_progress_bar=False,
-    enable_checkpointing=False,
-    enable_model_summary=False,
-    limit_val_batches=2,
+trainer = quiet_trainer(
+    devices=plan.world_size, strategy=DappleStrategy(plan, **extra), max_steps=4, limit_val_batches=2
 )
 trainer.fit(model, train_dataloaders=models.loader())
 trainer.save_checkpoint(out / "after_fit.ckpt")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning.pytorch import Callback
 
 from dapple_lightning import Plan
 from dapple_lightning.strategy import consolidate_checkpoint
@@ -35,9 +36,10 @@ PLAN_1_2 = plan(((0, 3), 1), ((3, 7), 2), micro_batches=2)
 PLAN_1_1_1 = plan(((0, 2), 1), ((2, 5), 1), ((5, 7), 1), micro_batches=4)
 
 
-def save_after_fit(out: Path, plan: Plan, **strategy_kwargs) -> Path:
+def save_after_fit(out: Path, plan: Plan, url: bool = False, **strategy_kwargs) -> Path:
     out.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, str(SCRIPT), str(out), MODEL.__name__, json.dumps(plan.to_dict())]
+    target = f"file://{out}" if url else str(out)
+    command = [sys.executable, str(SCRIPT), target, MODEL.__name__, json.dumps(plan.to_dict())]
     proc = subprocess.run([*command, json.dumps(strategy_kwargs)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
@@ -146,3 +148,29 @@ def test_saving_in_the_main_process_after_a_spawned_fit_is_refused(tmp_path):
     with pytest.raises(RuntimeError, match="stayed in the spawned ranks"):
         trainer.save_checkpoint(tmp_path / "x.ckpt")
     assert not (tmp_path / "x.ckpt").exists()
+
+
+def test_a_checkpoint_to_a_url_round_trips(single, tmp_path):
+    """fsspec URLs go through Lightning's checkpoint IO, on every rank, unmangled."""
+    save_after_fit(tmp_path / "saved", PLAN_2_1, url=True)
+    url = f"file://{tmp_path}/saved/after_fit.ckpt"
+    assert_same(fit(MODEL, tmp_path / "resumed", plan=PLAN_1_1, max_steps=8, ckpt_path=url), single[1])
+
+
+def test_a_checkpoint_to_memory_round_trips(tmp_path):
+    script = Path(__file__).parent / "scripts" / "remote_checkpoint.py"
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["written"]
+    torch.testing.assert_close(torch.tensor(result["dapple"]), torch.tensor(result["single"]), rtol=1e-5, atol=1e-7)
+
+
+class SaveToURL(Callback):
+    def on_train_end(self, trainer, pl_module):
+        trainer.save_checkpoint("memory://bucket/x.ckpt")
+
+
+def test_a_sharded_checkpoint_to_a_url_is_refused(tmp_path):
+    with pytest.raises(Exception, match="writes a directory on a local or mounted shared filesystem"):
+        fit(MODEL, tmp_path, plan=PLAN_1_1, callbacks=(SaveToURL(),), strategy_kwargs={"state_dict_type": "sharded"})

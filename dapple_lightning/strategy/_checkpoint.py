@@ -184,7 +184,12 @@ class Checkpoints:
     def save(self, checkpoint: dict[str, Any], path: Any, storage_options: Any, checkpoint_io: CheckpointIO) -> None:
         """Write ``checkpoint`` (rank 0's dict is the one written; collective)."""
         self.wait()
-        if self.rank == 0 and "://" not in str(path):
+        if self.state_dict_type == "sharded" and _is_url(path):
+            raise ValueError(
+                f"state_dict_type='sharded' writes a directory on a local or mounted shared filesystem, not to a URL "
+                f"({_without_credentials(path)}): save with state_dict_type='full', or mount the storage"
+            )
+        if self.rank == 0 and not _is_url(path):
             Path(path).parent.mkdir(parents=True, exist_ok=True)
         requests = self._requests(checkpoint)
         if self.state_dict_type == "sharded":
@@ -304,7 +309,7 @@ class Checkpoints:
     def load(self, path: Any, checkpoint_io: CheckpointIO, weights_only: bool | None) -> dict[str, Any]:
         """The checkpoint at ``path``; from a sharded directory only what this rank holds."""
         self.wait()
-        path = _sharded.existing(Path(path)) if "://" not in str(path) else path
+        path = path if _is_url(path) else _sharded.existing(Path(path))
         if isinstance(path, Path) and path.is_dir():
             assert self.module is not None
             return _sharded.load(path, set(self.module.state_dict()), [self._names(o) for o in self.optimizers])
@@ -349,14 +354,26 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def _is_url(path: Any) -> bool:
+    return "://" in str(path)
+
+
+def _without_credentials(path: Any) -> str:
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(str(path))
+    return str(path).replace(parts.password, "***") if parts.password else str(path)
+
+
 def _streams(checkpoint_io: CheckpointIO, path: Any, storage_options: Any) -> bool:
     """Whether the file can be streamed: Lightning's own IO (plain or wrapped async) to a local path."""
     inner = checkpoint_io.checkpoint_io if isinstance(checkpoint_io, AsyncCheckpointIO) else checkpoint_io
-    return type(inner) is TorchCheckpointIO and storage_options is None and "://" not in str(path)
+    return type(inner) is TorchCheckpointIO and storage_options is None and not _is_url(path)
 
 
 def _save_with(checkpoint_io: CheckpointIO, checkpoint: Any, path: Any, storage_options: Any) -> None:
-    if "://" in str(path):
+    if _is_url(path):
+        # fsspec paths (s3://, memory://, file://) go to the plugin as they are: Path() would mangle them.
         checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
     else:
         write_atomically(checkpoint_io, checkpoint, path, storage_options)

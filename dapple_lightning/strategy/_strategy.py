@@ -50,17 +50,17 @@ from typing_extensions import override
 from dapple_lightning.plan import Plan
 from dapple_lightning.runtime import Pipeline, StepStats, Timeline, write_chrome_trace
 from dapple_lightning.strategy._auto import AutoSetting, choose_automatically, draw_global_batch
+from dapple_lightning.strategy._batch import SameBatch
 from dapple_lightning.strategy._checkpoint import Checkpoints, gather_on_zero, optimizer_names
 from dapple_lightning.strategy._launcher import STATE_LEFT_IN_SPAWNED_RANKS, SpawnLauncher
 from dapple_lightning.strategy._pipelines import Pipelines, broadcast_module
+from dapple_lightning.strategy._refusals import check_before_start
 from dapple_lightning.strategy._step import MicroBatches
-from dapple_lightning.surgery import Cut, find_sequential
+from dapple_lightning.surgery import Cut
 
 __all__ = ["DappleStrategy"]
 
 PlanLike = Plan | Mapping[str, Any] | str | Any
-
-SUPPORTED_PRECISION = frozenset({"32-true", "32", "64-true", "64", "bf16-mixed", "bf16-true", "16-true"})
 
 
 class DappleStrategy(ParallelStrategy):
@@ -142,6 +142,7 @@ class DappleStrategy(ParallelStrategy):
         self._pipeline: Pipeline | None = None
         self._steps: MicroBatches | None = None
         self._checkpoints = Checkpoints(state_dict_type, async_save, timeout)
+        self._same_batch = SameBatch()
         self._full_state_keys: list[str] = []
         self._spawned_ranks_kept_state = False
         self._leaves_at_exit = False
@@ -228,23 +229,10 @@ class DappleStrategy(ParallelStrategy):
 
     def _validate(self) -> tuple[str, nn.Sequential]:
         """Check the module and an explicit plan; raises before any process group exists."""
-        module = self.lightning_module
-        if not module.automatic_optimization:
-            raise ValueError(
-                "dapple supports automatic optimization only: the pipeline schedule runs each micro-batch's "
-                "backward itself. Remove `self.automatic_optimization = False` or use strategy='ddp'"
-            )
         precision = str(getattr(self.precision_plugin, "precision", "32-true"))
-        if precision not in SUPPORTED_PRECISION:
-            raise ValueError(
-                f"precision={precision!r} is not supported by dapple (supported: {sorted(SUPPORTED_PRECISION)}); "
-                "16-mixed needs a gradient scaler inside the pipeline's backward, which dapple does not run yet: "
-                "use precision='bf16-mixed'"
-            )
-        name, sequential = find_sequential(module, self._sequential_name)
-        if isinstance(self._plan_spec, Plan):
-            self._plan_spec.check(num_layers=len(sequential), world_size=self.world_size)
-        return name, sequential
+        return check_before_start(
+            self.lightning_module, precision, self._sequential_name, self._plan_spec, self.world_size
+        )
 
     @override
     def setup(self, trainer: Trainer) -> None:
@@ -341,6 +329,7 @@ class DappleStrategy(ParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
         assert self._steps is not None and self._pipeline is not None
+        args = (self._same_batch(args[0], self.root_device), *args[1:]) if args else args
         return self._steps.train(self._pipeline, args, kwargs, self.precision_plugin.train_step_context)
 
     @override
@@ -371,6 +360,7 @@ class DappleStrategy(ParallelStrategy):
 
     def _evaluate(self, hook: str, args: tuple, kwargs: dict, context: Callable) -> Any:
         assert self._steps is not None and self._pipeline is not None
+        args = (self._same_batch(args[0], self.root_device), *args[1:]) if args else args
         return self._steps.evaluate(self._pipeline, hook, args, kwargs, context)
 
     # --------------------------------------------------------------------- collectives

@@ -1,0 +1,101 @@
+"""Every rank trains on the same batch: rank 0's.
+
+Each rank loads the whole global batch (stage 0 takes the inputs from it, the last stage the
+labels, every rank the side inputs its step derives). Loading is deterministic in most
+pipelines, but not all: a ``collate_fn`` that masks tokens at random (Hugging Face's
+``DataCollatorForLanguageModeling``), random augmentation in the dataset, workers seeded per
+process. Then inputs and labels would silently stop belonging together.
+
+So every step the ranks compare a fingerprint of their batch (a few numbers, one small
+all-gather). Where any rank's differs from rank 0's, rank 0's batch is broadcast and used
+everywhere, and the user is told once; with deterministic loading nothing more is paid.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
+
+__all__ = ["SameBatch"]
+
+_PERIOD = 8191  # position weights (1 to 8191): a reordering of rows changes the weighted sum
+
+
+class SameBatch:
+    """Makes every rank's batch rank 0's (collective, once per step)."""
+
+    def __init__(self) -> None:
+        self.broadcasts = 0
+        """Steps whose batch had to come from rank 0."""
+
+    def __call__(self, batch: Any, device: torch.device) -> Any:
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return batch
+        mine = fingerprint(batch, device)
+        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(everyone, mine)
+        if all(torch.equal(other, everyone[0]) for other in everyone[1:]):
+            return batch
+        if self.broadcasts == 0:
+            rank_zero_warn(
+                "dapple: the ranks loaded different batches (a collate_fn, dataset or worker that draws random "
+                "numbers in each process?). Every rank now trains on rank 0's batch, sent to the others in each "
+                "step where they differ; seed the randomness identically on every rank to avoid the transfer."
+            )
+        self.broadcasts += 1
+        box = [move_data_to_device(batch, "cpu") if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(box, 0)
+        return move_data_to_device(box[0], device)
+
+
+def fingerprint(batch: Any, device: torch.device) -> Tensor:
+    """Four integers that differ, but for a vanishing chance, between batches that differ in any
+    value, order, shape or structure. Computed on the values' bits with wrapping integer sums, so
+    it does not depend on the order of a parallel reduction."""
+    digest = torch.zeros(4, dtype=torch.int64, device=device)
+    for index, leaf in enumerate(_leaves(batch), start=1):
+        if isinstance(leaf, Tensor):
+            bits = _bits(leaf.detach().to(device))
+            weights = torch.arange(bits.numel(), device=device, dtype=torch.int64).remainder_(_PERIOD).add_(1)
+            shape = _hash((str(leaf.dtype), tuple(leaf.shape)))
+            part = torch.stack([bits.sum(), bits.mul(weights).sum(), torch.tensor(shape, device=device)])
+        else:
+            part = torch.tensor([0, 0, _hash(leaf)], dtype=torch.int64, device=device)
+        digest[:3] += part * index
+        digest[3] += index
+    return digest
+
+
+def _bits(tensor: Tensor) -> Tensor:
+    """The tensor's values as integers of the same width, widened to int64."""
+    flat = tensor.contiguous().reshape(-1)
+    if flat.is_complex():
+        flat = torch.view_as_real(flat).reshape(-1)
+    as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
+    return flat.view(as_int).to(torch.int64)
+
+
+def _leaves(obj: Any) -> list[Any]:
+    if isinstance(obj, Tensor):
+        return [obj]
+    if isinstance(obj, Mapping):
+        return [*obj.keys(), *(leaf for v in obj.values() for leaf in _leaves(v))]
+    if isinstance(obj, list | tuple):
+        return [len(obj), *(leaf for v in obj for leaf in _leaves(v))]
+    return [obj]
+
+
+def _hash(obj: Any) -> int:
+    try:
+        data = pickle.dumps(obj)
+    except Exception:  # an unpicklable leaf: its text
+        data = repr(obj).encode()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=7).digest(), "little")

@@ -1,0 +1,35 @@
+"""What the strategy refuses before any process group exists, each with the fix in its message."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from dapple_lightning.plan import Plan
+from dapple_lightning.surgery import find_sequential
+
+__all__ = ["SUPPORTED_PRECISION", "check_before_start"]
+
+SUPPORTED_PRECISION = frozenset({"32-true", "32", "64-true", "64", "bf16-mixed", "bf16-true", "16-true"})
+
+
+def check_before_start(
+    module: Any, precision: str, sequential_name: str | None, plan: Plan | str, world_size: int
+) -> tuple[str, nn.Sequential]:
+    """The container to pipeline (its path and itself), once the module and an explicit plan pass."""
+    if not module.automatic_optimization:
+        raise ValueError(
+            "dapple supports automatic optimization only: the pipeline schedule runs each micro-batch's "
+            "backward itself. Remove `self.automatic_optimization = False` or use strategy='ddp'"
+        )
+    if precision not in SUPPORTED_PRECISION:
+        raise ValueError(
+            f"precision={precision!r} is not supported by dapple (supported: {sorted(SUPPORTED_PRECISION)}); "
+            "16-mixed needs a gradient scaler inside the pipeline's backward, which dapple does not run yet: "
+            "use precision='bf16-mixed'"
+        )
+    name, sequential = find_sequential(module, sequential_name)
+    if isinstance(plan, Plan):
+        plan.check(num_layers=len(sequential), world_size=world_size)
+    return name, sequential

@@ -103,6 +103,16 @@ class Cut:
         """The state-dict key prefix of the container's entries."""
         return f"{self.path}."
 
+    @contextmanager
+    def whole(self) -> Iterator[None]:
+        """Within the block the module holds its container again (other stages' layers on the meta
+        device): code that indexes it (``self.layers[i]``) or names parameters sees what one device sees."""
+        set_submodule(self.module, self.path, self.container)
+        try:
+            yield
+        finally:
+            set_submodule(self.module, self.path, self.stage)
+
     def restore(self, weights: Mapping[str, Tensor], device: torch.device) -> None:
         """Put the whole container back, its state from ``weights`` (keys relative to the container)."""
         local = set(self.stage.children())

@@ -42,7 +42,7 @@ from dapple_lightning.strategy import _sharded
 from dapple_lightning.strategy._stream import StreamingFile, write_atomically
 from dapple_lightning.surgery import Cut
 
-__all__ = ["Checkpoints", "gather_on_zero", "optimizer_names", "write_atomically"]
+__all__ = ["Checkpoints", "gather_on_zero", "group_names", "keep_local", "write_atomically"]
 
 Path_ = tuple[Any, ...]
 """Where a value lives: ``("model", key)`` or ``("optim", index, param_name, state_key)``."""
@@ -448,14 +448,19 @@ def gather_on_zero(obj: Any) -> list[Any] | None:
     return gathered
 
 
-def optimizer_names(module: Any) -> list[list[list[str]]]:
-    """Parameter names of each param group of each optimizer, as ``configure_optimizers`` builds them on one device.
-
-    Runs ``configure_optimizers`` once on the whole model (before partitioning) and throws the
-    optimizers away: only their layout is needed, so checkpoints can store it.
-    """
-    from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
-
-    optimizers, _ = _init_optimizers_and_lr_schedulers(module)
+def group_names(module: nn.Module, optimizers: list[Optimizer]) -> list[list[list[str]]]:
+    """Parameter names of each param group of each optimizer."""
     name_of = {id(p): n for n, p in module.named_parameters()}
     return [[[name_of[id(p)] for p in group["params"]] for group in o.param_groups] for o in optimizers]
+
+
+def keep_local(optimizers: list[Optimizer], module: nn.Module) -> None:
+    """Drop from every param group the parameters ``module`` does not hold (other stages', on meta).
+
+    ``configure_optimizers`` ran on the whole model, so groups built from the model's own indices
+    or names hold the layers they hold on one device; a group may end up empty on this rank.
+    """
+    local = {id(p) for p in module.parameters()}
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            group["params"] = [p for p in group["params"] if id(p) in local]

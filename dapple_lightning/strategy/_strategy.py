@@ -51,7 +51,7 @@ from dapple_lightning.plan import Plan
 from dapple_lightning.runtime import Pipeline, StepStats, Timeline, write_chrome_trace
 from dapple_lightning.strategy._auto import AutoSetting, choose_automatically, draw_global_batch
 from dapple_lightning.strategy._batch import SameBatch
-from dapple_lightning.strategy._checkpoint import Checkpoints, gather_on_zero, optimizer_names
+from dapple_lightning.strategy._checkpoint import Checkpoints, gather_on_zero, group_names, keep_local
 from dapple_lightning.strategy._launcher import STATE_LEFT_IN_SPAWNED_RANKS, SpawnLauncher
 from dapple_lightning.strategy._pipelines import Pipelines, broadcast_module
 from dapple_lightning.strategy._refusals import check_before_start
@@ -244,7 +244,6 @@ class DappleStrategy(ParallelStrategy):
         broadcast_module(module)  # same initial weights on every rank, as DDP does
         self._full_state_keys = list(module.state_dict().keys())
         fitting = trainer.state.fn == TrainerFn.FITTING
-        full_optimizer_names = optimizer_names(module) if fitting else []
         pipelines = Pipelines(module, self.global_rank, self.root_device, self._timeout)
         self._steps = MicroBatches(module, self.root_device)
         self.plan = self._resolve_plan(trainer, name, sequential, pipelines)
@@ -260,8 +259,11 @@ class DappleStrategy(ParallelStrategy):
         if self.auto_plan is None:
             rank_zero_info(f"dapple plan:\n{self.plan.table()}")
         if fitting:
-            self.setup_optimizers(trainer)
-            self._checkpoints.set_optimizers(self.optimizers, full_optimizer_names)
+            with self._cut.whole():  # configure_optimizers sees the model as one device has it
+                self.setup_optimizers(trainer)
+                full_names = group_names(module, self.optimizers)
+            keep_local(self.optimizers, module)
+            self._checkpoints.set_optimizers(self.optimizers, full_names)
         self.setup_precision_plugin()
         # Lightning clips with the norm of this rank's gradients; the norm must span all stages.
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]

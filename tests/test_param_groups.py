@@ -8,6 +8,7 @@ the parameters they hold on one device; frozen layers and fully frozen stages tr
 from __future__ import annotations
 
 import torch
+from lightning.pytorch.callbacks import BaseFinetuning
 
 from dapple_lightning import Plan
 
@@ -29,7 +30,12 @@ class LayerwiseLR(models.MLP):
         return torch.optim.SGD(groups, lr=0.1, momentum=0.9)
 
 
-class FrozenTail(models.MLP):
+class TrainsWhatIsTrainable(models.MLP):
+    def configure_optimizers(self):
+        return torch.optim.SGD(filter(lambda p: p.requires_grad, self.parameters()), lr=0.1, momentum=0.9)
+
+
+class FrozenTail(TrainsWhatIsTrainable):
     """The last layers are frozen: under 2:1 the second stage has nothing to train."""
 
     def __init__(self) -> None:
@@ -37,8 +43,23 @@ class FrozenTail(models.MLP):
         for layer in self.layers[4:]:
             layer.requires_grad_(False)
 
-    def configure_optimizers(self):
-        return torch.optim.SGD(filter(lambda p: p.requires_grad, self.parameters()), lr=0.1, momentum=0.9)
+
+class UnfreezeAtEpoch1(BaseFinetuning):
+    """Freezes the first four layers (stage 0 of the 2:1 plan), then unfreezes them with a param group of their own."""
+
+    def freeze_before_training(self, pl_module):
+        self.freeze(pl_module.layers[:4])
+
+    def finetune_function(self, pl_module, current_epoch, optimizer):
+        if current_epoch == 1:
+            self.unfreeze_and_add_param_group(pl_module.layers[:4], optimizer, lr=0.05)
+
+
+def test_base_finetuning_unfreezing_at_epoch_1_matches_one_device(tmp_path):
+    def run(out, **kwargs):
+        return fit(TrainsWhatIsTrainable, out, max_steps=8, callbacks=(UnfreezeAtEpoch1(),), **kwargs)
+
+    assert_same(run(tmp_path / "dapple", plan=PLAN_2_1), run(tmp_path / "single"))
 
 
 def test_layerwise_learning_rates_by_index_match_one_device(tmp_path):

@@ -130,15 +130,11 @@ class Pipeline:
         self.links = {"F": Link(device, p2p_groups[0]), "B": Link(device, p2p_groups[1])}
         # Gradients are summed while the step's last backward still runs: the stage's over its
         # replicas, the parameters outside the Sequential over every rank.
+        self.shared_params = list(shared_params)
         self.reducers: list[GradientReducer] = []
         self.stage_reducer: GradientReducer | None = None
-        if stage_group is not None:
-            self.stage_reducer = GradientReducer(module.parameters(), stage_group, device=device)
-            self.reducers.append(self.stage_reducer)
-        self.shared_params = list(shared_params)
-        shared = [p for p in self.shared_params if p.requires_grad]
-        if shared and dist.is_initialized() and dist.get_world_size() > 1:
-            self.reducers.append(GradientReducer(shared, None, device=device))
+        self._trainable: tuple[bool, ...] = ()
+        self._build_reducers()
         self._param_storages = {p.untyped_storage().data_ptr() for p in module.parameters()}
         self._programs: dict[tuple[int, bool], tuple[Op, ...]] = {}
         self._handlers: dict[str, Callable[[_Step, Op], None]] = {
@@ -200,6 +196,10 @@ class Pipeline:
                 forward; the 1-D tensor it returns is summed over the stage's replicas along with
                 the gradients (no collective of its own) into ``stats.carried``.
         """
+        if train and self._requires_grad() != self._trainable:
+            # Layers were frozen or unfrozen (e.g. by BaseFinetuning): every replica sees the same
+            # flags, so every replica rebuilds the same buckets.
+            self._build_reducers()
         rows = self.rows(batch_rows)
         program = self.program(batch_rows, train=train)
         step = _Step(rows, forward, forward_context, carry, train, _Inbox(program, self.links))
@@ -221,6 +221,22 @@ class Pipeline:
             self._sync_gradients()
         self.timeline.step += 1
         return self.stats
+
+    def _build_reducers(self) -> None:
+        """Reducers for the parameters that are trainable now (frozen ones get no gradient)."""
+        for reducer in self.reducers:
+            reducer.remove()
+        self.reducers, self.stage_reducer = [], None
+        if self.stage_group is not None:
+            self.stage_reducer = GradientReducer(self.module.parameters(), self.stage_group, device=self.device)
+            self.reducers.append(self.stage_reducer)
+        shared = [p for p in self.shared_params if p.requires_grad]
+        if shared and dist.is_initialized() and dist.get_world_size() > 1:
+            self.reducers.append(GradientReducer(shared, None, device=self.device))
+        self._trainable = self._requires_grad()
+
+    def _requires_grad(self) -> tuple[bool, ...]:
+        return tuple(p.requires_grad for p in (*self.module.parameters(), *self.shared_params))
 
     def close(self) -> None:
         """Detach from the module: remove the gradient hooks."""

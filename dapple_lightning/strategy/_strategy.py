@@ -52,6 +52,7 @@ from dapple_lightning.runtime import Pipeline, StepStats, Timeline, write_chrome
 from dapple_lightning.strategy._auto import AutoSetting, choose_automatically, draw_global_batch
 from dapple_lightning.strategy._batch import SameBatch
 from dapple_lightning.strategy._checkpoint import Checkpoints, gather_on_zero, group_names, keep_local
+from dapple_lightning.strategy._finetuning import adapt_finetuning
 from dapple_lightning.strategy._launcher import STATE_LEFT_IN_SPAWNED_RANKS, SpawnLauncher
 from dapple_lightning.strategy._pipelines import Pipelines, broadcast_module
 from dapple_lightning.strategy._refusals import check_before_start
@@ -264,6 +265,7 @@ class DappleStrategy(ParallelStrategy):
                 full_names = group_names(module, self.optimizers)
             keep_local(self.optimizers, module)
             self._checkpoints.set_optimizers(self.optimizers, full_names)
+            adapt_finetuning(trainer.callbacks, self)
         self.setup_precision_plugin()
         # Lightning clips with the norm of this rank's gradients; the norm must span all stages.
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]

@@ -6,11 +6,14 @@
   per micro-batch from the executor (the hand-off between the user's step and the pipeline);
 - :class:`GradientReducer` sums gradients over a group while backward still runs;
 - :class:`Link` and :func:`share` move tensors and values between ranks;
-- :class:`Timeline` records spans for a Chrome trace.
+- :class:`Timeline` records spans for a Chrome trace;
+- :func:`synchronize_batch_norms` and :func:`agree_buffers` keep a stage's replicas' batch
+  statistics and buffers together.
 
 No Lightning and no Optuna here.
 """
 
+from dapple_lightning.runtime._batchnorm import agree_buffers, synchronize_batch_norms
 from dapple_lightning.runtime._comm import Link, Pending, Signature, p2p_groups, share, stage_group
 from dapple_lightning.runtime._executor import Pipeline, StepStats
 from dapple_lightning.runtime._reducer import GradientReducer
@@ -29,9 +32,11 @@ __all__ = [
     "StageModule",
     "StepStats",
     "Timeline",
+    "agree_buffers",
     "bubble_fractions",
     "p2p_groups",
     "share",
     "stage_group",
+    "synchronize_batch_norms",
     "write_chrome_trace",
 ]

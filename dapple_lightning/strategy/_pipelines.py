@@ -11,9 +11,17 @@ from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from torch import Tensor, nn
 
 from dapple_lightning.plan import Plan
-from dapple_lightning.runtime import Pipeline, StageModule, Timeline, p2p_groups, stage_group
+from dapple_lightning.runtime import (
+    Pipeline,
+    StageModule,
+    Timeline,
+    agree_buffers,
+    p2p_groups,
+    stage_group,
+    synchronize_batch_norms,
+)
 
-__all__ = ["Pipelines", "broadcast_module"]
+__all__ = ["Buffers", "Pipelines", "broadcast_module"]
 
 
 class Pipelines:
@@ -47,6 +55,36 @@ class Pipelines:
             track_memory=track_memory,
             p2p_groups=self._p2p if plan.num_stages > 1 else (None, None),
         )
+
+
+class Buffers:
+    """Buffers (batch norm's running statistics) that stay equal where ranks share them.
+
+    After each training step a stage's replicas take its first replica's buffers, and every rank
+    takes rank 0's buffers outside the container, as DDP broadcasts rank 0's. With
+    ``sync_batchnorm`` the stage's batch norms normalise over its replicas (until :meth:`close`).
+    """
+
+    def __init__(self, module: nn.Module, pipeline: Pipeline, plan: Plan, sync_batchnorm: bool) -> None:
+        stage = pipeline.module
+        local = {id(b) for b in stage.buffers()}
+        self.stage_buffers = list(stage.buffers()) if pipeline.replicas > 1 else []
+        self.outside = [b for b in module.buffers() if id(b) not in local] if dist.get_world_size() > 1 else []
+        self.first_replica = plan.stage_ranks(pipeline.stage)[0]
+        self.group = pipeline.stage_group
+        sync = sync_batchnorm and self.group is not None
+        self._undo = synchronize_batch_norms(stage, self.group) if sync else None
+
+    def agree(self) -> None:
+        if self.stage_buffers:
+            agree_buffers(self.stage_buffers, self.first_replica, self.group)
+        if self.outside:
+            agree_buffers(self.outside, 0, None)
+
+    def close(self) -> None:
+        if self._undo is not None:
+            self._undo()
+            self._undo = None
 
 
 @torch.no_grad()

@@ -54,7 +54,7 @@ from dapple_lightning.strategy._batch import SameBatch
 from dapple_lightning.strategy._checkpoint import Checkpoints, gather_on_zero, group_names, keep_local
 from dapple_lightning.strategy._finetuning import adapt_finetuning
 from dapple_lightning.strategy._launcher import STATE_LEFT_IN_SPAWNED_RANKS, SpawnLauncher
-from dapple_lightning.strategy._pipelines import Pipelines, broadcast_module
+from dapple_lightning.strategy._pipelines import Buffers, Pipelines, broadcast_module
 from dapple_lightning.strategy._refusals import check_before_start
 from dapple_lightning.strategy._step import MicroBatches
 from dapple_lightning.surgery import Cut
@@ -141,6 +141,7 @@ class DappleStrategy(ParallelStrategy):
         """With ``plan="auto"``: the profile, cluster and prediction behind the chosen plan."""
         self._cut: Cut | None = None
         self._pipeline: Pipeline | None = None
+        self._buffers: Buffers | None = None
         self._steps: MicroBatches | None = None
         self._checkpoints = Checkpoints(state_dict_type, async_save, timeout)
         self._same_batch = SameBatch()
@@ -253,6 +254,7 @@ class DappleStrategy(ParallelStrategy):
         self.model_to_device()
         timeline = Timeline(rank, self.plan.stage_of(rank), enabled=self._trace_path is not None)
         self._pipeline = pipelines.build(self.plan, self._cut.stage, timeline, track_memory=self._track_memory)
+        self._buffers = Buffers(module, self._pipeline, self.plan, fitting and self._layer_sync is not None)
         self._checkpoints.attach(module, self._cut, self.plan, rank, self.root_device, self._full_state_keys)
         seed = torch.tensor([torch.initial_seed() % 2**62], dtype=torch.int64)
         dist.broadcast(seed, 0)
@@ -332,9 +334,11 @@ class DappleStrategy(ParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
-        assert self._steps is not None and self._pipeline is not None
+        assert self._steps is not None and self._pipeline is not None and self._buffers is not None
         args = (self._same_batch(args[0], self.root_device), *args[1:]) if args else args
-        return self._steps.train(self._pipeline, args, kwargs, self.precision_plugin.train_step_context)
+        loss = self._steps.train(self._pipeline, args, kwargs, self.precision_plugin.train_step_context)
+        self._buffers.agree()
+        return loss
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
@@ -470,6 +474,8 @@ class DappleStrategy(ParallelStrategy):
                 self._steps.shared.wait()
         if self._pipeline is not None:
             self._pipeline.close()
+        if self._buffers is not None:
+            self._buffers.close()
         if not self._failed:
             self._checkpoints.wait()
             if self._cut is not None and _distributed_is_initialized():

@@ -26,8 +26,15 @@ from pathlib import Path
 from typing import Any
 
 from dapple_lightning.plan import SCHEDULES
+from dapple_lightning.search._files import write_atomic
+from dapple_lightning.search._redact import redact
 
 __all__ = ["main"]
+
+
+def _shower(args: argparse.Namespace) -> Any:
+    """``print`` for text that may quote the storage URL: its password masked."""
+    return lambda text: print(redact(text, args.storage))
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -176,6 +183,7 @@ def _cmd_best(args: argparse.Namespace) -> int:
     if not ranked:
         print(f"study {args.study!r} has no completed trial yet")
         return 1
+    show = _shower(args)
     rows_by_number = {r["trial"]: r for r in trial_rows(study)}
     rows = []
     for place, t in enumerate(ranked[: args.top], start=1):
@@ -187,13 +195,13 @@ def _cmd_best(args: argparse.Namespace) -> int:
             }
         )
     title = "Pareto front (samples/s up, peak memory down)" if len(study.directions) > 1 else "fastest plans"
-    print(f"study {args.study!r}: {title}")
-    print(format_table(rows))
+    show(f"study {args.study!r}: {title}")
+    show(format_table(rows))
     best = trial_plan(ranked[0], study)
-    print(f"\nbest (trial {ranked[0].number}):\n{best.table()}")
+    show(f"\nbest (trial {ranked[0].number}):\n{best.table()}")
     if args.export is not None:
-        args.export.write_text(best.to_yaml())
-        print(f"\nwrote {args.export} (DappleStrategy(plan={str(args.export)!r}))")
+        write_atomic(args.export, best.to_yaml())  # a reader never sees half a plan
+        show(f"\nwrote {args.export} (DappleStrategy(plan={str(args.export)!r}))")
     return 0
 
 
@@ -201,7 +209,7 @@ def _cmd_trials(args: argparse.Namespace) -> int:
     from dapple_lightning.search import format_table, load_search, trial_rows
 
     study = load_search(args.storage, args.study)
-    print(format_table(trial_rows(study)))
+    _shower(args)(format_table(trial_rows(study)))  # failure reasons may quote a storage error
     return 0
 
 
@@ -211,9 +219,11 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     from dapple_lightning.search import load_search
 
     if not optuna.visualization.is_available():
+        shown = redact(args.storage)
         print(
             "plotting needs plotly, which is not installed: pip install plotly\n"
-            f"(or browse the study without it: pip install optuna-dashboard && optuna-dashboard {args.storage})"
+            "(or browse the study without it: pip install optuna-dashboard && optuna-dashboard "
+            f"'{shown}'{', the password in place of ***' if shown != args.storage else ''})"
         )
         return 1
     study = load_search(args.storage, args.study)
@@ -248,5 +258,5 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return commands[args.command](args)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {redact(str(e), args.storage)}", file=sys.stderr)
         return 2

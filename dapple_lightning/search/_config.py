@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from dapple_lightning.plan import SCHEDULES
+from dapple_lightning.search._redact import redact
 from dapple_lightning.search._space import DEFAULT_MAX_PLANS
 from dapple_lightning.search._trial import TrialConfig
 
@@ -23,7 +24,8 @@ class SearchConfig:
     trial: TrialConfig
     """The model, ranks, batch, steps and limits of every trial."""
     storage: str = DEFAULT_STORAGE
-    """Optuna storage URL (``sqlite:///file.db``, ``postgresql://...``, ...)."""
+    """Optuna storage URL (``sqlite:///file.db``, ``postgresql://...``, ...); whatever the search
+    shows of it has the password masked (``postgresql://user:***@host/db``)."""
     study_name: str = "dapple"
     """Study in the storage; re-running with the same name resumes it."""
     n_trials: int | None = 20
@@ -76,7 +78,8 @@ class SearchConfig:
         if self.planner_seeds < 0:
             raise ValueError(f"planner_seeds must be >= 0, got {self.planner_seeds}")
         if not isinstance(self.storage, str) or "://" not in self.storage:
-            raise ValueError(f"storage must be an Optuna storage URL like {DEFAULT_STORAGE!r}, got {self.storage!r}")
+            shown = redact(self.storage) if isinstance(self.storage, str) else self.storage
+            raise ValueError(f"storage must be an Optuna storage URL like {DEFAULT_STORAGE!r}, got {shown!r}")
         if self.micro_batches is not None:
             object.__setattr__(self, "micro_batches", tuple(self.micro_batches))
         object.__setattr__(self, "schedules", tuple(self.schedules))

@@ -35,6 +35,7 @@ import optuna
 from optuna.trial import TrialState
 
 from dapple_lightning.plan import SCHEDULES, Plan
+from dapple_lightning.search._files import write_atomic
 from dapple_lightning.search._fingerprint import Fingerprint
 from dapple_lightning.search._loop import (
     Drawn,
@@ -45,6 +46,7 @@ from dapple_lightning.search._loop import (
     open_study,
     optimize,
 )
+from dapple_lightning.search._redact import redact, spells_secret
 from dapple_lightning.search._results import best_trial, trial_plan
 from dapple_lightning.search._space import PlanSpace, describe_plan
 
@@ -184,8 +186,13 @@ def run_sweep(sweeper: Any, settings: SweepSettings, arguments: list[str]) -> li
 
     log = logging.getLogger("dapple_lightning.search.sweeper")
     config = sweeper.config
+    _refuse_spelled_password(config)
     fixed = _fixed_overrides(sweeper, arguments)
     space = settings.space()
+
+    def say(line: str) -> None:  # a line may quote another library's error, which may quote the URL
+        log.info(redact(line, settings.storage))
+
     study = open_study(
         settings.storage,
         settings.study_name,
@@ -197,18 +204,31 @@ def run_sweep(sweeper: Any, settings: SweepSettings, arguments: list[str]) -> li
         attrs={"task": str(config.hydra.job.name)},
         existing=existing_study(settings.storage, settings.study_name),
         allow_mismatch=settings.allow_mismatch,
-        say=log.info,
+        say=say,
     )
     enqueue_plans(study, space, settings.enqueue)
     sweep_dir = Path(str(config.hydra.sweep.dir))
     sweep_dir.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(config, sweep_dir / "multirun.yaml")
+    write_atomic(sweep_dir / "multirun.yaml", OmegaConf.to_yaml(config))  # unresolved, as Hydra saves
     jobs = _Jobs(sweeper, settings, fixed, first_job=len(study.trials))
-    optimize(
-        study, space, jobs, n_trials=settings.n_trials, batch_size=settings.n_jobs, seed=settings.seed, say=log.info
-    )
-    _write_results(study, sweep_dir, log)
+    optimize(study, space, jobs, n_trials=settings.n_trials, batch_size=settings.n_jobs, seed=settings.seed, say=say)
+    _write_results(study, sweep_dir, say)
     return jobs.returns
+
+
+def _refuse_spelled_password(config: Any) -> None:
+    """Refuse a storage URL whose password is written out in the config: Hydra saves the sweeper's
+    config, as written, in every job's ``.hydra/hydra.yaml`` (and the command line's overrides)."""
+    from omegaconf import OmegaConf
+
+    written = OmegaConf.to_container(config.hydra.sweeper, resolve=False).get("storage")
+    if isinstance(written, str) and spells_secret(written):
+        raise ValueError(
+            f"hydra.sweeper.storage={redact(written)!r} writes its password out, and Hydra saves that value in "
+            "every job's .hydra/hydra.yaml; give the password as an interpolation, which Hydra saves as written, "
+            "e.g. hydra.sweeper.storage='postgresql://user:${oc.env:DAPPLE_DB_PASSWORD}@host/db', or leave it "
+            "out of the URL (PostgreSQL reads PGPASSWORD or ~/.pgpass)"
+        )
 
 
 def _fixed_overrides(sweeper: Any, arguments: list[str]) -> list[str]:
@@ -251,7 +271,7 @@ def _outcome(ret: Any, settings: SweepSettings) -> Outcome:
     attrs = {"job_dir": str(ret.working_dir)}
     if ret.status != JobStatus.COMPLETED:
         error = ret._return_value  # the job's exception; `return_value` would raise it
-        reason = f"{type(error).__name__}: {error}"
+        reason = redact(f"{type(error).__name__}: {error}", settings.storage)
         return Outcome(TrialState.FAIL, attrs={**attrs, "fail_reason": reason}, summary=f"FAIL {reason}")
     try:
         values = _objective(ret.return_value, settings)
@@ -260,13 +280,13 @@ def _outcome(ret: Any, settings: SweepSettings) -> Outcome:
     return Outcome(TrialState.COMPLETE, tuple(values), attrs, summary=", ".join(f"{v:.4g}" for v in values))
 
 
-def _write_results(study: optuna.Study, sweep_dir: Path, log: Any) -> None:
+def _write_results(study: optuna.Study, sweep_dir: Path, say: Any) -> None:
     from omegaconf import OmegaConf
 
     try:
         best = best_trial(study)
     except ValueError:
-        log.info("no trial completed")
+        say("no trial completed")
         return
     plan = trial_plan(best, study)
     results = {
@@ -275,5 +295,5 @@ def _write_results(study: optuna.Study, sweep_dir: Path, log: Any) -> None:
         "best_values": list(best.values),
         "best_plan": plan.to_dict(),
     }
-    OmegaConf.save(OmegaConf.create(results), sweep_dir / "optimization_results.yaml")
-    log.info(f"best trial {best.number}: {best.values} with {describe_plan(plan)}")
+    write_atomic(sweep_dir / "optimization_results.yaml", OmegaConf.to_yaml(OmegaConf.create(results)))
+    say(f"best trial {best.number}: {best.values} with {describe_plan(plan)}")

@@ -38,6 +38,7 @@ from dapple_lightning.search._bookkeeping import (
     repeat_trial,
 )
 from dapple_lightning.search._fingerprint import Fingerprint, check_fingerprint
+from dapple_lightning.search._redact import cause, redact, storage_error
 from dapple_lightning.search._report import clip
 from dapple_lightning.search._results import best_trial
 from dapple_lightning.search._space import PlanSpace, describe_plan
@@ -110,9 +111,9 @@ def existing_study(storage: str, study_name: str) -> optuna.Study | None:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     try:
         names = optuna.get_all_study_names(storage)
+        return optuna.load_study(study_name=study_name, storage=storage) if study_name in names else None
     except Exception as e:
-        raise ValueError(f"cannot open storage {storage!r}: {e}") from e
-    return optuna.load_study(study_name=study_name, storage=storage) if study_name in names else None
+        raise storage_error(storage, e) from cause(e, storage)
 
 
 def _space_attrs(space: PlanSpace) -> dict[str, Any]:
@@ -318,7 +319,7 @@ class _Front:
         self._progress(trial.number, outcome.summary)
 
     def _search_error(self, trials: list[optuna.Trial], error: Exception) -> None:
-        reason = f"search error: {type(error).__name__}: {error}"
+        reason = redact(f"search error: {type(error).__name__}: {error}")  # a storage error may quote its URL
         for trial in trials:
             try:
                 trial.set_user_attr("fail_reason", reason)

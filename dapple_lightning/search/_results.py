@@ -21,6 +21,7 @@ from optuna.trial import FrozenTrial, TrialState
 from dapple_lightning.plan import Plan
 from dapple_lightning.search._config import DEFAULT_STORAGE
 from dapple_lightning.search._fingerprint import Fingerprint, check_fingerprint
+from dapple_lightning.search._redact import cause, redact, storage_error
 from dapple_lightning.search._space import plan_from_params
 
 if TYPE_CHECKING:
@@ -52,12 +53,15 @@ def load_search(storage: str, study_name: str) -> optuna.Study:
     """Open an existing study.
 
     Raises:
-        ValueError: When the storage has no such study; the message lists the ones it has.
+        ValueError: When the storage has no such study (the message lists the ones it has), or
+            cannot be opened. Messages show the URL with its password masked.
     """
     try:
         return optuna.load_study(study_name=study_name, storage=storage)
     except KeyError as e:
-        raise ValueError(f"no study {study_name!r} in {storage}{_storage_hint(storage)}") from e
+        raise ValueError(f"no study {study_name!r} in {redact(storage)}{_storage_hint(storage)}") from e
+    except Exception as e:  # the storage itself: unreachable, refused, not a database
+        raise storage_error(storage, e) from cause(e, storage)
 
 
 def _fingerprint_of(study: optuna.Study) -> Fingerprint | None:
@@ -166,27 +170,34 @@ def resolve_plan_spec(spec: Any) -> Any:
 
         resolve_plan_spec("optuna://sqlite:///dapple_search.db?study=gpt")
         resolve_plan_spec("optuna://sqlite:////abs/path/search.db?study=gpt&trial=12")
+
+    A password in the URL is masked in every message. A config that Hydra saves (``.hydra/``)
+    should not spell it out: ``optuna://postgresql://user:${oc.env:DAPPLE_DB_PASSWORD}@host/db?study=gpt``
+    is saved as written and resolved when the app reads ``cfg.plan``.
     """
     if not isinstance(spec, str) or not spec.strip().startswith(STUDY_SCHEME):
         return spec
     body = spec.strip()[len(STUDY_SCHEME) :]
+    shown = redact(spec.strip())  # the spec as messages show it: the URL's password masked
     storage, params = _split_study_query(body)
     if "study" not in params:
         raise ValueError(
-            f"plan spec {spec!r} names no study; write {STUDY_SCHEME}STORAGE_URL?study=NAME "
+            f"plan spec {shown!r} names no study; write {STUDY_SCHEME}STORAGE_URL?study=NAME "
             f"(e.g. {STUDY_SCHEME}{DEFAULT_STORAGE}?study=dapple)"
         )
     if "://" not in storage:
-        raise ValueError(f"plan spec {spec!r}: {storage!r} is not an Optuna storage URL like {DEFAULT_STORAGE!r}")
+        raise ValueError(
+            f"plan spec {shown!r}: {redact(storage)!r} is not an Optuna storage URL like {DEFAULT_STORAGE!r}"
+        )
     if "trial" in params:
         study = load_search(storage, params["study"])
         try:
             number = int(params["trial"])
             trial = study.trials[number]
         except (ValueError, IndexError) as e:
-            raise ValueError(f"plan spec {spec!r}: study {params['study']!r} has no trial {params['trial']!r}") from e
+            raise ValueError(f"plan spec {shown!r}: study {params['study']!r} has no trial {params['trial']!r}") from e
         if trial.state != TrialState.COMPLETE:
-            raise ValueError(f"plan spec {spec!r}: trial {number} is {trial.state.name}, not COMPLETE")
+            raise ValueError(f"plan spec {shown!r}: trial {number} is {trial.state.name}, not COMPLETE")
         return trial_plan(trial, study)
     return best_plan(storage, params["study"])
 
@@ -201,7 +212,9 @@ def _split_study_query(body: str) -> tuple[str, dict[str, str]]:
             for part in query.split("&"):
                 key, _, value = part.partition("=")
                 if key not in ("study", "trial"):
-                    raise ValueError(f"unknown parameter {key!r} after study= in {body!r}; only trial= may follow")
+                    raise ValueError(
+                        f"unknown parameter {key!r} after study= in {redact(body)!r}; only trial= may follow"
+                    )
                 params[key] = unquote(value)
             return storage, params
     return body, {}

@@ -45,6 +45,7 @@ from dapple_lightning.search._loop import (
     optimize,
 )
 from dapple_lightning.search._probe import ModelInfo, probe_model
+from dapple_lightning.search._redact import redact
 from dapple_lightning.search._seed import planner_seeds
 from dapple_lightning.search._space import PlanSpace, describe_plan
 from dapple_lightning.search._trial import TrialResult, run_trial
@@ -66,7 +67,9 @@ class PlanSearch:
 
     def __init__(self, config: SearchConfig, *, say: Callable[[str], None] | None = None) -> None:
         self.config = config
-        self._say = say or ((lambda line: print(line, flush=True)) if config.progress else (lambda line: None))
+        show = say or ((lambda line: print(line, flush=True)) if config.progress else (lambda line: None))
+        # A line may quote another library's error, which may quote the storage URL.
+        self._say = lambda line: show(redact(line, config.storage))
         self.study: optuna.Study | None = None
         self.space: PlanSpace | None = None
         self.model: ModelInfo | None = None

@@ -1,7 +1,9 @@
 """A Hydra app for the sweeper tests: "trains" nothing, returns a throughput computed from the plan.
 
 Its config mirrors the keys the dapple sweeper reads by default (``model.num_layers``,
-``trainer.devices``, ``trainer.accelerator``, ``data.batch_size``) and a ``plan``.
+``trainer.devices``, ``trainer.accelerator``, ``data.batch_size``) and a ``plan``, which may name a
+study's plan (``optuna://...``) as the examples' apps do. It can open the ``sqlite+password``
+storage of ``password_dialect``.
 """
 
 from __future__ import annotations
@@ -10,11 +12,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import hydra
+import password_dialect  # noqa: F401 (registers the sqlite+password storage)
 from fake_objective import FAIL_MICRO_BATCHES, LAYER_COST, fake_samples_per_s
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
 
 from dapple_lightning.plan import Plan
+from dapple_lightning.search import resolve_plan_spec
 
 
 @dataclass
@@ -30,7 +34,7 @@ ConfigStore.instance().store(name="config", node=Config)
 
 @hydra.main(version_base=None, config_name="config")
 def main(cfg: DictConfig) -> float:
-    plan = Plan.coerce(cfg.plan)
+    plan = Plan.coerce(resolve_plan_spec(cfg.plan))
     if plan.micro_batches == FAIL_MICRO_BATCHES:
         raise RuntimeError(f"injected job failure (micro_batches={plan.micro_batches})")
     return fake_samples_per_s(plan, cfg.data.batch_size)

@@ -188,15 +188,33 @@ def open_study(
         pruner=pruner,
         load_if_exists=True,
     )
-    if "fingerprint" not in study.user_attrs:
-        study.set_user_attr("fingerprint", fingerprint.to_dict())
-        study.set_user_attr("space", _space_attrs(space))
-        study.set_user_attr("objectives", list(objectives))
-        for key, value in (attrs or {}).items():
-            study.set_user_attr(key, value)
+    _record_identity(
+        study,
+        {"space": _space_attrs(space), "objectives": list(objectives), **(attrs or {})},
+        fingerprint.to_dict(),
+    )
     for number in recover_stale_trials(study):
         say(f"trial {number:>3} was running when its search process died: marked FAIL, plan queued again")
     return study
+
+
+def _record_identity(study: optuna.Study, attrs: Mapping[str, Any], fingerprint: Mapping[str, Any]) -> None:
+    """Store what identifies a new study, ``fingerprint`` last, as the mark that the record is whole.
+
+    Optuna's storages set one attribute per call. A study counts as recorded only once it holds
+    its fingerprint, so a search that died half-way through leaves a study without one (and
+    without trials: none runs before the record is whole), which the next open records again:
+    never a study that holds a fingerprint but not the space and objectives that resuming
+    compares. A study recorded by an older version (fingerprint first) gets what it lacks from
+    this run, which its fingerprint matched.
+    """
+    stored = study.user_attrs
+    whole = "fingerprint" in stored
+    for key, value in attrs.items():
+        if not whole or key not in stored:
+            study.set_user_attr(key, value)
+    if not whole:
+        study.set_user_attr("fingerprint", dict(fingerprint))
 
 
 def enqueue_plans(study: optuna.Study, space: PlanSpace, plans: Sequence[Any], source: str = "user") -> None:

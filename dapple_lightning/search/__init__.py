@@ -23,11 +23,14 @@ Pieces, one module each:
 - one measurement: :class:`TrialConfig`, :func:`run_trial` (``_trial``; its processes in
   ``_launch``, ``_zygote``, ``_leader`` on PyTorch's elastic agent, ``_worker``), :func:`probe_model` (``_probe``);
 - the study: :func:`optimize` (``_loop``, the one loop), its bookkeeping (``_bookkeeping``:
-  :class:`RepeatGuard`, ...), the planner's seeds (:func:`planner_seeds`, ``_seed``);
+  :class:`RepeatGuard`, :func:`interrupted_trials`, ...), the planner's seeds
+  (:func:`planner_seeds`, ``_seed``);
 - the fronts that drive the loop: :class:`PlanSearch` / :func:`run_search` (``_study``) and the
   Hydra sweeper (:func:`run_sweep`, ``_hydra``);
 - the result: :func:`best_plan`, :func:`strategy_from_study`, :func:`resolve_plan_spec`
-  (``_results``), :func:`trial_rows` / :func:`format_table` (``_report``).
+  (``_results``), :func:`trial_rows` / :func:`format_table` (``_report``);
+- what leaves the search: URLs with their passwords masked (``_redact``), files replaced whole
+  (``_files``).
 
 Names that need Optuna load on first use, so the trial processes, which import this package, do
 not pay for Optuna.
@@ -57,6 +60,7 @@ _LAZY = {
     "RepeatGuard": "_bookkeeping",
     "distinct_finished": "_bookkeeping",
     "finished_count": "_bookkeeping",
+    "interrupted_trials": "_bookkeeping",
     "unmeasured_plan": "_bookkeeping",
     "Drawn": "_loop",
     "Outcome": "_loop",
@@ -107,6 +111,7 @@ __all__ = [
     "finished_count",
     "format_table",
     "group_alive",
+    "interrupted_trials",
     "load_search",
     "local_cluster",
     "optimize",

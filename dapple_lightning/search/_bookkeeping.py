@@ -34,6 +34,8 @@ __all__ = [
 ]
 
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+_INTERRUPTED = "interrupted_trial_"
+"""Study attribute ``interrupted_trial_N``: trial ``N`` was interrupted."""
 
 
 def _key(params: Mapping[str, Any]) -> tuple:
@@ -77,7 +79,15 @@ def _runner_dead(runner: Any) -> bool:
 
 
 def interrupted_trials(study: optuna.Study) -> set[int]:
-    return set(study.user_attrs.get("interrupted_trials", []))
+    """Numbers of the trials a stopped or dead search left unfinished (they do not count).
+
+    Each has an attribute of its own on the study, ``interrupted_trial_N``: workers sharing a
+    study never rewrite a common list, which two of them doing at once would lose an update of.
+    Studies of older versions list them in ``interrupted_trials`` instead, still read here.
+    """
+    attrs = study.user_attrs
+    marked = {int(key[len(_INTERRUPTED) :]) for key in attrs if key.startswith(_INTERRUPTED)}
+    return marked | set(attrs.get("interrupted_trials", []))
 
 
 def _counted(study: optuna.Study) -> list[FrozenTrial]:
@@ -96,26 +106,34 @@ def distinct_finished(study: optuna.Study) -> int:
     return len({_key(t.params) for t in _counted(study)})
 
 
-def mark_interrupted(study: optuna.Study, number: int, params: Mapping[str, Any]) -> None:
-    """Mark a running trial FAIL as interrupted (it will not count) and queue its plan again."""
-    numbers = list(study.user_attrs.get("interrupted_trials", []))
-    if number not in numbers:
-        study.set_user_attr("interrupted_trials", [*numbers, number])
-        if params:
-            study.enqueue_trial(dict(params), user_attrs={"source": "retry", "retry_of": number})
-    study.tell(number, state=TrialState.FAIL, skip_if_finished=True)
+def mark_interrupted(study: optuna.Study, number: int, params: Mapping[str, Any]) -> bool:
+    """Mark a running trial interrupted (it will not count), end it FAIL and queue its plan again;
+    whether this call ended it.
+
+    Only the caller whose FAIL ended the trial queues the retry: of two workers that find the
+    same orphaned trial, the second finds it finished and queues nothing (on storages that lock
+    the trial's row while ending it, PostgreSQL and MySQL; on SQLite both may, at worst one
+    extra measurement of the plan).
+    """
+    study.set_user_attr(f"{_INTERRUPTED}{number}", True)
+    try:
+        study.tell(number, state=TrialState.FAIL)
+    except (RuntimeError, ValueError):  # another worker ended it first
+        return False
+    if params:
+        study.enqueue_trial(dict(params), user_attrs={"source": "retry", "retry_of": number})
+    return True
 
 
 def recover_stale_trials(study: optuna.Study) -> list[int]:
-    """Mark interrupted the RUNNING trials whose search process is gone (same host); their numbers."""
+    """Mark interrupted the RUNNING trials whose search process is gone (same host); the numbers
+    of those this call ended (not those another worker recovering the same study ended first)."""
     stale = [
         t
         for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
         if _runner_dead(t.user_attrs.get("runner"))
     ]
-    for t in stale:
-        mark_interrupted(study, t.number, t.params)
-    return [t.number for t in stale]
+    return [t.number for t in stale if mark_interrupted(study, t.number, t.params)]
 
 
 # ------------------------------------------------------------------------------------ drawing

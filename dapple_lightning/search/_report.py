@@ -7,6 +7,8 @@ from collections.abc import Mapping, Sequence
 
 import optuna
 
+from dapple_lightning.search._bookkeeping import interrupted_trials
+
 __all__ = ["clip", "format_table", "trial_rows"]
 
 
@@ -27,7 +29,7 @@ def _format_bytes(n: float | None) -> str:
 
 def trial_rows(study: optuna.Study) -> list[dict[str, str]]:
     """One row per trial, as the CLI's ``trials`` table shows them."""
-    interrupted = set(study.user_attrs.get("interrupted_trials", []))
+    interrupted = interrupted_trials(study)
     rows = []
     for t in study.get_trials(deepcopy=False):
         a = t.user_attrs

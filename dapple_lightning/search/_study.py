@@ -9,7 +9,9 @@ A study is standard Optuna storage (SQLite by default; any Optuna storage URL wo
 - ``study.user_attrs``: ``fingerprint`` (model, ranks, device, batch: see ``_fingerprint``),
   ``space`` (the searched micro-batch counts and schedules), ``model`` (the factory),
   ``objectives`` (``["samples_per_s"]`` or ``["samples_per_s", "peak_bytes"]``),
-  ``planner_seeded`` and ``interrupted_trials``;
+  ``planner_seeded``, and ``interrupted_trial_N`` for each interrupted trial ``N`` (an attribute per
+  trial: workers sharing a study never rewrite a common list); the fingerprint is written last, so a
+  study holding it holds the rest;
 - per trial: the plan (``user_attrs["plan"]``, the :meth:`Plan.to_dict` form, and ``plan_str``),
   every measurement (``samples_per_s``, ``median_step_s``, ``step_times``, ``peak_bytes``,
   ``max_rss_bytes``, ``wall_s``), and for trials that did not complete ``fail_reason`` (``"timeout"``,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import os
 import selectors
 import signal
@@ -188,7 +189,7 @@ class _Template:
                 raise RuntimeError("the trial template sent an unexpected greeting")
             self._ready = True
         assert self.proc.stdin is not None
-        self.proc.stdin.write(f"{kind} {spec_path} {events_path}\n".encode())
+        self.proc.stdin.write((json.dumps([kind, str(spec_path), str(events_path)]) + "\n").encode())
         self.proc.stdin.flush()
         return int(self._readline(60.0))
 

@@ -246,28 +246,29 @@ def run_trial(
             reason=f"the plan needs {plan.world_size} ranks (replicas {plan.notation}), the trial runs {config.world_size}",
         )
     out = Path(tempfile.mkdtemp(prefix="dapple-trial-", dir=config.workdir))
-    spec_path = out / "spec.json"
-    spec_path.write_text(json.dumps(_spec(plan, config, out)))
-    started = time.monotonic()
-    handle = launch("trial", spec_path, launcher=config.launcher or default_launcher(), python=config.python)
     try:
-        if on_start is not None:
-            on_start(handle.pgid)
-        result = _watch(handle, config, on_step, started)
+        spec_path = out / "spec.json"
+        spec_path.write_text(json.dumps(_spec(plan, config, out)))
+        started = time.monotonic()
+        handle = launch("trial", spec_path, launcher=config.launcher or default_launcher(), python=config.python)
+        try:
+            if on_start is not None:
+                on_start(handle.pgid)
+            result = _watch(handle, config, on_step, started)
+        finally:
+            # Whatever ended the trial (success, limit, pruning, our own interruption), nothing of it
+            # may outlive this call: ranks can linger after the leader (a stuck peer, a DataLoader
+            # worker).
+            handle.close()
+        if result is None:
+            code = handle.returncode
+            result = _collect(code if code is not None else -signal.SIGKILL, config, out)
+        workdir = str(out) if config.keep_logs else None
+        return _with(result, wall_s=time.monotonic() - started, workdir=workdir, pgid=handle.pgid)
     finally:
-        # Whatever ended the trial (success, limit, pruning, our own interruption), nothing of it
-        # may outlive this call: ranks can linger after the leader (a stuck peer, a DataLoader
-        # worker).
-        handle.close()
-    if result is None:
-        code = handle.returncode
-        result = _collect(code if code is not None else -signal.SIGKILL, config, out)
-    result = _with(
-        result, wall_s=time.monotonic() - started, workdir=str(out) if config.keep_logs else None, pgid=handle.pgid
-    )
-    if not config.keep_logs:
-        shutil.rmtree(out, ignore_errors=True)
-    return result
+        # After the processes are gone (above), so none writes into it again; also on Ctrl-C.
+        if not config.keep_logs:
+            shutil.rmtree(out, ignore_errors=True)
 
 
 def _with(result: TrialResult, **changes: Any) -> TrialResult:

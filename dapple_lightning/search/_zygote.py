@@ -11,15 +11,16 @@ modules. It never builds a model, runs an operation, starts a thread or touches 
 nothing of one trial reaches another, and forking is safe (no OpenMP pool or CUDA context is
 inherited). The user's factory module is imported in each trial's ranks, after the fork.
 
-Protocol, one line each way per child: the search writes ``KIND SPEC_PATH EVENTS_PATH`` (``KIND``:
-``trial`` or ``probe``), the template answers the leader's pid once the leader leads its own
-session. ``EVENTS_PATH`` is a FIFO the search reads; the leader's stdout (and so rank 0's) writes
+Protocol, one line each way per child: the search writes ``["KIND", "SPEC_PATH", "EVENTS_PATH"]``
+(a JSON list: paths may hold spaces; ``KIND``: ``trial`` or ``probe``), the template answers the
+leader's pid once the leader leads its own session. ``EVENTS_PATH`` is a FIFO the search reads; the leader's stdout (and so rank 0's) writes
 to it. The leader writes its exit code to ``leader_exit`` next to the spec. When the search closes
 the template's stdin (or dies), the template exits; orphaned leaders kill their own groups.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -63,7 +64,7 @@ def main() -> int:
     control.write("ready\n")
     control.flush()
     for line in sys.stdin:  # EOF: the search is done with us (or dead)
-        kind, spec_path, events_path = line.split()
+        kind, spec_path, events_path = json.loads(line)
         ready_r, ready_w = os.pipe()
         pid = os.fork()
         if pid == 0:

@@ -40,10 +40,12 @@ class MLP(LightningModule):
         oom_on: Sequence[int] = (),
         step_delay_s: float = 0.0,
         failure_stamp: str | None = None,
+        started_file: str | None = None,
     ) -> None:
         super().__init__()
         self.step_delay_s = step_delay_s
         self.failure_stamp = failure_stamp
+        self.started_file = started_file
         blocks: list[nn.Module] = []
         for i in range(layers):
             blocks += [nn.Linear(features if i == 0 else width, width), nn.Tanh()]
@@ -68,6 +70,8 @@ class MLP(LightningModule):
             os.kill(os.getpid(), signal.SIGKILL)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.started_file and batch_idx == 0 and self._trainer is not None and self.trainer.global_rank == 0:
+            Path(self.started_file).write_text("trial started\n")
         self._fail_if_asked(batch_idx)
         if self.step_delay_s:
             time.sleep(self.step_delay_s)  # a slow model that costs no CPU
@@ -91,6 +95,7 @@ def mlp(
     oom_on: Sequence[int] = (),
     step_delay_s: float = 0.0,
     failure_stamp: str | None = None,
+    started_file: str | None = None,
 ) -> tuple[MLP, DataLoader]:
     """A :class:`MLP` (``2 * layers`` modules in its Sequential) and a loader of ``batches`` batches.
 
@@ -103,10 +108,12 @@ def mlp(
         oom_on: micro-batch counts whose plans get SIGKILL, as from the OOM killer (last rank).
         step_delay_s: sleep this long in every ``training_step`` call (a slow model, without the CPU).
         failure_stamp: a file an ``oom_on`` rank writes its ``time.time()`` to just before it dies.
+        started_file: a file rank 0 of a trial writes when its first step starts (a test waits on
+            it to act while a trial runs).
     """
     rows = batch_size if max_rows is None else min(batch_size, max_rows)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(rows * batches, features, generator=g)
     y = torch.randn(rows * batches, 1, generator=g)
-    model = MLP(features, width, layers, crash_on, hang_on, oom_on, step_delay_s, failure_stamp)
+    model = MLP(features, width, layers, crash_on, hang_on, oom_on, step_delay_s, failure_stamp, started_file)
     return model, DataLoader(TensorDataset(x, y), batch_size=rows, shuffle=False)

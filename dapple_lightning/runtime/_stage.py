@@ -96,6 +96,13 @@ class StageModule(nn.Sequential):
         self.call: StageCall | None = None
 
     def forward(self, input: Any) -> Any:
+        if torch._C._current_graph_task_id() != -1:  # called by autograd: a checkpoint recomputes
+            raise RuntimeError(
+                "the pipelined Sequential was called again during backward: activation checkpointing "
+                "(torch.utils.checkpoint) around the whole container is not supported, because the pipeline "
+                "runs and back-propagates its layers itself. Checkpoint inside the layers instead (wrap each "
+                "block's forward, or use transformers' gradient_checkpointing_enable())"
+            )
         if self.call is None:
             return super().forward(input)
         return self.call.run(super().forward, input)

@@ -203,3 +203,93 @@ class ScheduledHeadMLP(HeadMLP):
     """Parameters outside the Sequential, AdamW with two param groups and a per-step LR schedule."""
 
     configure_optimizers = ScheduledMLP.configure_optimizers
+
+
+def as_records(x: torch.Tensor, y: torch.Tensor):
+    """``[x, y]`` as a Hugging Face collator with per-sample extras would hand it: a BatchEncoding
+    of tensors, a list of strings, a list of one-shape per-sample tensors and a list of per-sample
+    tensors of different lengths, each derived from its row."""
+    from transformers import BatchEncoding
+
+    return BatchEncoding(
+        {
+            "x": list(x),  # stacked in the step: the Sequential's input comes from a per-sample list
+            "y": y,
+            "id": [f"{float(v):+.5f}" for v in x[:, 0]],
+            "seq": [torch.arange(1.0, 2.0 + int(abs(float(v)) * 3)) for v in x[:, 1]],
+        }
+    )
+
+
+class RecordsMLP(MLP):
+    """Its batches are BatchEncodings with per-sample lists; each row's loss is weighted by its
+    string and its per-sample tensor, so a slice that gets wrong items changes the numbers."""
+
+    def on_before_batch_transfer(self, batch, dataloader_idx):
+        return as_records(*batch)
+
+    def _predict(self, batch):
+        weight = torch.stack([s.mean() for s in batch["seq"]]) * torch.tensor([float(i) ** 2 + 1 for i in batch["id"]])
+        return self.layers(torch.stack(batch["x"])), weight
+
+    def training_step(self, batch, batch_idx):
+        pred, weight = self._predict(batch)
+        loss = (((pred - batch["y"]) ** 2).mean(1) * weight).mean()
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        pred, weight = self._predict(batch)
+        self.log("val_loss", (((pred - batch["y"]) ** 2).mean(1) * weight).mean())
+
+    def predict_step(self, batch, batch_idx):
+        pred, weight = self._predict(batch)
+        return {
+            "pred": pred,
+            "id": batch["id"],
+            "top": [int(i) for i in pred.argmax(1)],
+            "pair": (weight, batch["seq"]),
+            "fields": [pred.sum(1), pred[:, :2]],
+            "batch": batch_idx,
+        }
+
+
+class ReduceMLP(MLP):
+    """Logs a maximum, a minimum and sums beside the mean loss, per step and per epoch."""
+
+    def _errors(self, prefix: str, batch) -> torch.Tensor:
+        x, y = batch
+        err = (self.layers(x) - y).abs()
+        self.log(f"{prefix}_max", err.max(), reduce_fx="max", on_epoch=True)
+        self.log(f"{prefix}_min", err.amin(), reduce_fx=torch.min, on_epoch=True)
+        self.log(f"{prefix}_sse", (err**2).sum(), reduce_fx="sum", on_epoch=True)
+        self.log(f"{prefix}_rows", float(len(x)), reduce_fx=sum, on_epoch=True)
+        return (err**2).mean()
+
+    def training_step(self, batch, batch_idx):
+        loss = self._errors("train", batch)
+        self.log("train_loss", loss, on_epoch=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self._errors("val", batch))
+
+
+class MedianLogMLP(MLP):
+    """Logs with a reduce_fx that per-micro-batch values cannot be combined into."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("loss_median", loss, reduce_fx=torch.median)
+        return loss
+
+
+class StackedSamplesMLP(MLP):
+    """Its batch is a custom collate's list of one-shape per-sample tensors (12 of shape (8,)), which
+    it stacks: nothing else in the batch counts its rows, so dapple reads 8 rows of 12 fields."""
+
+    def on_before_batch_transfer(self, batch, dataloader_idx):
+        return list(batch[0])
+
+    def training_step(self, batch, batch_idx):
+        return self.layers(torch.stack(batch)).pow(2).mean()

@@ -7,9 +7,11 @@ therefore sets aside the gradients already present (with ``accumulate_grad_batch
 count), runs the schedule, moves its fresh gradients aside and puts the earlier ones back;
 :meth:`MicroBatches.add_fresh_gradients`, called from the strategy's ``backward``, adds them.
 
-Per micro-batch the user's step runs once; its loss is scaled by the micro-batch's share of the
-global batch, and what it logs is captured and combined into global-batch values known on
-every rank (the last stage's replicas sum them along with their gradients, then share them).
+Per micro-batch the user's step runs once, on the slice that :mod:`dapple_lightning.microbatch`
+cuts; its loss is scaled by the micro-batch's share of the global batch, and what it logs is
+captured and combined by each value's ``reduce_fx`` into global-batch values known on every
+rank (the last stage's replicas sum their shares along with their gradients, then share them).
+A ``predict_step``'s outputs are joined back into the batch's, in row order, on every rank.
 """
 
 from __future__ import annotations
@@ -21,13 +23,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from dapple_lightning.microbatch import Rows, batch_size_of, slice_batch
-from dapple_lightning.runtime import Pending, Pipeline, share
+from dapple_lightning.microbatch import Rows, batch_size_of, concat_slices, map_tensors, slice_batch
+from dapple_lightning.runtime import Pending, Pipeline, StageCall, share
 
-__all__ = ["MicroBatches", "concat_outputs", "to_cpu"]
+__all__ = ["MicroBatches", "to_cpu"]
 
 Logged = dict[str, tuple[float, dict]]
-"""Logged values by name: the weighted sum so far and the ``self.log`` keyword arguments."""
+"""Logged values by name: the global batch's value and the ``self.log`` keyword arguments."""
 
 
 class MicroBatches:
@@ -63,16 +65,16 @@ class MicroBatches:
 
     def evaluate(self, pipeline: Pipeline, hook: str, args: tuple, kwargs: dict, context: Callable) -> Any:
         """A forward-only step; ``predict_step`` returns the whole batch's predictions in row order on every rank."""
-        outputs: list[tuple[int, Any]] = []
+        outputs: list[tuple[Rows, Any]] = []
         _, logged = self.run(pipeline, hook, args, kwargs, train=False, context=context, outputs=outputs)
         self.log(logged)
         if hook != "predict_step":
             return None
-        # Only last-stage ranks hold outputs, one per micro-batch slice; put them in row order.
+        # Only last-stage ranks hold outputs, one per micro-batch slice; join them in row order.
         gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, [(start, to_cpu(out)) for start, out in outputs])
-        pieces = [out for _, out in sorted((p for part in gathered for p in part), key=lambda p: p[0])]
-        return concat_outputs(pieces)
+        dist.all_gather_object(gathered, [(rows, to_cpu(out)) for rows, out in outputs])
+        pieces = sorted((p for part in gathered for p in part), key=lambda p: p[0].start)
+        return concat_slices([out for _, out in pieces], [len(rows) for rows, _ in pieces], "predict_step's output")
 
     def run(
         self,
@@ -83,24 +85,29 @@ class MicroBatches:
         *,
         train: bool,
         context: Callable,
-        outputs: list[tuple[int, Any]] | None = None,
+        outputs: list[tuple[Rows, Any]] | None = None,
     ) -> tuple[float, Logged]:
         """Run the user's ``hook`` over one global batch on ``pipeline``; the global loss and logged values."""
         module = self.module
         batch, rest = args[0], args[1:]
         total = batch_size_of(batch)
         step_fn = getattr(module, hook)
-        capture = _LogCapture(total)
+        last = pipeline.plan.stages[-1]
+        capture = _LogCapture(total, last.replicas, pipeline.replica if pipeline.is_last else 0)
         loss_sum = 0.0
 
         def forward(m: int, rows: Rows) -> Tensor | None:
             nonlocal loss_sum
             weight = len(rows) / total
-            capture.weight = weight
-            out = step_fn(slice_batch(batch, rows), *rest, **kwargs)
+            capture.begin(m, weight)
+            try:
+                out = step_fn(slice_batch(batch, rows), *rest, **kwargs)
+            finally:  # also when the step ends at this stage's exit
+                if pipeline.is_first:
+                    _check_input_rows(pipeline.module.call, m, rows, total)
             if not train:
                 if outputs is not None:
-                    outputs.append((rows.start, out))
+                    outputs.append((rows, out))
                 return None
             loss = out.get("loss") if isinstance(out, Mapping) else out
             if not isinstance(loss, Tensor):
@@ -112,26 +119,30 @@ class MicroBatches:
             return loss * weight
 
         def carry() -> Tensor:  # this replica's share, summed along with the gradients
-            return _flatten_values(loss_sum, capture.values)
+            return capture.flatten(loss_sum)
 
         module.log = capture.log  # instance attribute shadows the method during the step
         try:
             stats = pipeline.run(total, forward, train=train, forward_context=context, carry=carry)
         finally:
             del module.log
-        return self._combine(pipeline, loss_sum, capture.values, stats.carried)
+        return self._combine(pipeline, loss_sum, capture, stats.carried)
 
-    def _combine(self, pipeline: Pipeline, loss: float, values: Logged, summed: Tensor | None) -> tuple[float, Logged]:
-        """Sum the weighted values of the last stage's replicas (``summed`` when they rode along
-        with the gradients); share them with every rank."""
+    def _combine(
+        self, pipeline: Pipeline, loss: float, capture: _LogCapture, summed: Tensor | None
+    ) -> tuple[float, Logged]:
+        """Combine the last stage's replicas' shares (``summed`` when they rode along with the
+        gradients) into the global batch's loss and logged values; share them with every rank."""
         plan = pipeline.plan
         last_ranks = plan.stage_ranks(plan.num_stages - 1)
-        if pipeline.is_last and len(last_ranks) > 1:
-            if summed is None:  # an evaluation step: no gradients to ride along with
-                summed = _flatten_values(loss, values).to(self.device)  # NCCL sums device tensors only
+        values: Logged = {}
+        if pipeline.is_last:
+            if len(last_ranks) == 1:
+                summed = capture.flatten(loss)
+            elif summed is None:  # an evaluation step: no gradients to ride along with
+                summed = capture.flatten(loss).to(self.device)  # NCCL sums device tensors only
                 dist.all_reduce(summed, group=pipeline.stage_group)
-            loss = float(summed[0])
-            values = {n: (float(v), values[n][1]) for n, v in zip(sorted(values), summed[1:].tolist(), strict=True)}
+            loss, values = capture.unflatten(summed)
         if dist.get_world_size() > len(last_ranks):  # ranks outside the last stage learn the values
             self.shared.wait()  # the previous step's, long done
             loss, values = share((loss, values), last_ranks[0], self.device, self.shared)
@@ -142,13 +153,68 @@ class MicroBatches:
             self.module.log(name, torch.tensor(value, dtype=torch.float32), **kwargs)
 
 
-class _LogCapture:
-    """Collects what the user's step logs, weighted by each micro-batch's share of the batch."""
+_REDUCTIONS: dict[Any, str] = {
+    **{name: name for name in ("mean", "sum", "max", "min")},
+    "avg": "mean",
+    torch.mean: "mean",
+    torch.sum: "sum",
+    sum: "sum",
+    torch.max: "max",
+    max: "max",
+    torch.min: "min",
+    min: "min",
+}
+"""``self.log``'s ``reduce_fx`` values Lightning accepts, and the reduction each names."""
 
-    def __init__(self, batch_rows: int) -> None:
-        self.batch_rows = batch_rows
-        self.weight = 1.0
-        self.values: Logged = {}
+
+def _reduction(name: str, reduce_fx: Any) -> str:
+    try:
+        found = _REDUCTIONS.get(reduce_fx.lower() if isinstance(reduce_fx, str) else reduce_fx)
+    except TypeError:  # unhashable
+        found = None
+    if found is None:
+        raise ValueError(
+            f"self.log({name!r}, ..., reduce_fx={reduce_fx!r}): dapple combines a value logged per micro-batch into "
+            "the global batch's value exactly for reduce_fx 'mean' (weighted by rows), 'sum', 'max' and 'min' only, "
+            "as Lightning accepts; reduce the batch yourself and log the result with one of them"
+        )
+    return found
+
+
+def _reduce(how: str, values: list[float]) -> float:
+    if how == "mean":  # the values are already weighted by their rows' share of the batch
+        how = "sum"
+    return float(getattr(torch, how)(torch.tensor(values, dtype=torch.float64)))
+
+
+class _LogCapture:
+    """Collects what the user's step logs in each micro-batch and combines it into the batch's value.
+
+    Per name, a micro-batch's last value counts, as a step's does on one device. The micro-batch
+    values combine by the name's ``reduce_fx``, and so do the last stage's replicas' results:
+
+    ========== ===================================== =====================================
+    reduce_fx  micro-batches on one replica          the last stage's replicas
+    ========== ===================================== =====================================
+    mean       sum of value x rows / batch rows      sum
+    sum        sum                                   sum
+    max, min   max, min                              one slot each in the sum, then max, min
+    ========== ===================================== =====================================
+
+    The result is one device's value when the step logs a mean (sum, max, min) over its rows.
+    """
+
+    def __init__(self, batch_rows: int, replicas: int, replica: int) -> None:
+        self.batch_rows, self.replicas, self.replica = batch_rows, replicas, replica
+        self.micro_batch, self.weight = 0, 1.0
+        self.seen: dict[str, dict[int, float]] = {}
+        """By name, by micro-batch: the value logged, times the weight for a mean."""
+        self.how: dict[str, str] = {}
+        self.kwargs: dict[str, dict] = {}
+
+    def begin(self, micro_batch: int, weight: float) -> None:
+        """Values logged from now on belong to ``micro_batch``, a ``weight`` share of the batch's rows."""
+        self.micro_batch, self.weight = micro_batch, weight
 
     def log(self, name: str, value: Any, **kwargs: Any) -> None:
         if isinstance(value, Tensor):
@@ -162,35 +228,50 @@ class _LogCapture:
                 f"self.log({name!r}, ...) got a {type(value).__name__}; under dapple log tensors or numbers "
                 "(metric objects are updated per micro-batch on the last stage only; log their computed value)"
             )
+        how = _reduction(name, kwargs.get("reduce_fx", "mean"))
         kwargs.pop("sync_dist", None)  # values are combined exactly; nothing left to sync
         kwargs.pop("sync_dist_group", None)
         kwargs.setdefault("batch_size", self.batch_rows)
-        total, _ = self.values.get(name, (0.0, kwargs))
-        self.values[name] = (total + number * self.weight, kwargs)
+        self.how.setdefault(name, how)
+        self.kwargs.setdefault(name, kwargs)
+        self.seen.setdefault(name, {})[self.micro_batch] = number * self.weight if how == "mean" else number
+
+    def flatten(self, loss: float) -> Tensor:
+        """The loss and this replica's values (in name order) as one float64 tensor, to be summed over
+        the last stage's replicas; a max or min has a slot per replica, 0 but in this one's."""
+        flat = [loss]
+        for name in sorted(self.seen):
+            how, value = self.how[name], _reduce(self.how[name], list(self.seen[name].values()))
+            if how in ("max", "min"):
+                flat.extend(value if r == self.replica else 0.0 for r in range(self.replicas))
+            else:
+                flat.append(value)
+        return torch.tensor(flat, dtype=torch.float64)
+
+    def unflatten(self, summed: Tensor) -> tuple[float, Logged]:
+        """The loss and the batch's logged values from the sum of :meth:`flatten` over the replicas."""
+        flat = summed.tolist()
+        loss, at, logged = flat[0], 1, {}
+        for name in sorted(self.seen):
+            width = self.replicas if self.how[name] in ("max", "min") else 1
+            logged[name] = (_reduce(self.how[name], flat[at : at + width]), self.kwargs[name])
+            at += width
+        return loss, logged
 
 
-def _flatten_values(loss: float, values: Logged) -> Tensor:
-    """The loss and the logged values (in name order) as one float64 tensor, to be summed."""
-    return torch.tensor([loss, *(values[n][0] for n in sorted(values))], dtype=torch.float64)
+def _check_input_rows(call: StageCall | None, m: int, rows: Rows, total: int) -> None:
+    """The first stage's input must hold the slice's rows in dim 0, or the batch was read wrongly."""
+    shapes = [tuple(t.shape) for t in (call.inputs if call is not None else [])]
+    if any(not shape or shape[0] != len(rows) for shape in shapes):
+        raise ValueError(
+            f"the pipelined Sequential's input has shape {shapes if len(shapes) > 1 else shapes[0]} in micro-batch "
+            f"{m}, whose slice is rows [{rows.start}, {rows.stop}) of a batch dapple read as {total} rows; it must "
+            f"have the slice's {len(rows)} rows in dim 0. dapple reads a list of tensors that share dim 0 as fields "
+            "of the batch (default_collate's [x, y]): per-sample tensors of one shape belong stacked in one tensor, "
+            "or beside a tensor with the batch's rows (the rules: dapple_lightning.microbatch)"
+        )
 
 
 def to_cpu(value: Any) -> Any:
-    if isinstance(value, Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return {k: to_cpu(v) for k, v in value.items()}
-    return value
-
-
-def concat_outputs(pieces: list[Any]) -> Any:
-    """Join per-slice outputs along the batch: tensors are concatenated, containers element-wise."""
-    if not pieces:
-        return None
-    first = pieces[0]
-    if isinstance(first, Tensor):
-        return torch.cat(pieces) if first.dim() > 0 else pieces
-    if isinstance(first, tuple | list):
-        return type(first)(concat_outputs(list(parts)) for parts in zip(*pieces))
-    if isinstance(first, Mapping):
-        return {k: concat_outputs([p[k] for p in pieces]) for k in first}
-    return pieces
+    """``value`` with every tensor in it detached and on the CPU."""
+    return map_tensors(value, lambda t: t.detach().cpu())

@@ -1,13 +1,15 @@
 """Trains a small MLP with dapple, launched plainly, and fails on purpose on one rank.
 
 Usage: python faulty.py OUT_DIR WHERE RANK
-WHERE: layer | step | callback | data | kill. The chosen rank writes `pid-<rank>` files for the
-test to check that no process is left behind.
+WHERE: layer | step | callback | data | kill. Every rank writes a `pid-<rank>` file for the test
+to check that no process is left behind; the failing rank writes `failed-at` (the time it fails)
+for the test to measure how long the others take to end.
 """
 
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -29,6 +31,13 @@ def rank() -> int:
     return int(os.environ.get("LOCAL_RANK", 0))
 
 
+def fail() -> None:
+    (out / "failed-at").write_text(repr(time.time()))
+    if where == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise ValueError(MESSAGE)
+
+
 class Bomb(nn.Module):
     """Identity layer that raises on the chosen rank at the chosen step."""
 
@@ -36,7 +45,7 @@ class Bomb(nn.Module):
 
     def forward(self, x):
         if where == "layer" and rank() == bad_rank and Bomb.step == FAIL_AT_STEP:
-            raise ValueError(MESSAGE)
+            fail()
         return x
 
 
@@ -48,9 +57,9 @@ class Faulty(models.MLP):
     def training_step(self, batch, batch_idx):
         Bomb.step = batch_idx
         if where == "step" and rank() == bad_rank and batch_idx == FAIL_AT_STEP:
-            raise ValueError(MESSAGE)
+            fail()
         if where == "kill" and rank() == bad_rank and batch_idx == FAIL_AT_STEP:
-            os.kill(os.getpid(), signal.SIGKILL)
+            fail()
         return super().training_step(batch, batch_idx)
 
 
@@ -63,14 +72,14 @@ class Rows(Dataset):
 
     def __getitem__(self, i):
         if where == "data" and rank() == bad_rank and i == FAIL_AT_STEP * models.BATCH:
-            raise ValueError(MESSAGE)
+            fail()
         return self.data[i]
 
 
 class FailInCallback(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if where == "callback" and trainer.global_rank == bad_rank and batch_idx == FAIL_AT_STEP:
-            raise ValueError(MESSAGE)
+            fail()
 
 
 (out / f"pid-{rank()}").write_text(str(os.getpid()))

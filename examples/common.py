@@ -21,6 +21,7 @@ than in the constructor.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from datetime import timedelta
@@ -101,7 +102,9 @@ class LossReport(Callback):
         if timed:
             report["samples_per_s"] = self.rows / statistics.median(timed)
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        (self.out_dir / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
+        tmp = self.out_dir / f".{REPORT_FILE}.tmp"
+        tmp.write_text(json.dumps(report, indent=2) + "\n")
+        os.replace(tmp, self.out_dir / REPORT_FILE)  # never a half-written report
         lines = [f"losses ({self.out_dir / REPORT_FILE}):"]
         for name, r in report.items():
             if name == "samples_per_s":

@@ -9,6 +9,7 @@ step each stage spent idle.
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -100,7 +101,9 @@ def write_chrome_trace(events: Iterable[Event], path: str | Path) -> Path:
         )
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}))
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}))
+    os.replace(tmp, path)  # a crash mid-write keeps the previous trace whole
     return path
 
 

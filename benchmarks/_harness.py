@@ -76,13 +76,11 @@ def lightning_timer():
     return StepTimer()
 
 
-def timed_trainer(strategy: Any, devices: int, max_steps: int):
-    """A bare Lightning ``Trainer`` (no logger, progress bar, checkpoints, validation) that
-    records every training step; returns it and the timer callback (``timer.rec.data``)."""
+def bare_trainer(strategy: Any, devices: int, max_steps: int, callbacks: list[Any]):
+    """A bare Lightning ``Trainer``: no logger, progress bar, checkpoints or validation."""
     import lightning.pytorch as pl
 
-    timer = lightning_timer()
-    trainer = pl.Trainer(
+    return pl.Trainer(
         accelerator="cpu",
         devices=devices,
         strategy=strategy,
@@ -93,9 +91,15 @@ def timed_trainer(strategy: Any, devices: int, max_steps: int):
         enable_model_summary=False,
         limit_val_batches=0,
         num_sanity_val_steps=0,
-        callbacks=[timer],
+        callbacks=callbacks,
     )
-    return trainer, timer
+
+
+def timed_trainer(strategy: Any, devices: int, max_steps: int):
+    """:func:`bare_trainer` recording every training step; returns it and the timer callback
+    (``timer.rec.data``)."""
+    timer = lightning_timer()
+    return bare_trainer(strategy, devices, max_steps, [timer]), timer
 
 
 def write_record(rank: int, record: dict[str, Any]) -> None:

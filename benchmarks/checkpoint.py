@@ -25,10 +25,10 @@ state itself and, in a full save, receives the other half from rank 2; rank 1 ow
 Measured per save, on every rank (the table shows rank 0's, and the median peak of ranks 1 and 2):
 
 * save: wall time from the call to the file or directory being complete (for an asynchronous
-  save, until ``strategy._checkpoints.wait()`` returns);
+  save, until ``strategy.wait_for_checkpoint()`` returns);
 * blocked: wall time until ``trainer.save_checkpoint`` returns (Lightning ends it with a barrier
   of all ranks), i.e. how long training waits;
-* peak extra memory: ``VmHWM`` after the save (after ``wait()`` for asynchronous saves) minus
+* peak extra memory: ``VmHWM`` after the save (after ``wait_for_checkpoint()`` for asynchronous saves) minus
   ``VmRSS`` before it, with the high-water mark reset right before the save by writing ``5`` to
   ``/proc/self/clear_refs`` (Linux; the script checks that the reset works first);
 * CPU seconds of the save, summed over the ranks (all threads).
@@ -152,7 +152,7 @@ def saver(args: argparse.Namespace, record: dict[str, Any]):
     class Saver(pl.Callback):
         def on_train_end(self, trainer, pl_module) -> None:
             strategy = trainer.strategy
-            pending = getattr(strategy, "_checkpoints", None)  # dapple after 230e227: the async writer
+            wait = getattr(strategy, "wait_for_checkpoint", None)  # dapple after 230e227: async saves
             rank = trainer.global_rank
             for i in range(args.warmup + args.saves):
                 path = Path(args.dir) / f"{args.worker}-{i}.ckpt"
@@ -162,8 +162,8 @@ def saver(args: argparse.Namespace, record: dict[str, Any]):
                 cpu, t0 = time.process_time(), time.perf_counter()
                 trainer.save_checkpoint(path)
                 t1 = time.perf_counter()
-                if pending is not None:
-                    pending.wait()
+                if wait is not None:
+                    wait()
                 t2 = time.perf_counter()
                 peak = memory_status()["VmHWM"]
                 cpu = time.process_time() - cpu
@@ -188,7 +188,6 @@ def saver(args: argparse.Namespace, record: dict[str, Any]):
 def run_worker(args: argparse.Namespace) -> None:
     if args.before:
         sys.path.insert(0, str(Path(args.before).resolve()))  # the old dapple_lightning wins
-    import lightning.pytorch as pl
     import torch
     import torch.distributed as dist
     from torch.utils.data import DataLoader, TensorDataset
@@ -205,19 +204,7 @@ def run_worker(args: argparse.Namespace) -> None:
         strategy = DappleStrategy(PLAN, start_method="popen", **OPTIONS[args.worker])
         batch_size = BATCH  # the plan acts as one device: every rank sees the global batch
     record: dict[str, Any] = {}
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=WORLD,
-        strategy=strategy,
-        max_steps=STEPS,
-        logger=False,
-        enable_progress_bar=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        callbacks=[saver(args, record)],
-    )
+    trainer = _harness.bare_trainer(strategy, WORLD, STEPS, [saver(args, record)])
     trainer.fit(module, train_dataloaders=DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False))
     if args.worker != "ddp":
         record["dapple_lightning"] = str(Path(dapple_lightning.__file__).parent)

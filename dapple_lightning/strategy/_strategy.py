@@ -213,8 +213,7 @@ class DappleStrategy(ParallelStrategy):
             )
 
     def _leave(self) -> None:
-        """At exit, finish a save still in flight, then leave the process group (without an explicit
-        destroy, gloo's threads die at exit: "terminate called without an active exception")."""
+        """At exit, finish a save in flight, then leave the group (or gloo aborts the process)."""
         try:
             self._checkpoints.wait()
         finally:
@@ -427,6 +426,10 @@ class DappleStrategy(ParallelStrategy):
         if self._spawned_ranks_kept_state:
             raise RuntimeError(STATE_LEFT_IN_SPAWNED_RANKS)
         self._checkpoints.save(checkpoint, filepath, storage_options, self.checkpoint_io)
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until an asynchronous save in flight is written; raise its error (collective-free)."""
+        self._checkpoints.wait()
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

@@ -35,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dapple_lightning import DappleStrategy
 from dapple_lightning.microbatch import batch_size_of
-from dapple_lightning.search import resolve_plan_spec
+from dapple_lightning.search import explain_choice, resolve_plan_spec
 
 __all__ = ["LossReport", "make_trainer", "output_dir"]
 
@@ -100,7 +100,11 @@ class LossReport(Callback):
         }
         timed = self.step_s[self.warmup_steps :] or self.step_s
         if timed:
-            report["samples_per_s"] = self.rows / statistics.median(timed)
+            median = statistics.median(timed)
+            report["samples_per_s"] = self.rows / median
+            if len(timed) >= 4:  # half the interquartile range, relative: how far apart plans must be
+                q1, _, q3 = statistics.quantiles(timed, n=4)
+                report["samples_per_s_spread"] = (q3 - q1) / 2 / median
         self.out_dir.mkdir(parents=True, exist_ok=True)
         tmp = self.out_dir / f".{REPORT_FILE}.tmp"
         tmp.write_text(json.dumps(report, indent=2) + "\n")
@@ -109,6 +113,8 @@ class LossReport(Callback):
         for name, r in report.items():
             if name == "samples_per_s":
                 lines.append(f"  throughput {r:.1f} samples/s (median step after {self.warmup_steps} warm-up steps)")
+                continue
+            if name == "samples_per_s_spread":
                 continue
             lines.append(
                 f"  {name:<10} first {r['first']:.4f} (after step {r['first_step']})  "
@@ -127,8 +133,9 @@ def job_result(out_dir: str | Path) -> dict[str, float] | None:
         return None
     report = json.loads(path.read_text())
     result = {name: r["last"] for name, r in report.items() if isinstance(r, dict)}
-    if "samples_per_s" in report:
-        result["samples_per_s"] = report["samples_per_s"]
+    for key in ("samples_per_s", "samples_per_s_spread"):
+        if key in report:
+            result[key] = report[key]
     return result
 
 
@@ -140,6 +147,11 @@ def fit(cfg: DictConfig, model: LightningModule, data: Any) -> Trainer:
         )
     trainer = make_trainer(cfg)
     trainer.fit(model, datamodule=data)
+    spec = cfg.plan
+    if trainer.is_global_zero and isinstance(spec, str) and spec.strip().startswith("optuna://"):
+        # Trained with a search's choice: show what it measured and how this run compares.
+        report = json.loads((output_dir() / REPORT_FILE).read_text())
+        print(explain_choice(spec, report.get("samples_per_s")), flush=True)
     return trainer
 
 

@@ -47,7 +47,8 @@ from dapple_lightning.search._loop import (
     optimize,
 )
 from dapple_lightning.search._redact import redact, spells_secret
-from dapple_lightning.search._results import best_trial, trial_plan
+from dapple_lightning.search._results import best_choice, trial_plan
+from dapple_lightning.search._seed import BASELINES, baseline_plans
 from dapple_lightning.search._space import PlanSpace, describe_plan
 
 __all__ = ["SweepSettings", "plan_override", "run_sweep"]
@@ -75,6 +76,7 @@ class SweepSettings:
     plan_key: str = "plan"
     allow_mismatch: bool = False
     enqueue: tuple[Any, ...] = ()
+    baselines: tuple[str, ...] = BASELINES
 
     def __post_init__(self) -> None:
         if self.sampler not in ("tpe", "random"):
@@ -104,7 +106,7 @@ class SweepSettings:
         def tup(value: Any) -> tuple | None:
             return None if value is None else tuple(value)
 
-        for key in ("directions", "metrics", "enqueue"):
+        for key in ("directions", "metrics", "enqueue", "baselines"):
             if key in settings:
                 settings[key] = tup(settings[key])
         if settings.get("enqueue") is None:
@@ -127,6 +129,10 @@ class SweepSettings:
 
     def fingerprint(self) -> Fingerprint:
         return Fingerprint(self.num_layers, "", self.world_size, self.device, self.global_batch)
+
+
+SPREAD_KEY = "samples_per_s_spread"
+"""A job's returned relative spread of its throughput (half the interquartile range over the median)."""
 
 
 def _value(value: Any) -> str:
@@ -206,6 +212,8 @@ def run_sweep(sweeper: Any, settings: SweepSettings, arguments: list[str]) -> li
         allow_mismatch=settings.allow_mismatch,
         say=say,
     )
+    for name, plan in baseline_plans(space, settings.baselines):  # measured first: what a found plan must beat
+        enqueue_plans(study, space, [plan], source=name)
     enqueue_plans(study, space, settings.enqueue)
     sweep_dir = Path(str(config.hydra.sweep.dir))
     sweep_dir.mkdir(parents=True, exist_ok=True)
@@ -277,6 +285,8 @@ def _outcome(ret: Any, settings: SweepSettings) -> Outcome:
         values = _objective(ret.return_value, settings)
     except (TypeError, ValueError, KeyError) as e:
         return Outcome(TrialState.FAIL, attrs={**attrs, "fail_reason": f"{type(e).__name__}: {e}"}, summary=f"FAIL {e}")
+    if isinstance(ret.return_value, Mapping) and isinstance(ret.return_value.get(SPREAD_KEY), int | float):
+        attrs["spread"] = float(ret.return_value[SPREAD_KEY])  # how far apart two plans must be to be told apart
     return Outcome(TrialState.COMPLETE, tuple(values), attrs, summary=", ".join(f"{v:.4g}" for v in values))
 
 
@@ -284,10 +294,12 @@ def _write_results(study: optuna.Study, sweep_dir: Path, say: Any) -> None:
     from omegaconf import OmegaConf
 
     try:
-        best = best_trial(study)
+        best, note = best_choice(study)
     except ValueError:
         say("no trial completed")
         return
+    if note:
+        say(note)
     plan = trial_plan(best, study)
     results = {
         "name": "dapple",

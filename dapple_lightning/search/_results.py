@@ -22,15 +22,17 @@ from dapple_lightning.plan import Plan
 from dapple_lightning.search._config import DEFAULT_STORAGE
 from dapple_lightning.search._fingerprint import Fingerprint, check_fingerprint
 from dapple_lightning.search._redact import cause, redact, storage_error
-from dapple_lightning.search._space import plan_from_params
+from dapple_lightning.search._space import describe_plan, plan_from_params
 
 if TYPE_CHECKING:
     from dapple_lightning.strategy import DappleStrategy
 
 __all__ = [
     "STUDY_SCHEME",
+    "best_choice",
     "best_plan",
     "best_trial",
+    "explain_choice",
     "load_search",
     "ranked_trials",
     "resolve_plan_spec",
@@ -91,8 +93,73 @@ def ranked_trials(study: optuna.Study) -> list[FrozenTrial]:
     return sorted(trials, key=lambda t: sign * t.values[0])
 
 
+MIN_SPREAD = 0.03
+"""Relative measurement spread assumed for a trial that recorded none (or less)."""
+
+
+def spread(trial: FrozenTrial) -> float:
+    """The trial's relative measurement spread (half the interquartile range of its step times over
+    their median), at least :data:`MIN_SPREAD`."""
+    value = trial.user_attrs.get("spread")
+    return max(float(value), MIN_SPREAD) if isinstance(value, int | float) else MIN_SPREAD
+
+
+def best_choice(study: optuna.Study) -> tuple[FrozenTrial, str | None]:
+    """The trial to train with, and a note when the fastest one could not be told apart from data parallelism.
+
+    The fastest completed trial, unless data parallelism was measured within the two trials'
+    spreads of it: then the difference is noise and data parallelism, the simpler plan, is chosen.
+
+    Raises:
+        ValueError: When no trial has completed yet.
+    """
+    leader = best_trial(study)
+    if len(study.directions) > 1 or study.directions[0] != optuna.study.StudyDirection.MAXIMIZE:
+        return leader, None
+    dp = next((t for t in ranked_trials(study) if trial_plan(t, study).num_stages == 1), None)
+    if dp is None or dp.number == leader.number:
+        return leader, None
+    noise = spread(leader) + spread(dp)
+    lead = leader.values[0] / dp.values[0] - 1
+    if lead > noise:
+        return leader, None
+    note = (
+        f"trial {leader.number} ({describe_plan(trial_plan(leader, study))}, {leader.values[0]:.1f}) leads data "
+        f"parallelism (trial {dp.number}, {dp.values[0]:.1f}) by {lead:+.1%}, within the measurements' spread "
+        f"({noise:.1%}): they cannot be told apart, so the simpler plan, data parallelism, is chosen"
+    )
+    return dp, note
+
+
+def explain_choice(spec: str, samples_per_s: float | None = None) -> str:
+    """What the study named by ``spec`` (``optuna://STORAGE?study=NAME``) measured and chose, for
+    printing after training with it; with this run's ``samples_per_s``, how that compares with the
+    study's data-parallel trial."""
+    storage, params = _split_study_query(spec.strip()[len(STUDY_SCHEME) :])
+    study = load_search(storage, params["study"])
+    chosen, note = best_choice(study)
+    ranked = ranked_trials(study)
+    lines = [f"plan search {params['study']!r}: {len(ranked)} trials measured, fastest first"]
+    for t in ranked[:6]:
+        mark = "  <- chosen" if t.number == chosen.number else ""
+        plan = describe_plan(trial_plan(t, study))
+        lines.append(f"  trial {t.number:>3}  {t.values[0]:8.1f} samples/s +-{spread(t):.0%}  {plan}{mark}")
+    if note:
+        lines.append(f"  {note}")
+    dp = next((t for t in ranked if trial_plan(t, study).num_stages == 1), None)
+    if samples_per_s is not None and dp is not None:
+        ratio = samples_per_s / dp.values[0]
+        lines.append(
+            f"this run: {samples_per_s:.1f} samples/s with the chosen plan, {ratio:.2f}x data parallelism's "
+            f"{dp.values[0]:.1f} samples/s (trial {dp.number})"
+        )
+    elif dp is None:
+        lines.append("  data parallelism was not measured in this study")
+    return redact("\n".join(lines), storage)
+
+
 def best_trial(study: optuna.Study) -> FrozenTrial:
-    """The best completed trial: the fastest (for a multi-objective study: the fastest of the Pareto front).
+    """The fastest completed trial (for a multi-objective study: the fastest of the Pareto front).
 
     Raises:
         ValueError: When no trial has completed yet.
@@ -134,7 +201,7 @@ def best_plan(
     """
     study = load_search(storage, study_name)
     _check(study, fingerprint, allow_mismatch)
-    return trial_plan(best_trial(study), study)
+    return trial_plan(best_choice(study)[0], study)
 
 
 def strategy_from_study(

@@ -17,7 +17,10 @@ from typing import Any
 from dapple_lightning.plan import Plan
 from dapple_lightning.search._space import PlanSpace
 
-__all__ = ["SeedPlan", "local_cluster", "planner_seeds"]
+__all__ = ["BASELINES", "SeedPlan", "baseline_plans", "local_cluster", "planner_seeds"]
+
+BASELINES = ("data_parallel", "straight")
+"""Plans every search measures first, by name: the simplest alternatives a found plan must beat."""
 
 
 @dataclass(frozen=True)
@@ -83,3 +86,24 @@ def planner_seeds(profile: dict[str, Any], space: PlanSpace, top: int) -> list[S
         if space.contains(plan) and plan not in (s.plan for s in out):
             out.append(SeedPlan(plan, rank, p.predicted_step_s))
     return out[:top]
+
+
+def baseline_plans(space: PlanSpace, names: tuple[str, ...] = BASELINES) -> list[tuple[str, Plan]]:
+    """The named baselines that lie in ``space``: ``data_parallel`` (one stage on every rank, one
+    micro-batch) and ``straight`` (one rank per stage, layers split evenly, ``2 x stages`` micro-batches)."""
+    out = []
+    for name in names:
+        if name == "data_parallel":
+            plan = Plan.data_parallel(space.num_layers, space.world_size)
+        elif name == "straight":
+            if space.world_size < 2 or space.world_size > space.num_layers:
+                continue
+            plan = Plan.straight(space.num_layers, space.world_size)
+        else:
+            raise ValueError(f"unknown baseline {name!r}; the baselines are {list(BASELINES)}")
+        try:
+            space.params(plan)
+        except ValueError:
+            continue  # not a plan of this space (e.g. its micro-batch count is excluded)
+        out.append((name, plan))
+    return out

@@ -58,6 +58,9 @@ class DappleSweeperConf:
     """Resume a study made for another model size, world size or batch."""
     enqueue: list[Any] = field(default_factory=list)
     """Plans (mappings or YAML paths) to run first."""
+    baselines: list[str] = field(default_factory=lambda: ["data_parallel", "straight"])
+    """Measured before anything else: data parallelism and a balanced straight pipeline. A plan
+    must beat data parallelism by more than the measurements' spread to be chosen over it."""
 
 
 ConfigStore.instance().store(group="hydra/sweeper", name="dapple", node=DappleSweeperConf, provider="dapple_lightning")

@@ -13,7 +13,9 @@
     python -m dapple_lightning.search plot --study mlp --out plots/
 
 The database is ordinary Optuna storage: ``optuna-dashboard sqlite:///dapple_search.db`` shows the
-study live (``pip install optuna-dashboard``).
+study live (``pip install optuna-dashboard``). Several ``run`` commands on one study share its
+trials (``--storage postgresql://...`` across hosts, a ``--seed`` each); one that dies has its
+running trial measured again by another (``--heartbeat``).
 """
 
 from __future__ import annotations
@@ -62,6 +64,16 @@ def _json_object(text: str) -> dict[str, Any]:
     return value
 
 
+def _heartbeat(text: str) -> int | None:
+    try:
+        seconds = int(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--heartbeat takes whole seconds like 10 (0: off), got {text!r}") from e
+    if seconds < 0:
+        raise argparse.ArgumentTypeError(f"--heartbeat takes whole seconds >= 0 (0: off), got {text!r}")
+    return seconds or None
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     from dapple_lightning.search import DEFAULT_STORAGE
 
@@ -70,6 +82,8 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from dapple_lightning.search._config import DEFAULT_HEARTBEAT_S
+
     parser = argparse.ArgumentParser(
         prog="python -m dapple_lightning.search",
         description="Search DAPPLE plans as hyperparameters: short measured runs in fresh processes, "
@@ -93,7 +107,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--warmup", type=int, default=1, help="untimed steps per trial (default: %(default)s)")
     run.add_argument("--steps", type=int, default=3, help="timed steps per trial (default: %(default)s)")
-    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--seed", type=int, default=0, help="sampler seed; give each worker of one study its own")
+    run.add_argument(
+        "--heartbeat",
+        type=_heartbeat,
+        default=DEFAULT_HEARTBEAT_S,
+        help="seconds between a running trial's heartbeats; a trial silent for 3 of them lost its worker "
+        "and is run again by another (default: %(default)s; 0: off)",
+    )
     run.add_argument("--sampler", choices=("tpe", "random", "grid"), default="tpe")
     run.add_argument("--multi-objective", action="store_true", help="maximize samples/s and minimize peak memory")
     run.add_argument(
@@ -146,6 +167,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         trial=trial,
         storage=args.storage,
         study_name=args.study,
+        heartbeat_s=args.heartbeat,
         n_trials=args.trials if args.trials is not None else (None if args.sampler == "grid" else 20),
         timeout_s=args.timeout,
         sampler=args.sampler,

@@ -10,9 +10,10 @@ from dapple_lightning.search._redact import redact
 from dapple_lightning.search._space import DEFAULT_MAX_PLANS
 from dapple_lightning.search._trial import TrialConfig
 
-__all__ = ["DEFAULT_STORAGE", "SearchConfig"]
+__all__ = ["DEFAULT_HEARTBEAT_S", "DEFAULT_STORAGE", "SearchConfig"]
 
 DEFAULT_STORAGE = "sqlite:///dapple_search.db"
+DEFAULT_HEARTBEAT_S = 10
 _OBJECTIVES_SINGLE = ["samples_per_s"]
 _OBJECTIVES_MULTI = ["samples_per_s", "peak_bytes"]
 
@@ -28,6 +29,11 @@ class SearchConfig:
     shows of it has the password masked (``postgresql://user:***@host/db``)."""
     study_name: str = "dapple"
     """Study in the storage; re-running with the same name resumes it."""
+    heartbeat_s: int | None = DEFAULT_HEARTBEAT_S
+    """Seconds between the heartbeats a running trial records in the storage. Several workers may
+    share one study: a RUNNING trial silent for three intervals lost its worker (on any host), and
+    the next worker to draw a trial ends it and queues its plan again. ``None``: no heartbeat (only
+    a search restarted on the same host finds its predecessor's trials, by their process ids)."""
     n_trials: int | None = 20
     """Measured trials the study should hold (not: trials to add): complete, pruned or failed ones,
     not counting interrupted trials or repeated proposals of an already measured plan (those reuse
@@ -75,6 +81,10 @@ class SearchConfig:
             isinstance(self.n_trials, bool) or not isinstance(self.n_trials, int) or self.n_trials < 1
         ):
             raise ValueError(f"n_trials must be an integer >= 1 or None, got {self.n_trials!r}")
+        if self.heartbeat_s is not None and (
+            isinstance(self.heartbeat_s, bool) or not isinstance(self.heartbeat_s, int) or self.heartbeat_s < 1
+        ):
+            raise ValueError(f"heartbeat_s must be a whole number of seconds >= 1 or None, got {self.heartbeat_s!r}")
         if self.planner_seeds < 0:
             raise ValueError(f"planner_seeds must be >= 0, got {self.planner_seeds}")
         if not isinstance(self.storage, str) or "://" not in self.storage:

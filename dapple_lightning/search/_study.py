@@ -25,6 +25,13 @@ that their parent is gone and kill their own process group; the next run finds t
 RUNNING with a dead owner (same host, pid gone) and marks it then. The sampler's seed is offset
 by the number of trials already in the study, so a resumed search does not replay the random
 start-up choices of the first run.
+
+**Several workers.** Any number of searches may run the same study at once, on one host or many
+(PostgreSQL for many: SQLite's file locks are for one host). Each trial records a heartbeat
+(``heartbeat_s``); when a worker dies, the next trial another worker draws finds the silent trial,
+marks it FAIL and interrupted, and queues its plan once; the study still ends with ``n_trials``
+counted trials. Give each worker its own ``seed``: workers with one seed propose the same plans,
+and a plan another worker is measuring is waited for, not measured twice (see ``_bookkeeping``).
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
+from dapple_lightning.search._bookkeeping import heartbeat_storage
 from dapple_lightning.search._config import SearchConfig
 from dapple_lightning.search._loop import (
     Drawn,
@@ -91,7 +99,7 @@ class PlanSearch:
         # grid: every plan is enqueued; the random sampler only fills what nothing fixed.
         kind = "random" if cfg.sampler == "grid" else cfg.sampler
         self.study = study = open_study(
-            cfg.storage,
+            heartbeat_storage(cfg.storage, cfg.heartbeat_s),
             cfg.study_name,
             fingerprint=info.fingerprint,
             space=space,

@@ -252,6 +252,27 @@ def test_a_step_that_skips_blocks_is_refused_once_it_is_over():
         call.check_called()
 
 
+class CheckpointsBlocks(TinyGPT):
+    def forward(self, idx):
+        t = idx.shape[1]
+        x = self.wte(idx) + self.wpe(torch.arange(t))
+        mask = torch.ones(t, t, dtype=torch.bool).tril()
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, mask, use_reentrant=False)
+        return self.head(self.ln_f(x))
+
+
+def test_activation_checkpointing_around_a_block_is_refused_in_backward():
+    model = CheckpointsBlocks()
+    cut = cut_for(model, THREE, rank=2)
+    received = torch.randn(2, T, D, requires_grad=True)
+    cut.stage.call = StageCall(2, first=False, last=True, blocks=BLOCKS, received=[received])
+    loss = model(torch.randint(0, VOCAB, (2, T))).sum()
+    cut.stage.call = None  # as the executor leaves it before the backward
+    with pytest.raises(RuntimeError, match="block 3 of the pipelined ModuleList was recomputed during backward"):
+        loss.backward()
+
+
 def test_plan_auto_refuses_a_modulelist_and_names_the_fix():
     from dapple_lightning.strategy._refusals import check_before_start
 
@@ -303,3 +324,33 @@ def test_the_strategy_refuses_bad_block_calls_at_the_first_micro_batch(model_cls
     # Every rank sees the bad call before its own blocks end, so each refuses with the same message.
     with pytest.raises(Exception, match=message):
         fit(model_cls, tmp_path, plan=plan(((0, 2), 1), ((2, 4), 1)), loader=tokens, max_steps=1)
+
+
+class HFGPT2(LightningModule):
+    """Hugging Face's GPT-2 (blocks in model.transformer.h, wte tied to lm_head, both outside them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        torch.manual_seed(0)
+        config = GPT2Config(
+            n_layer=4, n_embd=32, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0
+        )
+        config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0
+        self.model = GPT2LMHeadModel(config)
+
+    def training_step(self, batch, batch_idx):
+        idx, _ = batch
+        loss = self.model(input_ids=idx, labels=idx, use_cache=False).loss
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def test_hugging_face_gpt2_matches_single_device(tmp_path, single_device):
+    pytest.importorskip("transformers")
+    got = fit(HFGPT2, tmp_path, plan=TWO_ONE, loader=tokens, strategy_kwargs={"sequential": "model.transformer.h"})
+    assert_same(got, single_device(HFGPT2))

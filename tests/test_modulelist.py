@@ -312,6 +312,21 @@ def test_each_block_runs_only_on_its_stages_ranks(tmp_path):
     assert per_rank == [[each, each, 0, 0], [each, each, 0, 0], [0, 0, each, each]]
 
 
+def test_a_checkpoint_saved_under_the_plan_loads_on_one_device(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
+    _, trained = fit(
+        TinyGPT, tmp_path, plan=THREE, loader=tokens, max_steps=2, enable_checkpointing=True, callbacks=(saver,)
+    )
+    state = torch.load(tmp_path / "ckpt" / "epoch=0-step=2.ckpt", weights_only=False)["state_dict"]
+    assert list(state) == list(TinyGPT().state_dict())
+    fresh = TinyGPT()
+    fresh.load_state_dict(state)
+    for key, value in fresh.state_dict().items():
+        torch.testing.assert_close(value, trained[key], rtol=0, atol=0, msg=key)
+
+
 @pytest.mark.parametrize(
     ("model_cls", "message"),
     [

@@ -9,6 +9,11 @@ hand-off between the two:
 * on later stages it ignores that argument and runs them on what the executor ``received``;
 * it records the inputs and outputs the executor sends and back-propagates, and on every stage
   but the last ends the rest of the user's step with :class:`StageExit` (no loss to compute).
+
+With an ``nn.ModuleList`` container the user's loop calls the blocks one by one instead: the
+same call is then entered at the stage's first block and left at its last
+(:meth:`StageCall.enter`, :meth:`StageCall.leave`), and every block's call is checked against
+the order (:meth:`StageCall.block`); see :mod:`~dapple_lightning.runtime._blocks`.
 """
 
 from __future__ import annotations

@@ -3,10 +3,12 @@
 Everything that changes which modules a LightningModule holds lives here, so that the
 strategy, ``plan="auto"`` and the search all cut and restore a model the same way:
 
-- :func:`find_sequential` finds the container whose children a plan indexes;
+- :func:`find_container` finds the container whose children a plan indexes: an ``nn.Sequential``
+  that forward calls once, or an ``nn.ModuleList`` of blocks that forward loops over
+  (:func:`find_sequential` where only a Sequential will do);
 - :class:`Cut` replaces it, on one rank, by that rank's :class:`~dapple_lightning.runtime.StageModule`
-  (the layers of other stages go to the meta device) and later puts the whole container back
-  with the trained weights;
+  (for a ModuleList: by a list of the stage's blocks and placeholders; the layers of other stages
+  go to the meta device) and later puts the whole container back with the trained weights;
 - :func:`standing_in` and :func:`capture_input` let the user's own step run with something
   else in the container's place (to learn the container's input, or to time what the step
   does around it).
@@ -26,37 +28,66 @@ import torch
 from torch import Tensor, nn
 
 from dapple_lightning.plan import Plan
-from dapple_lightning.runtime import StageExit, StageModule
+from dapple_lightning.runtime import StageExit, StageModule, stand_in_blocks
 
-__all__ = ["Cut", "capture_input", "find_sequential", "partition", "set_submodule", "standing_in", "unchanged"]
+__all__ = [
+    "Container",
+    "Cut",
+    "capture_input",
+    "find_container",
+    "find_sequential",
+    "partition",
+    "set_submodule",
+    "standing_in",
+    "unchanged",
+]
 
 
-def find_sequential(module: nn.Module, name: str | None = None) -> tuple[str, nn.Sequential]:
-    """The ``nn.Sequential`` to pipeline: the one named, or the module's only one."""
+Container = nn.Sequential | nn.ModuleList
+"""What a plan's layer indices index: a Sequential that forward calls once, or a ModuleList of
+blocks that forward loops over (each block called once per micro-batch, in order)."""
+
+
+def find_container(module: nn.Module, name: str | None = None) -> tuple[str, Container]:
+    """The container to pipeline: the one named, or the module's only ``nn.Sequential`` / ``nn.ModuleList``."""
     if name is not None:
         try:
             found = module.get_submodule(name)
         except AttributeError as e:
             raise ValueError(f"sequential={name!r}: the module has no submodule {name!r}") from e
-        if not isinstance(found, nn.Sequential):
+        if not isinstance(found, Container):
             raise TypeError(
-                f"sequential={name!r} is a {type(found).__name__}; dapple pipelines an nn.Sequential of layers"
+                f"sequential={name!r} is a {type(found).__name__}; dapple pipelines an nn.Sequential of layers or "
+                "an nn.ModuleList of blocks that forward loops over"
             )
         return name, found
-    candidates = [(n, m) for n, m in module.named_children() if isinstance(m, nn.Sequential)]
+    candidates = [(n, m) for n, m in module.named_children() if isinstance(m, Container)]
     if len(candidates) == 1:
         return candidates[0]
     if not candidates:
         raise ValueError(
-            f"{type(module).__name__} has no nn.Sequential attribute to pipeline; put the layers to split into "
-            "one nn.Sequential (self.layers = nn.Sequential(...)) or name a nested one with "
-            "DappleStrategy(sequential='path.to.it')"
+            f"{type(module).__name__} has no nn.Sequential or nn.ModuleList attribute to pipeline; put the layers "
+            "to split into one (self.layers = nn.Sequential(...), self.blocks = nn.ModuleList(...)) or name a "
+            "nested one with DappleStrategy(sequential='path.to.it')"
         )
     names = ", ".join(repr(n) for n, _ in candidates)
     raise ValueError(
-        f"{type(module).__name__} has several nn.Sequential attributes ({names}); choose one with "
+        f"{type(module).__name__} has several nn.Sequential/nn.ModuleList attributes ({names}); choose one with "
         f"DappleStrategy(sequential={candidates[0][0]!r})"
     )
+
+
+def find_sequential(module: nn.Module, name: str | None = None) -> tuple[str, nn.Sequential]:
+    """The container to pipeline (:func:`find_container`) where only a Sequential will do: profiling
+    runs its layers as a chain, which the blocks of a ModuleList (with side inputs) are not."""
+    path, found = find_container(module, name)
+    if not isinstance(found, nn.Sequential):
+        raise TypeError(
+            f"the container to pipeline, {path!r}, is an nn.ModuleList: plan='auto' and the plan search profile "
+            "an nn.Sequential's layers as a chain and cannot run blocks with side inputs yet; give an explicit "
+            "plan (DappleStrategy({'stages': [...], 'micro_batches': ...}))"
+        )
+    return path, found
 
 
 def set_submodule(root: nn.Module, path: str, new: nn.Module) -> None:
@@ -66,11 +97,12 @@ def set_submodule(root: nn.Module, path: str, new: nn.Module) -> None:
     setattr(parent, leaf, new)
 
 
-def partition(sequential: nn.Sequential, plan: Plan, rank: int) -> StageModule:
-    """This rank's :class:`StageModule`: the Sequential's layers of its stage, under their own names."""
+def partition(container: Container, plan: Plan, rank: int) -> StageModule:
+    """This rank's :class:`StageModule`: the container's layers of its stage, under their own names."""
     stage = plan.stages[plan.stage_of(rank)]
-    named = list(sequential.named_children())
-    return StageModule(named[stage.start : stage.end])
+    named = list(container.named_children())
+    blocks = len(container) if isinstance(container, nn.ModuleList) else None
+    return StageModule(named[stage.start : stage.end], blocks=blocks)
 
 
 @dataclass
@@ -80,23 +112,36 @@ class Cut:
     Made by :meth:`apply`; :meth:`restore` undoes it. The container object itself is kept (its
     layers of other stages on the meta device), so that restoring gives the user back the very
     modules they built.
+
+    ``stage`` (a :class:`StageModule`) holds the rank's layers under their indices in the
+    container and takes the executor's calls. What sits at ``path`` meanwhile is ``stand_in``: the
+    stage itself for a Sequential; for a ModuleList a list of the container's length, the stage's
+    blocks in their places and placeholders elsewhere (see
+    :func:`~dapple_lightning.runtime.stand_in_blocks`).
     """
 
     module: nn.Module
     path: str
-    container: nn.Sequential
+    container: Container
     stage: StageModule
+    stand_in: nn.Module
+    _unhook: Callable[[], None] = lambda: None
 
     @classmethod
-    def apply(cls, module: nn.Module, path: str, container: nn.Sequential, plan: Plan, rank: int) -> Cut:
+    def apply(cls, module: nn.Module, path: str, container: Container, plan: Plan, rank: int) -> Cut:
         """Replace the container by ``rank``'s stage of ``plan`` and free the other stages' layers."""
         stage = partition(container, plan, rank)
+        unhook: Callable[[], None] = lambda: None  # noqa: E731
+        stand_in: nn.Module = stage
+        if isinstance(container, nn.ModuleList):
+            layers = plan.stages[plan.stage_of(rank)]
+            stand_in, unhook = stand_in_blocks(container, stage, layers.start, layers.end)
         local = set(stage.children())
         for layer in container.children():
             if layer not in local:
                 layer.to("meta")  # frees the memory of layers that live on other ranks
-        set_submodule(module, path, stage)
-        return cls(module, path, container, stage)
+        set_submodule(module, path, stand_in)
+        return cls(module, path, container, stage, stand_in, unhook)
 
     @property
     def prefix(self) -> str:
@@ -111,10 +156,11 @@ class Cut:
         try:
             yield
         finally:
-            set_submodule(self.module, self.path, self.stage)
+            set_submodule(self.module, self.path, self.stand_in)
 
     def restore(self, weights: Mapping[str, Tensor], device: torch.device) -> None:
         """Put the whole container back, its state from ``weights`` (keys relative to the container)."""
+        self._unhook()
         local = set(self.stage.children())
         for layer in self.container.children():
             if layer not in local:

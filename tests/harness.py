@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +27,10 @@ def fit(
     callbacks: tuple = (),
     strategy_kwargs: dict[str, Any] | None = None,
     batch_size: int = models.BATCH,
+    loader: Callable[[int], Any] = models.loader,
     **trainer_kwargs: Any,
 ):
-    """Train ``model_cls`` on tests/models.loader(); return (logged metrics, final state dict)."""
+    """Train ``model_cls`` on ``loader(batch_size)`` (tests/models.loader); return (logged metrics, final state dict)."""
     model = model_cls()
     if plan is not None:
         placement = {
@@ -56,8 +58,8 @@ def fit(
     trainer = Trainer(**options)
     trainer.fit(
         model,
-        train_dataloaders=models.loader(batch_size),
-        val_dataloaders=models.loader(batch_size) if val else None,
+        train_dataloaders=loader(batch_size),
+        val_dataloaders=loader(batch_size) if val else None,
         ckpt_path=ckpt_path,
     )
     return read_metrics(Path(tmp_path) / "run" / "version_0" / "metrics.csv"), model.state_dict()

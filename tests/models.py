@@ -141,9 +141,11 @@ class ManualMLP(MLP):
 
 
 class NoSequential(MLP):
+    """Its layers in an nn.ModuleDict: neither a Sequential nor a ModuleList to pipeline."""
+
     def __init__(self) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(self.layers)
+        self.layers = nn.ModuleDict({str(i): layer for i, layer in enumerate(self.layers)})
 
 
 class TwoSequentials(MLP):

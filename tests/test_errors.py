@@ -47,8 +47,8 @@ def spawn(p: Plan, **kwargs) -> DappleStrategy:
     [
         (models.MLP, spawn(TWO), 3, r"needs 2 ranks \(replicas 1:1\) but the Trainer runs 3"),
         (models.MLP, spawn(plan(((0, 3), 1), ((3, 9), 1))), 2, "model's Sequential has 7 layers"),
-        (models.NoSequential, spawn(TWO), 2, "has no nn.Sequential attribute"),
-        (models.TwoSequentials, spawn(TWO), 2, r"several nn.Sequential attributes \('layers', 'other'\)"),
+        (models.NoSequential, spawn(TWO), 2, "has no nn.Sequential or nn.ModuleList attribute"),
+        (models.TwoSequentials, spawn(TWO), 2, r"several nn.Sequential/nn.ModuleList attributes \('layers', 'other'\)"),
         (models.MLP, spawn(TWO, sequential="body"), 2, "no submodule 'body'"),
     ],
     ids=["world-size", "layer-range", "no-sequential", "two-sequentials", "unknown-name"],

@@ -41,7 +41,7 @@ def test_find_sequential_finds_the_only_one_or_the_named_one_and_says_why_not() 
     with pytest.raises(ValueError, match="no submodule 'nope'"):
         find_sequential(net, "nope")
     net.other = nn.Sequential(nn.Linear(4, 4))
-    with pytest.raises(ValueError, match=r"several nn.Sequential attributes \('layers', 'other'\)"):
+    with pytest.raises(ValueError, match=r"several nn.Sequential/nn.ModuleList attributes \('layers', 'other'\)"):
         find_sequential(net)
 
 

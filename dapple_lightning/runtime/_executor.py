@@ -268,7 +268,7 @@ class Pipeline:
 
     def _forward(self, step: _Step, op: Op) -> None:
         m = op.micro_batch
-        call = StageCall(self.stage, self.is_first, self.is_last)
+        call = StageCall(self.stage, self.is_first, self.is_last, blocks=self.module.blocks)
         if not self.is_first:
             call.received, call.received_tuple = _concat(self.stage, m, step.pieces)
             if step.train and torch.is_grad_enabled():
@@ -287,11 +287,7 @@ class Pipeline:
                 loss = step.forward(m, step.rows[m])
         finally:
             self.module.call = None
-        if call.calls == 0:
-            raise RuntimeError(
-                "training_step/validation_step did not call the pipelined Sequential; dapple needs each step to "
-                "pass the batch through the Sequential exactly once"
-            )
+        call.check_called()
         if self.is_last and step.train and loss is None:
             raise RuntimeError("training_step returned no loss; dapple needs a loss from every micro-batch")
         state = _InFlight(inputs=call.inputs, outputs=call.outputs, loss=loss, as_tuple=call.output_tuple)

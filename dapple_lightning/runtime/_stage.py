@@ -9,6 +9,11 @@ hand-off between the two:
 * on later stages it ignores that argument and runs them on what the executor ``received``;
 * it records the inputs and outputs the executor sends and back-propagates, and on every stage
   but the last ends the rest of the user's step with :class:`StageExit` (no loss to compute).
+
+With an ``nn.ModuleList`` container the user's loop calls the blocks one by one instead: the
+same call is then entered at the stage's first block and left at its last
+(:meth:`StageCall.enter`, :meth:`StageCall.leave`), and every block's call is checked against
+the order (:meth:`StageCall.block`); see :mod:`~dapple_lightning.runtime._blocks`.
 """
 
 from __future__ import annotations
@@ -63,8 +68,17 @@ class StageCall:
     outputs: list[torch.Tensor] | None = None
     output_tuple: bool = False
     calls: int = 0
+    blocks: int | None = None
+    """With a ModuleList container: how many blocks it has (``None`` for a Sequential)."""
+    next_block: int = 0
+    """With a ModuleList container: the block that forward must call next."""
 
     def run(self, layers: Callable[[Activation], Any], arg: Any) -> Any:
+        """Run the stage as one call (a Sequential's layers) on ``arg`` or what was received."""
+        return self.leave(layers(self.enter(arg)))
+
+    def enter(self, arg: Any) -> Activation:
+        """What the stage's first layer runs on: the step's ``arg`` on the first stage, else what was received."""
         self.calls += 1
         if self.calls > 1:
             raise RuntimeError(
@@ -72,14 +86,43 @@ class StageCall:
                 "dapple needs each step to pass the batch through the Sequential exactly once"
             )
         if self.first:
-            self.inputs, as_tuple = as_tensors(arg, "the input of the pipelined Sequential")
+            container = "Sequential" if self.blocks is None else "ModuleList's first block"
+            self.inputs, as_tuple = as_tensors(arg, f"the input of the pipelined {container}")
         else:
             self.inputs, as_tuple = self.received, self.received_tuple
-        out = layers(tuple(self.inputs) if as_tuple else self.inputs[0])
+        return tuple(self.inputs) if as_tuple else self.inputs[0]
+
+    def leave(self, out: Any) -> Any:
+        """Record the stage's output for the executor; end the user's step unless this is the last stage."""
         self.outputs, self.output_tuple = as_tensors(out, f"the output of stage {self.stage}")
         if not self.last:
             raise StageExit
         return out
+
+    def block(self, index: int) -> None:
+        """Forward calls block ``index`` of a ModuleList container (any stage's): it must be the next one."""
+        if index == self.next_block:
+            self.next_block += 1
+            return
+        rule = "dapple needs forward to call every block of the pipelined ModuleList once per micro-batch, in order"
+        if index < self.next_block:
+            raise RuntimeError(f"block {index} was called again after block {self.next_block - 1}; {rule}")
+        raise RuntimeError(f"block {index} was called before block {self.next_block}; {rule}")
+
+    def check_called(self) -> None:
+        """Once the user's step is over: refuse a step that skipped the stage (or, on the last stage, blocks)."""
+        if self.blocks is None:
+            if self.calls == 0:
+                raise RuntimeError(
+                    "training_step/validation_step did not call the pipelined Sequential; dapple needs each step to "
+                    "pass the batch through the Sequential exactly once"
+                )
+            return
+        if self.outputs is None:  # the stage's last block never ran
+            raise RuntimeError(
+                f"training_step/validation_step called {self.next_block} of the {self.blocks} blocks of the pipelined "
+                "ModuleList; dapple needs forward to call every block once per micro-batch, in order"
+            )
 
 
 class StageModule(nn.Sequential):
@@ -90,10 +133,14 @@ class StageModule(nn.Sequential):
     (``call`` is ``None``) it behaves like that slice of the Sequential.
     """
 
-    def __init__(self, layers: Sequence[tuple[str, nn.Module]]) -> None:
+    def __init__(self, layers: Sequence[tuple[str, nn.Module]], *, blocks: int | None = None) -> None:
         super().__init__(OrderedDict(layers))
         # A plain attribute, not a submodule: the executor sets it around each micro-batch.
         self.call: StageCall | None = None
+        self.blocks = blocks
+        """``None`` when the module stands in for a Sequential; with a ModuleList container, its length:
+        the module then only holds the stage's blocks, which forward calls one by one (see
+        :func:`~dapple_lightning.runtime.stand_in_blocks`)."""
 
     def forward(self, input: Any) -> Any:
         if torch._C._current_graph_task_id() != -1:  # called by autograd: a checkpoint recomputes

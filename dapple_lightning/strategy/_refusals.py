@@ -4,10 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch import nn
-
 from dapple_lightning.plan import Plan
-from dapple_lightning.surgery import find_sequential
+from dapple_lightning.surgery import Container, find_container, find_sequential
 
 __all__ = ["SUPPORTED_PRECISION", "check_before_start"]
 
@@ -16,7 +14,7 @@ SUPPORTED_PRECISION = frozenset({"32-true", "32", "64-true", "64", "bf16-mixed",
 
 def check_before_start(
     module: Any, precision: str, sequential_name: str | None, plan: Plan | str, world_size: int
-) -> tuple[str, nn.Sequential]:
+) -> tuple[str, Container]:
     """The container to pipeline (its path and itself), once the module and an explicit plan pass."""
     if not module.automatic_optimization:
         raise ValueError(
@@ -29,7 +27,8 @@ def check_before_start(
             "16-mixed needs a gradient scaler inside the pipeline's backward, which dapple does not run yet: "
             "use precision='bf16-mixed'"
         )
-    name, sequential = find_sequential(module, sequential_name)
-    if isinstance(plan, Plan):
-        plan.check(num_layers=len(sequential), world_size=world_size)
-    return name, sequential
+    if not isinstance(plan, Plan):  # plan="auto" profiles the layers as a chain: a Sequential only
+        return find_sequential(module, sequential_name)
+    name, container = find_container(module, sequential_name)
+    plan.check(num_layers=len(container), world_size=world_size)
+    return name, container

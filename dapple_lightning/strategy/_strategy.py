@@ -42,7 +42,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import _augment_message
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
-from torch import Tensor, nn
+from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader, RandomSampler
 from typing_extensions import override
@@ -57,7 +57,7 @@ from dapple_lightning.strategy._launcher import STATE_LEFT_IN_SPAWNED_RANKS, Spa
 from dapple_lightning.strategy._pipelines import Buffers, Pipelines, broadcast_module
 from dapple_lightning.strategy._refusals import check_before_start
 from dapple_lightning.strategy._step import MicroBatches
-from dapple_lightning.surgery import Cut
+from dapple_lightning.surgery import Container, Cut
 
 __all__ = ["DappleStrategy"]
 
@@ -72,8 +72,8 @@ class DappleStrategy(ParallelStrategy):
             YAML file path. ``"auto"`` (the default) profiles the model and lets the planner
             choose (see :mod:`dapple_lightning.planner`). A plan search's best plan comes from
             :func:`dapple_lightning.search.strategy_from_study`.
-        sequential: attribute path of the ``nn.Sequential`` to pipeline (e.g. ``"layers"`` or
-            ``"model.blocks"``); found automatically when the module has exactly one.
+        sequential: attribute path of the ``nn.Sequential`` or ``nn.ModuleList`` to pipeline (e.g.
+            ``"layers"``, ``"model.transformer.h"``); found automatically when the module has exactly one.
         timeout: how long a rank waits on a peer before giving up; a dead or stuck peer ends
             the job after at most this long.
         start_method: ``"popen"`` re-launches the script once per rank (Lightning's default for
@@ -228,7 +228,7 @@ class DappleStrategy(ParallelStrategy):
         # dapple every rank already logs the exact global value, so the advice would only mislead.
         warnings.filterwarnings("ignore", message=r".*recommended to use `self\.log\(.*sync_dist=True")
 
-    def _validate(self) -> tuple[str, nn.Sequential]:
+    def _validate(self) -> tuple[str, Container]:
         """Check the module and an explicit plan; raises before any process group exists."""
         precision = str(getattr(self.precision_plugin, "precision", "32-true"))
         return check_before_start(
@@ -273,7 +273,7 @@ class DappleStrategy(ParallelStrategy):
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
 
-    def _resolve_plan(self, trainer: Trainer, name: str, sequential: nn.Sequential, pipelines: Pipelines) -> Plan:
+    def _resolve_plan(self, trainer: Trainer, name: str, sequential: Container, pipelines: Pipelines) -> Plan:
         if isinstance(self._plan_spec, Plan):
             return self._plan_spec
         if trainer.state.fn != TrainerFn.FITTING:

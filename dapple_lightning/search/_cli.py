@@ -147,7 +147,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from dapple_lightning.search import PlanSearch, SearchConfig, TrialConfig, best_trial, trial_plan
+    from dapple_lightning.search import PlanSearch, SearchConfig, TrialConfig, best_choice, trial_plan
 
     trial = TrialConfig(
         model=args.model,
@@ -189,16 +189,18 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print("interrupted: the running trial is marked FAIL and queued again; run the same command to resume")
         return 130
     try:
-        best = best_trial(study)
+        best, note = best_choice(study)
     except ValueError as e:
         print(str(e))
         return 1
+    if note:
+        print(f"\n{note}")
     print(f"\nbest: trial {best.number}, {best.values[0]:.1f} samples/s\n{trial_plan(best, study).table()}")
     return 0
 
 
 def _cmd_best(args: argparse.Namespace) -> int:
-    from dapple_lightning.search import format_table, load_search, ranked_trials, trial_plan, trial_rows
+    from dapple_lightning.search import best_choice, format_table, load_search, ranked_trials, trial_plan, trial_rows
 
     study = load_search(args.storage, args.study)
     ranked = ranked_trials(study)
@@ -219,8 +221,11 @@ def _cmd_best(args: argparse.Namespace) -> int:
     title = "Pareto front (samples/s up, peak memory down)" if len(study.directions) > 1 else "fastest plans"
     show(f"study {args.study!r}: {title}")
     show(format_table(rows))
-    best = trial_plan(ranked[0], study)
-    show(f"\nbest (trial {ranked[0].number}):\n{best.table()}")
+    chosen, note = best_choice(study)
+    if note:
+        show(f"\n{note}")
+    best = trial_plan(chosen, study)
+    show(f"\nbest (trial {chosen.number}):\n{best.table()}")
     if args.export is not None:
         write_atomic(args.export, best.to_yaml())  # a reader never sees half a plan
         show(f"\nwrote {args.export} (DappleStrategy(plan={str(args.export)!r}))")

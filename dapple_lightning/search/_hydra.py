@@ -35,12 +35,14 @@ import optuna
 from optuna.trial import TrialState
 
 from dapple_lightning.plan import SCHEDULES, Plan
+from dapple_lightning.search._bookkeeping import heartbeat_storage
 from dapple_lightning.search._files import write_atomic
 from dapple_lightning.search._fingerprint import Fingerprint
 from dapple_lightning.search._loop import (
     Drawn,
     Outcome,
     create_sampler,
+    enqueue_baselines,
     enqueue_plans,
     existing_study,
     open_study,
@@ -48,7 +50,7 @@ from dapple_lightning.search._loop import (
 )
 from dapple_lightning.search._redact import redact, spells_secret
 from dapple_lightning.search._results import best_choice, trial_plan
-from dapple_lightning.search._seed import BASELINES, baseline_plans
+from dapple_lightning.search._seed import BASELINES
 from dapple_lightning.search._space import PlanSpace, describe_plan
 
 __all__ = ["SweepSettings", "plan_override", "run_sweep"]
@@ -77,6 +79,7 @@ class SweepSettings:
     allow_mismatch: bool = False
     enqueue: tuple[Any, ...] = ()
     baselines: tuple[str, ...] = BASELINES
+    heartbeat_s: int | None = 10
 
     def __post_init__(self) -> None:
         if self.sampler not in ("tpe", "random"):
@@ -200,7 +203,7 @@ def run_sweep(sweeper: Any, settings: SweepSettings, arguments: list[str]) -> li
         log.info(redact(line, settings.storage))
 
     study = open_study(
-        settings.storage,
+        heartbeat_storage(settings.storage, settings.heartbeat_s),
         settings.study_name,
         fingerprint=settings.fingerprint(),
         space=space,
@@ -212,8 +215,7 @@ def run_sweep(sweeper: Any, settings: SweepSettings, arguments: list[str]) -> li
         allow_mismatch=settings.allow_mismatch,
         say=say,
     )
-    for name, plan in baseline_plans(space, settings.baselines):  # measured first: what a found plan must beat
-        enqueue_plans(study, space, [plan], source=name)
+    enqueue_baselines(study, space, settings.baselines)  # measured first: what a found plan must beat
     enqueue_plans(study, space, settings.enqueue)
     sweep_dir = Path(str(config.hydra.sweep.dir))
     sweep_dir.mkdir(parents=True, exist_ok=True)

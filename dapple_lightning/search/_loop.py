@@ -41,6 +41,7 @@ from dapple_lightning.search._fingerprint import Fingerprint, check_fingerprint
 from dapple_lightning.search._redact import cause, redact, storage_error
 from dapple_lightning.search._report import clip
 from dapple_lightning.search._results import best_trial
+from dapple_lightning.search._seed import BASELINES, baseline_plans
 from dapple_lightning.search._space import PlanSpace, describe_plan
 
 __all__ = [
@@ -151,7 +152,7 @@ def _check_resumable(
 
 
 def open_study(
-    storage: str,
+    storage: str | optuna.storages.BaseStorage,
     study_name: str,
     *,
     fingerprint: Fingerprint,
@@ -227,6 +228,17 @@ def enqueue_plans(study: optuna.Study, space: PlanSpace, plans: Sequence[Any], s
         except ValueError as e:
             raise ValueError(f"enqueued plan {describe_plan(plan)} is not in the search space: {e}") from e
         study.enqueue_trial(params, user_attrs={"source": source}, skip_if_exists=True)
+
+
+def enqueue_baselines(study: optuna.Study, space: PlanSpace, names: Sequence[str] = BASELINES) -> None:
+    """Queue the baseline plans (data parallelism, a straight pipeline) once per study, ahead of
+    anything else; a resumed study does not queue them again (an interrupted one is retried as such)."""
+    if study.user_attrs.get("baselines_enqueued") is not None:
+        return
+    plans = baseline_plans(space, tuple(names))
+    for name, plan in plans:
+        study.enqueue_trial(space.params(plan), user_attrs={"source": name}, skip_if_exists=True)
+    study.set_user_attr("baselines_enqueued", [name for name, _ in plans])
 
 
 # --------------------------------------------------------------------------------------- loop
@@ -328,6 +340,11 @@ class _Front:
             self._tell(trial, outcome)
 
     def _tell(self, trial: optuna.Trial, outcome: Outcome) -> None:
+        stored = next(t for t in self.study.get_trials(deepcopy=False) if t.number == trial.number)
+        if stored.state.is_finished():
+            # Another worker took this trial for a dead one (its heartbeat was late) and queued it again.
+            self._progress(trial.number, f"{outcome.summary} (not recorded: another worker ended this trial)")
+            return
         for key, value in outcome.attrs.items():
             trial.set_user_attr(key, value)
         if outcome.state == TrialState.COMPLETE:

@@ -11,7 +11,8 @@ resolved here before the strategy is built (the examples' ``make_trainer`` does)
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import statistics
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
 
@@ -95,6 +96,14 @@ def ranked_trials(study: optuna.Study) -> list[FrozenTrial]:
 
 MIN_SPREAD = 0.03
 """Relative measurement spread assumed for a trial that recorded none (or less)."""
+
+
+def relative_spread(step_times: Sequence[float]) -> float | None:
+    """Half the interquartile range of ``step_times`` over their median (``None`` for fewer than 4)."""
+    if len(step_times) < 4:
+        return None
+    q1, median, q3 = statistics.quantiles(step_times, n=4)
+    return (q3 - q1) / 2 / median if median > 0 else None
 
 
 def spread(trial: FrozenTrial) -> float:

@@ -49,6 +49,7 @@ from dapple_lightning.search._loop import (
     Drawn,
     Outcome,
     create_sampler,
+    enqueue_baselines,
     enqueue_plans,
     existing_study,
     open_study,
@@ -56,6 +57,7 @@ from dapple_lightning.search._loop import (
 )
 from dapple_lightning.search._probe import ModelInfo, probe_model
 from dapple_lightning.search._redact import redact
+from dapple_lightning.search._results import relative_spread
 from dapple_lightning.search._seed import planner_seeds
 from dapple_lightning.search._space import PlanSpace, describe_plan
 from dapple_lightning.search._trial import TrialResult, run_trial
@@ -112,6 +114,7 @@ class PlanSearch:
             allow_mismatch=cfg.allow_mismatch,
             say=self._say,
         )
+        enqueue_baselines(study, space)  # measured first: what a found plan must beat
         enqueue_plans(study, space, cfg.enqueue)
         if want_profile:
             self._enqueue_planner(study, space, info)
@@ -161,7 +164,7 @@ class PlanSearch:
                 return trial.should_prune()
 
         result = run_trial(drawn.plan, cfg.trial, on_step, on_start=lambda pgid: trial.set_user_attr("pgid", pgid))
-        return outcome_of(result, multi_objective=cfg.multi_objective)
+        return outcome_of(result, multi_objective=cfg.multi_objective, warmup=cfg.trial.warmup)
 
     def _pruner(self) -> optuna.pruners.BasePruner:
         cfg = self.config
@@ -214,13 +217,16 @@ _MEASURED = ("samples_per_s", "median_step_s", "peak_memory_bytes")
 _PER_RANK = ("step_times", "peak_bytes", "activation_bytes", "max_rss_bytes")
 
 
-def outcome_of(result: TrialResult, *, multi_objective: bool = False) -> Outcome:
+def outcome_of(result: TrialResult, *, multi_objective: bool = False, warmup: int = 0) -> Outcome:
     """What the study records of a measured trial: its values, measurements and why it did not complete."""
     attrs: dict[str, Any] = {"wall_s": round(result.wall_s, 3)}
     if result.status == "complete":
         assert result.samples_per_s is not None
         attrs.update({k: getattr(result, k) for k in _MEASURED})
         attrs.update({k: list(getattr(result, k)) for k in _PER_RANK})
+        measured_spread = relative_spread(result.step_times[warmup:])
+        if measured_spread is not None:
+            attrs["spread"] = measured_spread  # how far apart two plans must be to be told apart
         values = (result.samples_per_s,)
         if multi_objective:
             values += (float(result.peak_memory_bytes or 0),)

@@ -61,6 +61,9 @@ class DappleSweeperConf:
     baselines: list[str] = field(default_factory=lambda: ["data_parallel", "straight"])
     """Measured before anything else: data parallelism and a balanced straight pipeline. A plan
     must beat data parallelism by more than the measurements' spread to be chosen over it."""
+    heartbeat_s: int | None = 10
+    """Each running trial beats this often; a worker finding one silent for 3 beats ends it and
+    queues its plan again (null: no heartbeat)."""
 
 
 ConfigStore.instance().store(group="hydra/sweeper", name="dapple", node=DappleSweeperConf, provider="dapple_lightning")

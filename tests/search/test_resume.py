@@ -118,6 +118,9 @@ def test_interrupted_or_killed_search_resumes_without_losing_trials(tmp_path):
         assert by_number[lost.number].state == TrialState.FAIL
         retry = [t for t in final if t.user_attrs.get("retry_of") == lost.number]
         assert len(retry) == 1 and retry[0].params == lost.params  # the interrupted plan ran again
-    counted = [t for t in final if t.number not in (running.number, killed.number)]
+    # A sampler's repeat of a measured plan is answered from that measurement: not measured, not counted.
+    repeats = [t for t in final if "duplicate_of" in t.user_attrs]
+    assert all("pgid" not in t.user_attrs for t in repeats)
+    counted = [t for t in final if t.number not in (running.number, killed.number) and t not in repeats]
     assert len(counted) == 4 and all(t.state != TrialState.RUNNING for t in counted)
     assert all(not group_alive(t.user_attrs["pgid"]) for t in final if "pgid" in t.user_attrs)

@@ -79,6 +79,10 @@ def lead(spec_path: str, *, fork: bool = False) -> int:
     world_size = int(spec["world_size"])
     threads = str(spec["threads"])
     os.environ.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, PYTHONUNBUFFERED="1")
+    if spec.get("visible_devices") is not None:
+        # The GPUs this trial leased (`_devices`), set before any rank starts and so before any
+        # CUDA context exists: the ranks see only these, as cuda:0 .. cuda:world_size-1.
+        os.environ["CUDA_VISIBLE_DEVICES"] = spec["visible_devices"]
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,

@@ -23,10 +23,15 @@ Measurements (rank 0 unless said otherwise):
   autograd kept alive in the last step (``DappleStrategy(track_memory=True)``);
 - ``max_rss_bytes``: per rank, the process's peak resident memory (``getrusage``), which also
   counts the Python interpreter and libraries.
+
+A trial on GPUs first leases ``world_size`` of the host's devices (``_devices``: exclusive among
+every search worker of the host, waited for when too few are free, the wait not counted in
+``timeout_s``); its processes see only those (``CUDA_VISIBLE_DEVICES``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import selectors
@@ -43,6 +48,7 @@ from typing import Any, Literal
 
 from dapple_lightning.plan import Plan
 from dapple_lightning.search._child import parse_event
+from dapple_lightning.search._devices import host_devices, lease_devices
 from dapple_lightning.search._factory import check_factory_spec
 from dapple_lightning.search._launch import Handle, default_launcher, group_alive, launch
 
@@ -107,6 +113,13 @@ class TrialConfig:
     """How trial processes start: ``fork`` them from a template process that imported torch and
     Lightning once (seconds faster per trial; Linux), or ``exec`` a fresh interpreter per rank
     (nothing shared at all). ``None``: ``fork`` on Linux, ``exec`` elsewhere. See ``_zygote``."""
+    device_lease: bool | None = None
+    """Lease ``world_size`` of the host's GPUs for the trial and show its processes only those
+    (``CUDA_VISIBLE_DEVICES``), so that concurrent trials on one host never share one (``_devices``).
+    ``None``: when the ranks run on GPUs (``accelerator`` ``cuda`` or ``gpu``, or ``auto`` on a host
+    with GPUs); ``False``: never (devices are partitioned by someone else, e.g. a scheduler);
+    ``True``: always, also on CPU, where the variable is set and nothing uses it (how the tests
+    check leases without GPUs, naming fake ones in ``DAPPLE_HOST_GPUS``)."""
 
     def __post_init__(self) -> None:
         check_factory_spec(self.model)
@@ -137,12 +150,23 @@ class TrialConfig:
             object.__setattr__(self, "launcher", default_launcher())
         if self.launcher not in ("fork", "exec"):
             raise ValueError(f"launcher must be 'fork', 'exec' or None, got {self.launcher!r}")
+        if self.device_lease not in (None, True, False):
+            raise TypeError(f"device_lease must be True, False or None, got {self.device_lease!r}")
 
     @property
     def threads(self) -> int:
         if self.threads_per_rank is not None:
             return self.threads_per_rank
         return max(1, (os.cpu_count() or 1) // self.world_size)
+
+    @property
+    def leases_devices(self) -> bool:
+        """Whether a trial leases GPUs of the host first (see ``device_lease``)."""
+        if self.device_lease is not None:
+            return self.device_lease
+        if self.accelerator in ("cuda", "gpu"):
+            return True
+        return self.accelerator == "auto" and bool(host_devices())
 
 
 @dataclass(frozen=True)
@@ -201,7 +225,7 @@ def _tail(text: str, lines: int = 12) -> str:
     return "\n".join(kept[-lines:])
 
 
-def _spec(plan: Plan, config: TrialConfig, out: Path) -> dict[str, Any]:
+def _spec(plan: Plan, config: TrialConfig, out: Path, visible: tuple[str, ...] | None) -> dict[str, Any]:
     return {
         "plan": plan.to_dict(),
         "model": config.model,
@@ -218,7 +242,20 @@ def _spec(plan: Plan, config: TrialConfig, out: Path) -> dict[str, Any]:
         "pg_timeout_s": config.pg_timeout_s,
         "python": config.python,
         "out_dir": str(out),
+        "visible_devices": None if visible is None else ",".join(visible),
     }
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def _lease(plan: Plan, config: TrialConfig, on_wait: Callable[[str], None] | None) -> Any:
+    """The context that holds the trial's devices (yielding their ids), or ``None`` on CPU."""
+    if not config.leases_devices:
+        return contextlib.nullcontext(None)
+    note = f"(a trial of {plan.notation}, {config.model})"
+    return lease_devices(config.world_size, note=note, on_wait=on_wait or _say)
 
 
 def run_trial(
@@ -226,6 +263,7 @@ def run_trial(
     config: TrialConfig,
     on_step: Callable[[int, float], bool] | None = None,
     on_start: Callable[[int], None] | None = None,
+    on_wait: Callable[[str], None] | None = None,
 ) -> TrialResult:
     """Train ``plan`` for ``config.warmup + config.steps`` steps in fresh processes; the result.
 
@@ -235,6 +273,8 @@ def run_trial(
         on_step: called on every timed step with ``(step, samples_per_s of that step)``; returning
             ``True`` stops the trial (status ``pruned``).
         on_start: called with the trial's process group id once its processes started.
+        on_wait: called with a message while a GPU trial waits for free devices of the host
+            (``None``: printed to stderr).
 
     Only interruptions of the calling process propagate (``KeyboardInterrupt``, ``SystemExit``);
     the trial's processes are killed first.
@@ -247,28 +287,45 @@ def run_trial(
         )
     out = Path(tempfile.mkdtemp(prefix="dapple-trial-", dir=config.workdir))
     try:
-        spec_path = out / "spec.json"
-        spec_path.write_text(json.dumps(_spec(plan, config, out)))
-        started = time.monotonic()
-        handle = launch("trial", spec_path, launcher=config.launcher or default_launcher(), python=config.python)
-        try:
-            if on_start is not None:
-                on_start(handle.pgid)
-            result = _watch(handle, config, on_step, started)
-        finally:
-            # Whatever ended the trial (success, limit, pruning, our own interruption), nothing of it
-            # may outlive this call: ranks can linger after the leader (a stuck peer, a DataLoader
-            # worker).
-            handle.close()
-        if result is None:
-            code = handle.returncode
-            result = _collect(code if code is not None else -signal.SIGKILL, config, out)
-        workdir = str(out) if config.keep_logs else None
-        return _with(result, wall_s=time.monotonic() - started, workdir=workdir, pgid=handle.pgid)
+        with contextlib.ExitStack() as lease:
+            try:
+                visible = lease.enter_context(_lease(plan, config, on_wait))
+            except ValueError as e:  # the host has too few GPUs
+                return TrialResult("failed", reason=str(e), fail_kind="crash")
+            return _launched(plan, config, out, visible, on_step, on_start)
     finally:
-        # After the processes are gone (above), so none writes into it again; also on Ctrl-C.
+        # After the processes are gone (`_launched`), so none writes into it again; also on Ctrl-C.
         if not config.keep_logs:
             shutil.rmtree(out, ignore_errors=True)
+
+
+def _launched(
+    plan: Plan,
+    config: TrialConfig,
+    out: Path,
+    visible: tuple[str, ...] | None,
+    on_step: Callable[[int, float], bool] | None,
+    on_start: Callable[[int], None] | None,
+) -> TrialResult:
+    """Start the trial's processes, follow them to their end, and read what they measured."""
+    spec_path = out / "spec.json"
+    spec_path.write_text(json.dumps(_spec(plan, config, out, visible)))
+    started = time.monotonic()
+    handle = launch("trial", spec_path, launcher=config.launcher or default_launcher(), python=config.python)
+    try:
+        if on_start is not None:
+            on_start(handle.pgid)
+        result = _watch(handle, config, on_step, started)
+    finally:
+        # Whatever ended the trial (success, limit, pruning, our own interruption), nothing of it
+        # may outlive this call: ranks can linger after the leader (a stuck peer, a DataLoader
+        # worker).
+        handle.close()
+    if result is None:
+        code = handle.returncode
+        result = _collect(code if code is not None else -signal.SIGKILL, config, out)
+    workdir = str(out) if config.keep_logs else None
+    return _with(result, wall_s=time.monotonic() - started, workdir=workdir, pgid=handle.pgid)
 
 
 def _with(result: TrialResult, **changes: Any) -> TrialResult:

@@ -41,11 +41,15 @@ class MLP(LightningModule):
         step_delay_s: float = 0.0,
         failure_stamp: str | None = None,
         started_file: str | None = None,
+        devices_file: str | None = None,
+        hold_until: str | None = None,
     ) -> None:
         super().__init__()
         self.step_delay_s = step_delay_s
         self.failure_stamp = failure_stamp
         self.started_file = started_file
+        self.devices_file = devices_file
+        self.hold_until = hold_until
         blocks: list[nn.Module] = []
         for i in range(layers):
             blocks += [nn.Linear(features if i == 0 else width, width), nn.Tanh()]
@@ -70,13 +74,26 @@ class MLP(LightningModule):
             os.kill(os.getpid(), signal.SIGKILL)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        if self.started_file and batch_idx == 0 and self._trainer is not None and self.trainer.global_rank == 0:
-            Path(self.started_file).write_text("trial started\n")
+        if batch_idx == 0 and self._trainer is not None:
+            self._first_step()
         self._fail_if_asked(batch_idx)
         if self.step_delay_s:
             time.sleep(self.step_delay_s)  # a slow model that costs no CPU
         x, y = batch
         return nn.functional.mse_loss(self.head(self.layers(x)), y)
+
+    def _first_step(self) -> None:
+        if self.trainer.global_rank == 0:
+            if self.devices_file:
+                # Written whole, then renamed: a reader sees the devices or nothing.
+                part = Path(self.devices_file + ".part")
+                part.write_text(os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>"))
+                part.rename(self.devices_file)
+            if self.started_file:
+                Path(self.started_file).write_text("trial started\n")
+        if self.hold_until:
+            while not Path(self.hold_until).exists():  # the test says when the trial may end
+                time.sleep(0.05)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.05)
@@ -96,6 +113,8 @@ def mlp(
     step_delay_s: float = 0.0,
     failure_stamp: str | None = None,
     started_file: str | None = None,
+    devices_file: str | None = None,
+    hold_until: str | None = None,
 ) -> tuple[MLP, DataLoader]:
     """A :class:`MLP` (``2 * layers`` modules in its Sequential) and a loader of ``batches`` batches.
 
@@ -110,10 +129,26 @@ def mlp(
         failure_stamp: a file an ``oom_on`` rank writes its ``time.time()`` to just before it dies.
         started_file: a file rank 0 of a trial writes when its first step starts (a test waits on
             it to act while a trial runs).
+        devices_file: a file rank 0 writes the ``CUDA_VISIBLE_DEVICES`` it sees to (``<unset>``)
+            when its first step starts (the test of device leases reads it).
+        hold_until: every rank waits in its first step until this file exists (a trial that
+            holds its devices until the test lets it end).
     """
     rows = batch_size if max_rows is None else min(batch_size, max_rows)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(rows * batches, features, generator=g)
     y = torch.randn(rows * batches, 1, generator=g)
-    model = MLP(features, width, layers, crash_on, hang_on, oom_on, step_delay_s, failure_stamp, started_file)
+    model = MLP(
+        features,
+        width,
+        layers,
+        crash_on,
+        hang_on,
+        oom_on,
+        step_delay_s,
+        failure_stamp,
+        started_file,
+        devices_file,
+        hold_until,
+    )
     return model, DataLoader(TensorDataset(x, y), batch_size=rows, shuffle=False)

@@ -9,7 +9,7 @@
     python -m dapple_lightning.search best --study mlp --export best.yaml
     # every trial: state, plan, samples/s, memory, why it failed
     python -m dapple_lightning.search trials --study mlp
-    # HTML plots (needs plotly)
+    # history, samples/s per plan, predicted vs measured: HTML and PNG (pip install 'dapple-lightning[plots]')
     python -m dapple_lightning.search plot --study mlp --out plots/
 
 The database is ordinary Optuna storage: ``optuna-dashboard sqlite:///dapple_search.db`` shows the
@@ -140,9 +140,14 @@ def _parser() -> argparse.ArgumentParser:
     trials = sub.add_parser("trials", help="every trial: state, plan, samples/s, memory, reason")
     _common(trials)
 
-    plot = sub.add_parser("plot", help="HTML plots of the study (needs plotly)")
+    plot = sub.add_parser(
+        "plot", help="the study's history, samples/s per plan, predicted vs measured, as HTML and PNG (needs plotly)"
+    )
     _common(plot)
-    plot.add_argument("--out", type=Path, default=Path("dapple_search_plots"), help="directory for the HTML files")
+    plot.add_argument(
+        "--out", type=Path, default=Path("dapple_search_plots"), help="directory for the files (default: %(default)s)"
+    )
+    plot.add_argument("--no-png", action="store_true", help="HTML only (PNG needs kaleido and a Chrome/Chromium)")
     return parser
 
 
@@ -248,32 +253,16 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     if not optuna.visualization.is_available():
         shown = redact(args.storage)
         print(
-            "plotting needs plotly, which is not installed: pip install plotly\n"
+            "plotting needs plotly, which is not installed: pip install plotly kaleido "
+            "(or pip install 'dapple-lightning[plots]')\n"
             "(or browse the study without it: pip install optuna-dashboard && optuna-dashboard "
             f"'{shown}'{', the password in place of ***' if shown != args.storage else ''})"
         )
         return 1
+    from dapple_lightning.search._plots import plot_study
+
     study = load_search(args.storage, args.study)
-    vis = optuna.visualization
-    args.out.mkdir(parents=True, exist_ok=True)
-    figures: dict[str, Any] = {}
-    if len(study.directions) > 1:
-        figures["pareto_front"] = vis.plot_pareto_front(study, target_names=["samples/s", "peak bytes"])
-        target = {"target": lambda t: t.values[0], "target_name": "samples/s"}
-    else:
-        figures["history"] = vis.plot_optimization_history(study, target_name="samples/s")
-        figures["intermediate_values"] = vis.plot_intermediate_values(study)
-        target = {"target_name": "samples/s"}
-    figures["slice"] = vis.plot_slice(study, params=["micro_batches", "stages", "schedule"], **target)
-    try:
-        figures["importances"] = vis.plot_param_importances(study, **target)
-    except (ValueError, RuntimeError) as e:  # too few completed trials
-        print(f"skipping parameter importances: {e}")
-    for name, fig in figures.items():
-        path = args.out / f"{name}.html"
-        fig.write_html(str(path))
-        print(f"wrote {path}")
-    return 0
+    return plot_study(study, args.out, png=not args.no_png, say=_shower(args))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,206 @@
+"""Pictures of a study (``search plot``): how the search went, what each plan measured, how good the planner's guesses were.
+
+Three figures, each written as HTML (plotly, interactive, opens offline) and PNG (kaleido):
+
+- ``history``: every measured trial's samples/s in trial order, and the best so far;
+- ``plans``: each plan's measured samples/s (its fastest trial), fastest first, with the trial's
+  spread (half the interquartile range of its step times over their median) as error bars;
+- ``predicted``: the planner's predicted step time against the measured one, for the trials that
+  have both (the planner's seeds), beside the line where they agree.
+
+Optuna's own views of the study come along as HTML and PNG too: the parameters' slices and
+importances, the intermediate values, the Pareto front of a two-objective study.
+
+PNG needs kaleido, and kaleido 1.x a Chrome or Chromium on the machine (Debian: ``apt-get install
+chromium``; or ``plotly_get_chrome``). Without them the HTML is written and the output says why
+the PNGs were skipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
+from dapple_lightning.search._space import describe_plan
+
+__all__ = ["plot_study"]
+
+_NO_PREDICTIONS = (
+    "no trial has both a predicted and a measured step time (predictions come with the planner's seeds, "
+    "--planner-seeds K): predicted.html not written"
+)
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _measured(study: optuna.Study) -> list[FrozenTrial]:
+    """Completed trials that measured samples/s themselves (not answered from another's measurement)."""
+    return [
+        t
+        for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+        if _number(t.user_attrs.get("samples_per_s")) is not None and t.user_attrs.get("duplicate_of") is None
+    ]
+
+
+def _plan_label(trial: FrozenTrial) -> str:
+    a = trial.user_attrs
+    if a.get("plan_str"):
+        return str(a["plan_str"])
+    if isinstance(a.get("plan"), dict):
+        return describe_plan(a["plan"])
+    return f"trial {trial.number}"
+
+
+def _history(go: Any, trials: list[FrozenTrial]) -> Any:
+    numbers = [t.number for t in trials]
+    speeds = [float(t.user_attrs["samples_per_s"]) for t in trials]
+    best, best_so_far = 0.0, []
+    for s in speeds:
+        best = max(best, s)
+        best_so_far.append(best)
+    fig = go.Figure()
+    fig.add_scatter(
+        x=numbers,
+        y=speeds,
+        mode="markers",
+        name="trial",
+        text=[_plan_label(t) for t in trials],
+        hovertemplate="trial %{x}: %{y:.1f} samples/s<br>%{text}<extra></extra>",
+    )
+    fig.add_scatter(x=numbers, y=best_so_far, mode="lines", line_shape="hv", name="best so far")
+    fig.update_layout(title="Optimisation history", xaxis_title="trial", yaxis_title="samples/s")
+    return fig
+
+
+def _plans(go: Any, trials: list[FrozenTrial]) -> Any:
+    by_plan: dict[str, list[FrozenTrial]] = {}
+    for t in trials:
+        by_plan.setdefault(_plan_label(t), []).append(t)
+    rows = []
+    for label, group in by_plan.items():
+        fastest = max(group, key=lambda t: float(t.user_attrs["samples_per_s"]))
+        speed = float(fastest.user_attrs["samples_per_s"])
+        spread = _number(fastest.user_attrs.get("spread"))
+        numbers = ", ".join(str(t.number) for t in group)
+        # No bar where no spread was recorded (fewer than 4 timed steps), rather than a bar of 0.
+        rows.append((speed, label, speed * spread if spread is not None else None, fastest.number, numbers))
+    rows.sort(key=lambda r: -r[0])
+    fig = go.Figure(
+        go.Bar(
+            x=[r[1] for r in rows],
+            y=[r[0] for r in rows],
+            error_y={"type": "data", "array": [r[2] for r in rows], "visible": True},
+            customdata=[[r[3], r[4]] for r in rows],
+            hovertemplate="%{x}<br>%{y:.1f} ± %{error_y.array:.1f} samples/s (trial %{customdata[0]})"
+            "<br>trials %{customdata[1]}<extra></extra>",
+        )
+    )
+    fig.update_layout(
+        title="Measured samples/s per plan (error bars: the trial's spread)",
+        xaxis_title="plan",
+        yaxis_title="samples/s",
+    )
+    return fig
+
+
+def _predicted(go: Any, study: optuna.Study) -> Any | None:
+    pairs = [
+        (t.number, p, m, _plan_label(t))
+        for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+        if (p := _number(t.user_attrs.get("predicted_step_s"))) is not None
+        and (m := _number(t.user_attrs.get("median_step_s"))) is not None
+    ]
+    if not pairs:
+        return None
+    fig = go.Figure()
+    fig.add_scatter(
+        x=[p for _, p, _, _ in pairs],
+        y=[m for _, _, m, _ in pairs],
+        mode="markers+text",
+        text=[f"trial {n}" for n, _, _, _ in pairs],
+        textposition="top center",
+        customdata=[label for *_, label in pairs],
+        name="trial",
+        hovertemplate="%{text}: predicted %{x:.4g} s, measured %{y:.4g} s<br>%{customdata}<extra></extra>",
+    )
+    edge = [0.0, max(max(p, m) for _, p, m, _ in pairs) * 1.1]
+    fig.add_scatter(x=edge, y=edge, mode="lines", line={"dash": "dot"}, name="measured = predicted")
+    fig.update_layout(
+        title="Predicted vs measured step time", xaxis_title="predicted s/step", yaxis_title="measured s/step"
+    )
+    return fig
+
+
+def _optuna_figures(study: optuna.Study, say: Callable[[str], None]) -> dict[str, Any]:
+    """Optuna's own views of the study."""
+    vis = optuna.visualization
+    figures: dict[str, Any] = {}
+    if len(study.directions) > 1:
+        figures["pareto_front"] = vis.plot_pareto_front(study, target_names=["samples/s", "peak bytes"])
+        target: dict[str, Any] = {"target": lambda t: t.values[0], "target_name": "samples/s"}
+    else:
+        figures["intermediate_values"] = vis.plot_intermediate_values(study)
+        target = {"target_name": "samples/s"}
+    figures["slice"] = vis.plot_slice(study, params=["micro_batches", "stages", "schedule"], **target)
+    try:
+        figures["importances"] = vis.plot_param_importances(study, **target)
+    except (ValueError, RuntimeError) as e:  # too few completed trials
+        say(f"skipping parameter importances: {e}")
+    return figures
+
+
+def _write_png(figures: dict[str, Any], out: Path, say: Callable[[str], None]) -> None:
+    """The PNGs, with one browser for all of them; on any failure, say why and go on."""
+    import plotly.io as pio
+
+    paths = [out / f"{name}.png" for name in figures]
+    try:
+        if hasattr(pio, "write_images"):  # plotly >= 6.1: one kaleido session for every figure
+            pio.write_images(list(figures.values()), paths)
+        else:
+            for fig, path in zip(figures.values(), paths):
+                fig.write_image(path)
+    except Exception as e:  # kaleido or its browser missing or broken: the HTML is what matters
+        reason = " ".join(str(e).split())[:300] or type(e).__name__
+        say(
+            f"PNG skipped ({type(e).__name__}: {reason}); it needs kaleido (pip install kaleido) and, for "
+            "kaleido 1.x, Chrome or Chromium (apt-get install chromium, or plotly_get_chrome)"
+        )
+        return
+    for path in paths:
+        say(f"wrote {path}")
+
+
+def plot_study(study: optuna.Study, out: Path, *, png: bool = True, say: Callable[[str], None] = print) -> int:
+    """Write the study's figures into ``out`` (HTML, and PNG when ``png`` and kaleido can); 0, or 1
+    when no trial has measured anything yet.
+
+    The HTML files share one ``plotly.min.js`` in ``out``, so they open without a network.
+    """
+    import plotly.graph_objects as go
+
+    trials = _measured(study)
+    if not trials:
+        say(f"study {study.study_name!r} has no measured trial yet: nothing to plot")
+        return 1
+    out.mkdir(parents=True, exist_ok=True)
+    figures: dict[str, Any] = {"history": _history(go, trials), "plans": _plans(go, trials)}
+    predicted = _predicted(go, study)
+    if predicted is None:
+        say(_NO_PREDICTIONS)
+    else:
+        figures["predicted"] = predicted
+    figures.update(_optuna_figures(study, say))
+    for name, fig in figures.items():
+        path = out / f"{name}.html"
+        fig.write_html(str(path), include_plotlyjs="directory")
+        say(f"wrote {path}")
+    if png:
+        _write_png(figures, out, say)
+    return 0

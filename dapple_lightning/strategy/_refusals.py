@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from dapple_lightning.plan import Plan
+from dapple_lightning.strategy._materialize import on_meta
 from dapple_lightning.surgery import Container, find_container, find_sequential
 
 __all__ = ["SUPPORTED_PRECISION", "check_before_start"]
@@ -26,6 +27,11 @@ def check_before_start(
             f"precision={precision!r} is not supported by dapple (supported: {sorted(SUPPORTED_PRECISION)}); "
             "16-mixed needs a gradient scaler inside the pipeline's backward, which dapple does not run yet: "
             "use precision='bf16-mixed'"
+        )
+    if not isinstance(plan, Plan) and on_meta(module):
+        raise ValueError(
+            "plan='auto' profiles the whole model on every rank, and this one was built on the meta device "
+            "(to be materialised stage by stage): give DappleStrategy an explicit plan"
         )
     if not isinstance(plan, Plan):  # plan="auto" profiles the layers as a chain: a Sequential only
         return find_sequential(module, sequential_name)

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from dapple_lightning.microbatch import Rows, batch_size_of, concat_slices, map_tensors, slice_batch
 from dapple_lightning.runtime import Pending, Pipeline, StageCall, share
 
-__all__ = ["MicroBatches", "to_cpu"]
+__all__ = ["MicroBatches", "clip_grad_norm_over_stages", "to_cpu"]
 
 Logged = dict[str, tuple[float, dict]]
 """Logged values by name: the global batch's value and the ``self.log`` keyword arguments."""
@@ -275,3 +275,21 @@ def _check_input_rows(call: StageCall | None, m: int, rows: Rows, total: int) ->
 def to_cpu(value: Any) -> Any:
     """``value`` with every tensor in it detached and on the CPU."""
     return map_tensors(value, lambda t: t.detach().cpu())
+
+
+def clip_grad_norm_over_stages(
+    optimizer: torch.optim.Optimizer, clip_val: float, *, owned: Callable[[], set[int]], device: torch.device
+) -> None:
+    """Clip by the norm of the whole model's gradients (every stage's, each parameter counted once:
+    by the rank ``owned()`` says speaks for it), as clipping on one device does (collective)."""
+    grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    mine = owned()
+    square = torch.zeros((), dtype=torch.float64, device=device)
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            if p.grad is not None and id(p) in mine:
+                square += p.grad.detach().double().pow(2).sum()
+    dist.all_reduce(square)
+    coef = min(float(clip_val) / (float(square.sqrt()) + 1e-6), 1.0)
+    for grad in grads:
+        grad.detach().mul_(coef)

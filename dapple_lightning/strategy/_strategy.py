@@ -1,9 +1,10 @@
 """``DappleStrategy``: DAPPLE pipeline + data parallel training as a Lightning strategy.
 
 Lifecycle glue only: it builds the process groups, asks model surgery for the rank's stage
-(:mod:`~dapple_lightning.surgery`), hands each step to :class:`~._step.MicroBatches` (which
-runs the rank's :class:`~dapple_lightning.runtime.Pipeline`), and keeps Lightning's contracts
-for checkpoints (:mod:`._checkpoint`), ``plan="auto"`` (:mod:`._auto`) and launching.
+(:mod:`~dapple_lightning.surgery`), hands each step to :class:`~._step.MicroBatches` (which runs
+the rank's :class:`~dapple_lightning.runtime.Pipeline`), and keeps Lightning's contracts for
+checkpoints (:mod:`._checkpoint`), ``plan="auto"`` (:mod:`._auto`), meta-device models
+(:mod:`._materialize`) and launching.
 
 One optimizer step under Lightning's automatic optimization:
 
@@ -18,6 +19,7 @@ One optimizer step under Lightning's automatic optimization:
 from __future__ import annotations
 
 import atexit
+import functools
 import warnings
 from collections.abc import Callable, Mapping
 from datetime import timedelta
@@ -27,10 +29,12 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.distributed import (
+    _all_gather_ddp_if_available,
     _destroy_dist_connection,
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
+    _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
@@ -54,9 +58,10 @@ from dapple_lightning.strategy._batch import SameBatch
 from dapple_lightning.strategy._checkpoint import Checkpoints, gather_on_zero, group_names, keep_local
 from dapple_lightning.strategy._finetuning import adapt_finetuning
 from dapple_lightning.strategy._launcher import STATE_LEFT_IN_SPAWNED_RANKS, SpawnLauncher
+from dapple_lightning.strategy._materialize import STAYS_CUT, materialize, meta_context, on_meta
 from dapple_lightning.strategy._pipelines import Buffers, Pipelines, broadcast_module
 from dapple_lightning.strategy._refusals import check_before_start
-from dapple_lightning.strategy._step import MicroBatches
+from dapple_lightning.strategy._step import MicroBatches, clip_grad_norm_over_stages
 from dapple_lightning.surgery import Container, Cut
 
 __all__ = ["DappleStrategy"]
@@ -148,6 +153,7 @@ class DappleStrategy(ParallelStrategy):
         self._full_state_keys: list[str] = []
         self._spawned_ranks_kept_state = False
         self._leaves_at_exit = False
+        self._materialized = False  # built on the meta device: each rank holds its part only, even after fit
         self._failed = False
         self._shuffle_seed = 0
 
@@ -240,9 +246,16 @@ class DappleStrategy(ParallelStrategy):
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         module = self.lightning_module
+        if self._cut is not None:
+            raise RuntimeError(STAYS_CUT)
         name, sequential = self._validate()
         self.precision_plugin.convert_module(module)
-        broadcast_module(module)  # same initial weights on every rank, as DDP does
+        self._materialized = on_meta(module)
+        if not self._materialized:
+            broadcast_module(module)  # same initial weights on every rank, as DDP does
+        seed = torch.tensor([torch.initial_seed() % 2**62], dtype=torch.int64)
+        dist.broadcast(seed, 0)
+        self._shuffle_seed = int(seed)
         self._full_state_keys = list(module.state_dict().keys())
         fitting = trainer.state.fn == TrainerFn.FITTING
         pipelines = Pipelines(module, self.global_rank, self.root_device, self._timeout)
@@ -250,14 +263,13 @@ class DappleStrategy(ParallelStrategy):
         self.plan = self._resolve_plan(trainer, name, sequential, pipelines)
         rank = self.global_rank
         self._cut = Cut.apply(module, name, sequential, self.plan, rank)
+        if self._materialized:  # this rank's part only, the same values under any plan
+            materialize(module, self.root_device, self._shuffle_seed)
         self.model_to_device()
         timeline = Timeline(rank, self.plan.stage_of(rank), enabled=self._trace_path is not None)
         self._pipeline = pipelines.build(self.plan, self._cut.stage, timeline, track_memory=self._track_memory)
         self._buffers = Buffers(module, self._pipeline, self.plan, fitting and self._layer_sync is not None)
         self._checkpoints.attach(module, self._cut, self.plan, rank, self.root_device, self._full_state_keys)
-        seed = torch.tensor([torch.initial_seed() % 2**62], dtype=torch.int64)
-        dist.broadcast(seed, 0)
-        self._shuffle_seed = int(seed)
         if self.auto_plan is None:
             rank_zero_info(f"dapple plan:\n{self.plan.table()}")
         if fitting:
@@ -269,7 +281,9 @@ class DappleStrategy(ParallelStrategy):
             adapt_finetuning(trainer.callbacks, self)
         self.setup_precision_plugin()
         # Lightning clips with the norm of this rank's gradients; the norm must span all stages.
-        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+        self.precision_plugin.clip_grad_by_norm = functools.partial(  # type: ignore[method-assign]
+            clip_grad_norm_over_stages, owned=self._checkpoints.owns_gradient, device=self.root_device
+        )
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
 
@@ -294,25 +308,17 @@ class DappleStrategy(ParallelStrategy):
         self.auto_plan = chosen
         return chosen.plan
 
-    def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
-        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        owned = self._checkpoints.owns_gradient()
-        square = torch.zeros((), dtype=torch.float64, device=self.root_device)
-        for g in optimizer.param_groups:
-            for p in g["params"]:
-                if p.grad is not None and id(p) in owned:
-                    square += p.grad.detach().double().pow(2).sum()
-        dist.all_reduce(square)
-        coef = min(float(clip_val) / (float(square.sqrt()) + 1e-6), 1.0)
-        for grad in grads:
-            grad.detach().mul_(coef)
-
     @property
     def step_stats(self) -> StepStats:
         """What the last pipelined step measured on this rank (peak live micro-batches and bytes)."""
         if self._pipeline is None:
             raise RuntimeError("the strategy has run no step yet")
         return self._pipeline.stats
+
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Any:
+        """``empty_init=True`` builds on the meta device; each rank materialises its part at setup."""
+        return meta_context(self.precision_plugin) if empty_init else super().tensor_init_context(empty_init)
 
     @override
     def model_to_device(self) -> None:
@@ -389,14 +395,10 @@ class DappleStrategy(ParallelStrategy):
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
         if not isinstance(tensor, Tensor) or not _distributed_is_initialized():
             return tensor
-        from lightning.fabric.utilities.distributed import _sync_ddp_if_available
-
         return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
 
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
-        from lightning.fabric.utilities.distributed import _all_gather_ddp_if_available
-
         return _all_gather_ddp_if_available(tensor, group=group, sync_grads=sync_grads)
 
     # ------------------------------------------------------------------------ checkpoints
@@ -471,17 +473,14 @@ class DappleStrategy(ParallelStrategy):
         if self._pipeline is not None and self._trace_path is not None and not self._failed:
             self._write_trace()
         if self._steps is not None:
-            if self._failed:
-                self._steps.shared.abandon()
-            else:
-                self._steps.shared.wait()
+            self._steps.shared.abandon() if self._failed else self._steps.shared.wait()
         if self._pipeline is not None:
             self._pipeline.close()
         if self._buffers is not None:
             self._buffers.close()
         if not self._failed:
             self._checkpoints.wait()
-            if self._cut is not None and _distributed_is_initialized():
+            if self._cut is not None and _distributed_is_initialized() and not self._materialized:
                 # The whole container back on every rank, with the trained weights of every stage.
                 self._cut.restore(self._checkpoints.whole_container(), self.root_device)
                 self._cut = None
@@ -490,8 +489,7 @@ class DappleStrategy(ParallelStrategy):
 
     def _write_trace(self) -> None:
         assert self._pipeline is not None
-        gathered = gather_on_zero(self._pipeline.timeline.events)
-        if gathered is not None:
+        if (gathered := gather_on_zero(self._pipeline.timeline.events)) is not None:
             path = write_chrome_trace([e for part in gathered for e in part], self._trace_path)
             rank_zero_info(f"dapple: wrote Chrome trace to {path}")
 

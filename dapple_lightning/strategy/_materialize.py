@@ -1,0 +1,69 @@
+"""Models built on the meta device, materialised stage by stage.
+
+A model too big for one rank is built without memory: ``with trainer.init_module(empty_init=True)``
+(which builds on the meta device under dapple) or ``torch.device("meta")``. After the cut, each
+rank allocates only what it holds (its stage's layers and the modules outside the container)
+and initialises it with each module's ``reset_parameters()``. Every module's draw is seeded by
+its path in the model, so a layer gets the same initial weights whichever rank, stage or plan
+holds it, and no rank ever holds the whole model (nor needs rank 0's copy of it).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["STAYS_CUT", "materialize", "meta_context", "on_meta"]
+
+STAYS_CUT = (
+    "dapple: this model was materialised stage by stage, and stays so after fit (no rank can hold all of it): "
+    "run validate/test/predict inside the fit (validation loops, callbacks) or in a new run that loads its "
+    "checkpoint; trainer.save_checkpoint after fit writes the whole model"
+)
+
+
+@contextmanager
+def meta_context(precision: Any) -> Iterator[None]:
+    """Tensors made within are on the meta device (and of the precision plugin's dtype)."""
+    with torch.device("meta"), precision.tensor_init_context():
+        yield
+
+
+def on_meta(module: nn.Module) -> bool:
+    """Whether any parameter or buffer of ``module`` is on the meta device."""
+    return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
+
+
+def materialize(module: nn.Module, device: torch.device, seed: int) -> None:
+    """Allocate ``module``'s meta tensors on ``device`` and initialise them (see the module docstring).
+
+    Raises:
+        ValueError: A module with tensors on the meta device has no ``reset_parameters()``, so
+            nothing could give them values.
+    """
+    empty = [
+        (name, sub)
+        for name, sub in module.named_modules()
+        if any(t.is_meta for t in (*sub.parameters(recurse=False), *sub.buffers(recurse=False)))
+    ]
+    lacking = [
+        name or type(module).__name__ for name, sub in empty if not callable(getattr(sub, "reset_parameters", None))
+    ]
+    if lacking:
+        raise ValueError(
+            f"the model was built on the meta device, and dapple initialises each rank's part with the modules' "
+            f"reset_parameters(); these modules hold meta tensors but have none: {lacking}. Give them a "
+            "reset_parameters() that fills their parameters and buffers, or build the model on a real device"
+        )
+    for _, sub in empty:  # all allocated first: a module's reset may fill its children's tensors too
+        sub.to_empty(device=device, recurse=False)
+    for name, sub in empty:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed((seed + zlib.crc32(name.encode())) % 2**63)
+            with torch.no_grad():
+                sub.reset_parameters()

@@ -75,8 +75,8 @@ D_MODEL, BLOCKS = 256, 8  # the reference model of benchmarks/search_models.py: 
 BATCH, SEQ = 64, 64
 SPLIT = 5  # stage 0: layers [0, 5) = embedding + 4 blocks; stage 1: [5, 10) = 4 blocks + head
 STAGES = 2
-SYSTEMS = ("single", "ddp", "torch-gpipe", "torch-1f1b", "dapple-gpipe", "dapple")
-PIPELINES = ("torch-gpipe", "torch-1f1b", "dapple-gpipe", "dapple")
+SYSTEMS = ("single", "ddp", "torch-gpipe", "torch-1f1b", "dapple-gpipe", "dapple", "dapple-zb")
+PIPELINES = ("torch-gpipe", "torch-1f1b", "dapple-gpipe", "dapple", "dapple-zb")
 LR = 1e-3
 
 
@@ -172,7 +172,7 @@ def worker_lightning(args: argparse.Namespace) -> None:
 
         plan = {
             "micro_batches": args.micro_batches,
-            "schedule": "gpipe" if args.worker == "dapple-gpipe" else "dapple",
+            "schedule": {"dapple-gpipe": "gpipe", "dapple-zb": "zb-h1"}.get(args.worker, "dapple"),
             "stages": [{"layers": [0, SPLIT]}, {"layers": [SPLIT, BLOCKS + 2]}],
         }
         strategy = DappleStrategy(plan, start_method="popen", trace=args.trace, track_memory=args.track_memory)
@@ -435,6 +435,7 @@ def main() -> None:
         "torch-1f1b": "torch.distributed.pipelining Schedule1F1B",
         "dapple-gpipe": "dapple, schedule gpipe",
         "dapple": "dapple, schedule dapple",
+        "dapple-zb": "dapple, schedule zb-h1",
     }
     print()
     print(f"bubble bound (T1/S)(1+(S-1)/M) = ({t1:.3f}/{STAGES})(1+{STAGES - 1}/{M}) = {bound:.3f} s/step")

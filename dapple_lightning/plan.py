@@ -28,9 +28,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SCHEDULES", "Plan", "Stage"]
+__all__ = ["ALL_SCHEDULES", "SCHEDULES", "Plan", "Stage"]
 
 SCHEDULES = ("dapple", "gpipe")
+"""The schedules the planner's cost model knows and the search tries."""
+ALL_SCHEDULES = (*SCHEDULES, "zb-h1")
+"""The schedules a plan may name: the runtime runs them all (zero-bubble ZB-H1 is not modelled yet)."""
 
 
 def _as_int(value: Any, what: str) -> int:
@@ -141,8 +144,8 @@ class Plan:
         _as_int(self.micro_batches, "micro_batches")
         if self.micro_batches < 1:
             raise ValueError(f"micro_batches must be >= 1, got {self.micro_batches}")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"unknown schedule {self.schedule!r}; choose one of {list(SCHEDULES)}")
+        if self.schedule not in ALL_SCHEDULES:
+            raise ValueError(f"unknown schedule {self.schedule!r}; choose one of {list(ALL_SCHEDULES)}")
         if stages[0].start != 0:
             raise ValueError(f"the first stage must start at layer 0, got [{stages[0].start}, {stages[0].end})")
         for prev, nxt in itertools.pairwise(stages):

@@ -24,6 +24,15 @@ one row a time slot when every action costs one unit (``python -m dapple_lightni
 Stage ``s`` runs ``K_s = min(S - s, M)`` warm-up forwards, then alternates one backward and
 one forward, then drains the remaining backwards, so at most ``K_s`` micro-batches hold
 activations at once. GPipe runs every forward, then every backward, and holds all ``M``.
+
+ZB-H1 (zero bubble, Qi et al., ICLR 2024; ``schedule="zb-h1"``) splits each backward into ``B``,
+the gradient with respect to the stage's input (the previous stage waits for it), and ``W``, the
+gradient with respect to the weights (nobody waits for it). Each stage keeps DAPPLE's order of
+forwards and ``B``s and defers its ``W``s so that every stage holds at most ``min(S, M)``
+micro-batches from forward to ``W``, the first stage's DAPPLE peak: the later a stage, the more
+``W``s it stashes before its first one, and those stashed ``W``s fill the cooldown's bubble. With
+``F = B = W`` and ``M >= S`` a step takes ``3M + S - 1`` units against DAPPLE's ``3M + 3(S - 1)``
+(``python -m dapple_lightning.schedule 4 8 zb-h1``).
 """
 
 from __future__ import annotations
@@ -47,17 +56,23 @@ __all__ = [
     "lower",
     "lower_stages",
     "peak_in_flight",
+    "peak_stashed",
     "schedule",
     "simulate",
     "warmup_depth",
+    "zb_h1_schedule",
 ]
 
 
 @dataclass(frozen=True, order=True)
 class Action:
-    """One pass of one micro-batch on one stage: ``F3`` is the forward of micro-batch 3."""
+    """One pass of one micro-batch on one stage: ``F3`` is the forward of micro-batch 3.
 
-    kind: Literal["F", "B"]
+    ``B3`` is its backward: all of it, or under a zero-bubble schedule only the gradient with
+    respect to the stage's input, the weights' gradient being ``W3``.
+    """
+
+    kind: Literal["F", "B", "W"]
     micro_batch: int
 
     def __str__(self) -> str:
@@ -66,8 +81,8 @@ class Action:
     @classmethod
     def parse(cls, text: str) -> Action:
         kind, index = text[0], text[1:]
-        if kind not in "FB" or not index.isdigit():
-            raise ValueError(f"an action is F<n> or B<n>, got {text!r}")
+        if kind not in "FBW" or not index.isdigit():
+            raise ValueError(f"an action is F<n>, B<n> or W<n>, got {text!r}")
         return cls(kind, int(index))  # type: ignore[arg-type]
 
 
@@ -100,14 +115,38 @@ def gpipe_schedule(num_stages: int, micro_batches: int, stage: int) -> list[Acti
     return [Action("F", m) for m in range(micro_batches)] + [Action("B", m) for m in range(micro_batches)]
 
 
+def zb_h1_schedule(num_stages: int, micro_batches: int, stage: int) -> list[Action]:
+    """Zero-bubble ZB-H1 order of stage ``stage``: DAPPLE's forwards and input backwards, with the
+    weight backwards deferred.
+
+    Stage ``s`` stashes ``min(S, M) - K_s`` weight backwards before running one after each input
+    backward, so it holds at most ``min(S, M)`` micro-batches between forward and ``W``, as many
+    as DAPPLE's first stage; in the cooldown each ``B`` is followed by the oldest stashed ``W``,
+    and what is left runs last, where it fills the bubble DAPPLE leaves there.
+    """
+    k = warmup_depth(num_stages, micro_batches, stage)
+    deferred = min(num_stages, micro_batches) - k
+    actions = [Action("F", m) for m in range(k)]
+    weights = 0  # W's emitted so far; they run in micro-batch order, each after its B
+    for m in range(micro_batches):
+        actions.append(Action("B", m))
+        if m >= deferred or m >= micro_batches - k:
+            actions.append(Action("W", weights))
+            weights += 1
+        if m + k < micro_batches:
+            actions.append(Action("F", m + k))
+    return actions + [Action("W", m) for m in range(weights, micro_batches)]
+
+
 _SCHEDULES: dict[str, Callable[[int, int, int], list[Action]]] = {
     "dapple": dapple_schedule,
     "gpipe": gpipe_schedule,
+    "zb-h1": zb_h1_schedule,
 }
 
 
 def schedule(name: str, num_stages: int, micro_batches: int) -> list[list[Action]]:
-    """Every stage's action list for the named schedule (``"dapple"`` or ``"gpipe"``)."""
+    """Every stage's action list for the named schedule (``"dapple"``, ``"gpipe"`` or ``"zb-h1"``)."""
     try:
         make = _SCHEDULES[name]
     except KeyError:
@@ -116,27 +155,47 @@ def schedule(name: str, num_stages: int, micro_batches: int) -> list[list[Action
 
 
 def peak_in_flight(actions: Sequence[Action]) -> int:
-    """Most micro-batches whose forward has run and backward has not, over one stage's list."""
+    """Most micro-batches whose forward has run and backward has not, over one stage's list.
+
+    A micro-batch with a ``W`` holds its activations until that ``W`` (the weights' gradient
+    needs them), not until its ``B``.
+    """
+    split = {a.micro_batch for a in actions if a.kind == "W"}
     alive = peak = 0
     for action in actions:
-        alive += 1 if action.kind == "F" else -1
+        if action.kind == "F":
+            alive += 1
+        elif action.kind == "W" or action.micro_batch not in split:
+            alive -= 1
         peak = max(peak, alive)
     return peak
 
 
-OpKind = Literal["F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "REDUCE"]
-_COMPUTE = ("F", "B")
+def peak_stashed(actions: Sequence[Action]) -> int:
+    """Most micro-batches whose ``B`` has run and ``W`` has not, over one stage's list."""
+    if not any(a.kind == "W" for a in actions):
+        return 0  # each backward does the weights' gradient too
+    stashed = peak = 0
+    for action in actions:
+        stashed += {"B": 1, "W": -1}.get(action.kind, 0)
+        peak = max(peak, stashed)
+    return peak
+
+
+OpKind = Literal["F", "B", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "REDUCE"]
+_COMPUTE = ("F", "B", "W")
 
 
 @dataclass(frozen=True)
 class Op:
     """One step of one rank's lowered program.
 
-    ``F3``/``B3`` compute micro-batch 3's forward or backward on the rank's slice.
+    ``F3``/``B3`` compute micro-batch 3's forward or backward on the rank's slice, ``W3`` its
+    weights' gradient where the schedule splits the backward (it sends nothing).
     ``SEND_F3>2`` sends rank 2 the rows ``rows`` of F3's output, ``RECV_F3<0`` receives
     rank 0's piece of F3's input (pieces are concatenated in program order); ``SEND_B`` and
     ``RECV_B`` carry gradients back the same way. ``REDUCE`` stands before the rank's last
-    backward: from there on the stage's gradients are summed over its replicas as backward
+    backward (its last ``W`` where the schedule has them): from there on the stage's gradients are summed over its replicas as backward
     finishes them (the sums are waited for when the step ends).
     """
 
@@ -161,12 +220,12 @@ class Op:
     @classmethod
     def parse(cls, text: str) -> Op:
         """The op that ``str`` prints, e.g. ``"F0"``, ``"SEND_F0>1"``, ``"RECV_B2<3[0:4]"``, ``"REDUCE"``."""
-        found = re.fullmatch(r"(SEND_F|RECV_F|SEND_B|RECV_B|F|B)(\d+)(?:([<>])(\d+))?(?:\[(\d+):(\d+)\])?", text)
+        found = re.fullmatch(r"(SEND_F|RECV_F|SEND_B|RECV_B|F|B|W)(\d+)(?:([<>])(\d+))?(?:\[(\d+):(\d+)\])?", text)
         if text == "REDUCE":
             return cls("REDUCE")
         if found is None:
             raise ValueError(
-                f"an op is F<m>, B<m>, SEND_F<m>><rank>, RECV_F<m><<rank> (and _B), or REDUCE; got {text!r}"
+                f"an op is F<m>, B<m>, W<m>, SEND_F<m>><rank>, RECV_F<m><<rank> (and _B), or REDUCE; got {text!r}"
             )
         kind, m, arrow, peer, start, stop = found.groups()
         if (kind in _COMPUTE) != (arrow is None) or (arrow is not None and arrow != (">" if "SEND" in kind else "<")):
@@ -210,7 +269,9 @@ def _stage_ops(
     prev = plan.stage_ranks(stage - 1) if stage > 0 else ()
     next_ = plan.stage_ranks(stage + 1) if stage < plan.num_stages - 1 else ()
     mine = plan.stages[stage].replicas
-    last_backward = max((i for i, a in enumerate(order) if a.kind == "B"), default=-1)
+    # The weights' gradients are final in the last W, or in the last B where there is no W.
+    weights = "W" if any(a.kind == "W" for a in order) else "B"
+    last_backward = max((i for i, a in enumerate(order) if a.kind == weights), default=-1)
     ops: list[Op] = []
     for index, action in enumerate(order):
         m, rows = action.micro_batch, len(micro[action.micro_batch])
@@ -223,6 +284,9 @@ def _stage_ops(
             continue
         if index == last_backward and train:
             ops.append(Op("REDUCE"))
+        if action.kind == "W":
+            ops.append(Op("W", m))
+            continue
         ops += [Op("RECV_B", m, next_[t.dst], t.src_rows) for t in downstream]
         ops.append(Op("B", m))
         ops += [Op("SEND_B", m, prev[t.src], t.dst_rows) for t in upstream]
@@ -261,6 +325,8 @@ def lower_stages(stages: Sequence[Sequence[Action]]) -> Program:
             m = action.micro_batch
             if action.kind == "F":
                 ops += [Op("RECV_F", m, s - 1)] * (s > 0) + [Op("F", m)] + [Op("SEND_F", m, s + 1)] * (s < last)
+            elif action.kind == "W":
+                ops.append(Op("W", m))
             else:
                 ops += [Op("RECV_B", m, s + 1)] * (s < last) + [Op("B", m)] + [Op("SEND_B", m, s - 1)] * (s > 0)
         ranks.append(tuple(ops))
@@ -328,8 +394,8 @@ def simulate(
 
     Raises ``RuntimeError`` when the program cannot run: ranks wait on each other, a receive
     meets a message of another micro-batch or size on its channel, a send is never received,
-    a backward runs before its forward, or the pieces of one input arrive out of row order.
-    This is how tests prove a schedule, and its lowering, free of deadlocks.
+    a backward runs before its forward (a ``W`` before its ``B``), or the pieces of one input
+    arrive out of row order. This is how tests prove a schedule, and its lowering, free of deadlocks.
     """
     if not isinstance(program, Program):
         program = lower_stages(program)
@@ -380,6 +446,8 @@ def _size(op: Op) -> int | None:
 def _check_input(rank: int, op: Op, pieces: list[Rows], done: set[Action]) -> None:
     if op.kind == "B" and Action("F", op.micro_batch) not in done:
         raise RuntimeError(f"rank {rank} runs {op} before F{op.micro_batch}")
+    if op.kind == "W" and Action("B", op.micro_batch) not in done:
+        raise RuntimeError(f"rank {rank} runs {op} before B{op.micro_batch}")
     for before, after in itertools.pairwise(pieces):
         if before.stop != after.start:
             raise RuntimeError(

@@ -16,9 +16,11 @@ from dapple_lightning.schedule import (
     grid,
     lower,
     peak_in_flight,
+    peak_stashed,
     schedule,
     simulate,
     warmup_depth,
+    zb_h1_schedule,
 )
 
 
@@ -219,3 +221,118 @@ def test_every_plan_shape_lowers_to_a_program_that_runs(world: int) -> None:
                             if train:  # just before the last backward's receives
                                 assert reduces[0] < backwards[-1]
                                 assert all(rank_ops[i].kind == "RECV_B" for i in range(reduces[0] + 1, backwards[-1]))
+
+
+# ZB-H1 on the paper's example (Qi et al., Figure 3: S = 4, M = 8). Each stage keeps DAPPLE's
+# forwards and input backwards; stage s stashes s weight backwards before its first W, so every
+# stage holds at most 4 micro-batches between F and W (DAPPLE's first stage holds 4 too).
+ZB_H1_4x8_LISTS = [
+    "F0 F1 F2 F3 B0 W0 F4 B1 W1 F5 B2 W2 F6 B3 W3 F7 B4 W4 B5 W5 B6 W6 B7 W7",
+    "F0 F1 F2 B0 F3 B1 W0 F4 B2 W1 F5 B3 W2 F6 B4 W3 F7 B5 W4 B6 W5 B7 W6 W7",
+    "F0 F1 B0 F2 B1 F3 B2 W0 F4 B3 W1 F5 B4 W2 F6 B5 W3 F7 B6 W4 B7 W5 W6 W7",
+    "F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1 F5 B5 W2 F6 B6 W3 F7 B7 W4 W5 W6 W7",
+]
+
+ZB_H1_4x8 = """\
+t   stage0  stage1  stage2  stage3
+0   F0
+1   F1      F0
+2   F2      F1      F0
+3   F3      F2      F1      F0
+4                           B0
+5                   B0      F1
+6           B0      F2      B1
+7   B0      F3      B1      F2
+8   W0      B1      F3      B2
+9   F4      W0      B2      F3
+10  B1      F4      W0      B3
+11  W1      B2      F4      W0
+12  F5      W1      B3      F4
+13  B2      F5      W1      B4
+14  W2      B3      F5      W1
+15  F6      W2      B4      F5
+16  B3      F6      W2      B5
+17  W3      B4      F6      W2
+18  F7      W3      B5      F6
+19  B4      F7      W3      B6
+20  W4      B5      F7      W3
+21  B5      W4      B6      F7
+22  W5      B6      W4      B7
+23  B6      W5      B7      W4
+24  W6      B7      W5      W5
+25  B7      W6      W6      W6
+26  W7      W7      W7      W7"""
+
+
+def test_zb_h1_per_stage_lists_four_stages_eight_micro_batches() -> None:
+    for stage, text in enumerate(ZB_H1_4x8_LISTS):
+        assert zb_h1_schedule(4, 8, stage) == actions(text)
+    assert [peak_in_flight(actions(t)) for t in ZB_H1_4x8_LISTS] == [4, 4, 4, 4]
+    assert [peak_stashed(actions(t)) for t in ZB_H1_4x8_LISTS] == [1, 2, 3, 4]
+
+
+def test_zb_h1_grid_drawn_on_paper() -> None:
+    # 27 slots: 3M + S - 1, where DAPPLE with a backward of two units (B and W) takes 3M + 3(S - 1) = 33.
+    assert grid(schedule("zb-h1", 4, 8)) == ZB_H1_4x8
+
+
+def test_zb_h1_with_fewer_micro_batches_than_stages() -> None:
+    assert zb_h1_schedule(4, 2, 0) == actions("F0 F1 B0 W0 B1 W1")
+    assert zb_h1_schedule(4, 2, 3) == actions("F0 B0 F1 B1 W0 W1")
+
+
+def test_a_weight_backward_before_its_input_backward_is_refused() -> None:
+    with pytest.raises(RuntimeError, match="runs W0 before B0"):
+        simulate([actions("F0 W0 B0")])
+
+
+@given(num_stages=st.integers(1, 8), micro_batches=st.integers(1, 16))
+def test_zb_h1_invariants(num_stages: int, micro_batches: int) -> None:
+    stages = schedule("zb-h1", num_stages, micro_batches)
+    cap = min(num_stages, micro_batches)
+    for s, acts in enumerate(stages):
+        assert sorted(acts) == sorted(Action(k, m) for k in "FBW" for m in range(micro_batches))
+        for m in range(micro_batches):
+            assert acts.index(Action("F", m)) < acts.index(Action("B", m)) < acts.index(Action("W", m))
+        # the paper's bound: activations of min(S, M) micro-batches, DAPPLE's first-stage peak, on every
+        # stage; stage s stashes the W's of up to min(S, M) - K_s + 1 of them (s + 1 when M >= S)
+        assert peak_in_flight(acts) == cap
+        assert peak_stashed(acts) == cap - warmup_depth(num_stages, micro_batches, s) + 1
+        # DAPPLE's order of forwards and input backwards, so the messages are DAPPLE's
+        assert [a for a in acts if a.kind != "W"] == dapple_schedule(num_stages, micro_batches, s)
+    timed = simulate(stages)  # raises on deadlock
+    assert len(timed) == 3 * num_stages * micro_batches
+    if micro_batches >= num_stages:  # unit F, B and W: the bubble is S - 1 units, a third of DAPPLE's
+        assert max(t.end for t in timed) == 3 * micro_batches + num_stages - 1
+        dapple = simulate(schedule("dapple", num_stages, micro_batches), lambda s, a: 2.0 if a.kind == "B" else 1.0)
+        assert max(t.end for t in dapple) == 3 * micro_batches + 3 * (num_stages - 1)
+
+
+LOWERED_2_1_ZB = """\
+rank 0 (stage 0): F0 SEND_F0>2[0:1] F1 SEND_F1>2[0:1] RECV_B0<2[0:1] B0 W0 RECV_B1<2[0:1] B1 REDUCE W1
+rank 1 (stage 0): F0 SEND_F0>2[0:1] F1 SEND_F1>2[0:1] RECV_B0<2[0:1] B0 W0 RECV_B1<2[0:1] B1 REDUCE W1
+rank 2 (stage 1): RECV_F0<0[0:1] RECV_F0<1[1:2] F0 B0 SEND_B0>0[0:1] SEND_B0>1[1:2] \
+RECV_F1<0[0:1] RECV_F1<1[1:2] F1 B1 SEND_B1>0[0:1] SEND_B1>1[1:2] W0 REDUCE W1"""
+
+
+def test_zb_h1_lowered_program_drawn_on_paper() -> None:
+    # The input gradient goes upstream right after B; REDUCE stands before the last W, which
+    # finishes the weights' gradients.
+    assert lower(plan_of([2, 1], 2, "zb-h1"), 4).table() == LOWERED_2_1_ZB
+
+
+@pytest.mark.parametrize("replicas", [[1], [2], [1, 1], [2, 1], [1, 2], [1, 2, 1], [2, 1, 1], [1, 1, 3], [1, 1, 1, 1]])
+@pytest.mark.parametrize("micro_batches", [1, 2, 3, 4, 8])
+def test_zb_h1_lowers_for_every_plan_shape(replicas: list[int], micro_batches: int) -> None:
+    plan = plan_of(replicas, micro_batches, "zb-h1")
+    for rows in {micro_batches * max(replicas), micro_batches * max(replicas) + 1, 7 * micro_batches}:
+        program = lower(plan, rows)
+        timed = simulate(program)  # raises on any deadlock or mis-ordered message
+        assert len(timed) == plan.world_size * 3 * micro_batches
+        for rank, rank_ops in enumerate(program.ranks):
+            stage = program.stage_of[rank]
+            order = [op.action for op in rank_ops if op.kind in ("F", "B", "W")]
+            assert order == zb_h1_schedule(plan.num_stages, micro_batches, stage)
+            assert peak_in_flight(order) == min(plan.num_stages, micro_batches)
+            weights = [i for i, op in enumerate(rank_ops) if op.kind == "W"]
+            assert [i for i, op in enumerate(rank_ops) if op.kind == "REDUCE"] == [weights[-1] - 1]

@@ -66,7 +66,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from dapple_lightning.plan import Plan
+from dapple_lightning.plan import SCHEDULES, Plan
 from dapple_lightning.planner._cluster import Cluster
 from dapple_lightning.planner._profile import ModelProfile
 from dapple_lightning.planner._recurrence import Tail, combine, stage_chain
@@ -297,6 +297,11 @@ class CostModel:
     def check(self, plan: Plan) -> None:
         """Raise ``ValueError`` unless the plan fits this model, cluster and batch."""
         plan.check(num_layers=self.num_layers)
+        if plan.schedule not in SCHEDULES:
+            raise ValueError(
+                f"the cost model knows the schedules {list(SCHEDULES)}, not {plan.schedule!r}; "
+                "estimate the plan under 'dapple' (same activation memory as 'zb-h1', a larger bubble)"
+            )
         if plan.world_size > self.cluster.world_size:
             raise ValueError(
                 f"the plan needs {plan.world_size} devices but the cluster {self.cluster.name} has "

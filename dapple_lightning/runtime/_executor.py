@@ -29,6 +29,7 @@ from dapple_lightning.plan import Plan
 from dapple_lightning.rows import Rows, even_split
 from dapple_lightning.runtime._comm import Incoming, Link, Pending
 from dapple_lightning.runtime._reducer import GradientReducer
+from dapple_lightning.runtime._split_backward import WeightWork, backward_input, backward_weight
 from dapple_lightning.runtime._stage import StageCall, StageExit, StageModule
 from dapple_lightning.runtime._timeline import Timeline
 from dapple_lightning.schedule import Op, lower
@@ -47,6 +48,8 @@ class _InFlight:
     loss: torch.Tensor | None = None
     as_tuple: bool = False
     saved_bytes: int = 0
+    weight_work: WeightWork | None = None
+    """Under a zero-bubble schedule, from its ``B`` to its ``W``: what the weights' gradient needs."""
 
 
 @dataclass
@@ -70,6 +73,8 @@ class _Step:
     carry: Callable[[], torch.Tensor] | None
     train: bool
     inbox: _Inbox
+    split: bool = False
+    """The program splits each backward into ``B`` (inputs) and ``W`` (weights)."""
     live: dict[int, _InFlight] = field(default_factory=dict)
     pieces: list[tuple[list[torch.Tensor], bool]] = field(default_factory=list)
     """Received pieces of the next computation's input or gradient, in program order."""
@@ -145,6 +150,7 @@ class Pipeline:
             "RECV_F": self._receive,
             "RECV_B": self._receive,
             "REDUCE": self._reduce,
+            "W": self._weight_backward,
         }
 
     # ------------------------------------------------------------------------ public API
@@ -203,6 +209,7 @@ class Pipeline:
         rows = self.rows(batch_rows)
         program = self.program(batch_rows, train=train)
         step = _Step(rows, forward, forward_context, carry, train, _Inbox(program, self.links))
+        step.split = any(op.kind == "W" for op in program)
         self.stats = StepStats()
         try:
             for op in program:
@@ -303,31 +310,57 @@ class Pipeline:
 
     def _backward(self, step: _Step, op: Op) -> None:
         m = op.micro_batch
-        state = step.live.pop(m)
+        state = step.live[m] if step.split else step.live.pop(m)
+        outs, grads = self._output_grads(step, state, m)
+        step.pieces = []
+        inputs = [t for t in state.inputs if t.is_floating_point()]
+        if step.split:
+            # Only the inputs' gradients now (the previous stage waits for them); the weights'
+            # come in this micro-batch's W, from the graph kept until then.
+            # The first stage sends no input gradient: its B does nothing, its W the whole backward.
+            with self.timeline.span("backward-input", m):
+                found, state.weight_work = backward_input(outs, grads, [] if self.is_first else inputs, self._weights())
+            if not self.is_first:
+                step.input_grads[m] = [g if g is not None else torch.zeros_like(t) for t, g in zip(inputs, found)]
+        else:
+            with self.timeline.span("backward", m):
+                if outs:
+                    torch.autograd.backward(outs, grads)
+            if not self.is_first:
+                step.input_grads[m] = [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs]
         if self.is_last:
             assert state.loss is not None
-            with self.timeline.span("backward", m):
-                if state.loss.requires_grad:
-                    torch.autograd.backward(state.loss)
             self.stats.losses.append(state.loss.detach())
-        else:
-            grads, _ = _concat(self.stage, m, step.pieces)
-            outs = [t for t in state.outputs or [] if t.is_floating_point()]
-            if len(outs) != len(grads):
-                raise RuntimeError(
-                    f"stage {self.stage} expected {len(outs)} gradients for micro-batch {m}, got {len(grads)}"
-                )
-            pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad]
-            with self.timeline.span("backward", m):
-                if pairs:
-                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        step.pieces = []
-        if not self.is_first:
-            step.input_grads[m] = [
-                t.grad if t.grad is not None else torch.zeros_like(t) for t in state.inputs if t.is_floating_point()
-            ]
         # The peers have received activation m: they sent its gradient back.
         step.activation_sends.pop(m).wait()
+
+    def _output_grads(self, step: _Step, state: _InFlight, m: int) -> tuple[list[torch.Tensor], list]:
+        """The tensors micro-batch ``m``'s backward starts from, and their gradients (``None``: a loss)."""
+        if self.is_last:
+            assert state.loss is not None
+            return ([state.loss], [None]) if state.loss.requires_grad else ([], [])
+        grads, _ = _concat(self.stage, m, step.pieces)
+        outs = [t for t in state.outputs or [] if t.is_floating_point()]
+        if len(outs) != len(grads):
+            raise RuntimeError(
+                f"stage {self.stage} expected {len(outs)} gradients for micro-batch {m}, got {len(grads)}"
+            )
+        pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad]
+        return [o for o, _ in pairs], [g for _, g in pairs]
+
+    def _weight_backward(self, step: _Step, op: Op) -> None:
+        state = step.live.pop(op.micro_batch)  # its graph goes with it
+        assert state.weight_work is not None, f"W{op.micro_batch} before B{op.micro_batch}"
+        with self.timeline.span("backward-weight", op.micro_batch):
+            backward_weight(state.weight_work)
+
+    def _weights(self) -> list[nn.Parameter]:
+        """What a ``W`` computes gradients for: the stage's parameters and the shared ones."""
+        seen: dict[int, nn.Parameter] = {}
+        for p in (*self.module.parameters(), *self.shared_params):
+            if p.requires_grad:
+                seen.setdefault(id(p), p)
+        return list(seen.values())
 
     # ------------------------------------------------------------------------ the rest
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 __all__ = ["Event", "Timeline", "bubble_fractions", "write_chrome_trace"]
 
-COMPUTE = ("forward", "backward")
+COMPUTE = ("forward", "backward", "backward-input", "backward-weight")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,187 @@
+"""A stage's backward in two parts, as zero-bubble schedules run it: input gradients, weights later.
+
+:func:`backward_input` (the schedule's ``B``) computes the gradients of the stage's inputs from
+the saved graph and keeps the graph alive; it also records the gradients that reach the
+*frontier*: the nodes where a weight's part of the graph joins the part that depends on the
+inputs (the matmul that takes a layer's input and its weight, say). :func:`backward_weight`
+(``W``) back-propagates from those recorded gradients to the weights only, so nothing of the
+input path is computed twice, and accumulates into ``.grad`` through autograd, so the
+parameters' post-accumulate hooks (the gradient reducer's) fire as in a plain backward.
+
+The graph analysis follows what torch.distributed.pipelining's ``stage_backward_input`` /
+``stage_backward_weight`` do. Where it cannot split (a weight whose path to the outputs never
+meets the inputs' part, e.g. when no input needs a gradient), ``W`` back-propagates from the
+outputs to the weights instead: correct, at the price of redoing the input path.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch.autograd.graph import GradientEdge, Node
+
+__all__ = ["WeightWork", "backward_input", "backward_weight"]
+
+
+@dataclass(eq=False)
+class _Group:
+    """Weights whose frontiers overlap, and the gradients their frontier nodes received."""
+
+    weights: list[torch.Tensor] = field(default_factory=list)
+    nodes: list[Node] = field(default_factory=list)
+    grads: dict[Node, tuple[torch.Tensor | None, ...]] = field(default_factory=dict)
+
+
+@dataclass
+class WeightWork:
+    """What a ``B`` leaves for its ``W``: the retained graph's frontier gradients, or the outputs."""
+
+    groups: list[_Group]
+    outputs: list[torch.Tensor] = field(default_factory=list)
+    grads: list[torch.Tensor | None] = field(default_factory=list)
+    fallback: list[torch.Tensor] = field(default_factory=list)
+    """Weights back-propagated to from the outputs (no frontier to start from)."""
+
+
+def _node(t: torch.Tensor) -> Node | None:
+    """The node gradients of ``t`` flow into: its grad_fn, or a leaf's gradient accumulator."""
+    if t.grad_fn is not None:
+        return t.grad_fn
+    if not t.requires_grad:
+        return None
+    return t.view_as(t).grad_fn.next_functions[0][0]  # the accumulator is created lazily
+
+
+def _consumers(roots: Sequence[Node]) -> dict[Node, list[Node]]:
+    """For every node reachable from ``roots``, the nodes that take its output (edges reversed)."""
+    consumers: dict[Node, list[Node]] = {r: [] for r in roots}
+    queue = deque(roots)
+    while queue:
+        node = queue.popleft()
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            if child not in consumers:
+                consumers[child] = []
+                queue.append(child)
+            consumers[child].append(node)
+    return consumers
+
+
+def _reach(starts: Sequence[Node], consumers: dict[Node, list[Node]], stop: set[Node]) -> tuple[set[Node], set[Node]]:
+    """Nodes reachable from ``starts`` toward the outputs, not crossing ``stop``; and the ``stop``
+    nodes met."""
+    seen, met = set(), set()
+    queue = deque(n for n in starts if n in consumers)
+    seen.update(queue)
+    while queue:
+        for parent in consumers[queue.popleft()]:
+            if parent in stop:
+                met.add(parent)
+            elif parent not in seen:
+                seen.add(parent)
+                queue.append(parent)
+    return seen, met
+
+
+def _groups(roots: list[Node], inputs: list[Node], weights: list[torch.Tensor]) -> tuple[list[_Group], list]:
+    consumers = _consumers(roots)
+    # Nodes whose output depends on an input. An input made inside the graph (a non-leaf) is not:
+    # what comes before it (an embedding's weight, say) is weight work reached through it.
+    dependent, _ = _reach(inputs, consumers, set())
+    dependent -= set(inputs)
+    groups: list[_Group] = []
+    group_of: dict[Node, _Group] = {}
+    fallback = []
+    for weight in weights:
+        acc = _node(weight)
+        if acc not in consumers:
+            continue  # this micro-batch's graph does not use it
+        _, frontier = _reach([acc], consumers, dependent)
+        if not frontier:
+            fallback.append(weight)
+            continue
+        merged = _Group([weight], sorted(frontier, key=id))
+        for other in {id(g): g for n in frontier if (g := group_of.get(n)) is not None}.values():
+            merged.weights += other.weights
+            merged.nodes += [n for n in other.nodes if n not in frontier]
+            groups = [g for g in groups if g is not other]
+        for n in merged.nodes:
+            group_of[n] = merged
+        groups.append(merged)
+    return groups, fallback
+
+
+def backward_input(
+    outputs: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor | None],
+    inputs: Sequence[torch.Tensor],
+    weights: Sequence[torch.Tensor],
+) -> tuple[list[torch.Tensor | None], WeightWork]:
+    """Gradients of ``inputs`` (``None`` where unused) from ``outputs`` seeded with ``grads``
+    (``None`` for a scalar loss); the graph stays alive for :func:`backward_weight`."""
+    pairs = [(o, g) for o, g in zip(outputs, grads, strict=True) if o.requires_grad]
+    needing = [t for t in inputs if t.requires_grad]
+    weights = [w for w in weights if w.requires_grad]
+    if not needing:  # the first stage: nothing upstream waits, so W does the whole backward
+        groups, fallback = [], weights
+    else:
+        roots = [n for o, _ in pairs if (n := _node(o)) is not None]
+        groups, fallback = _groups(roots, [n for t in needing if (n := _node(t)) is not None], weights)
+    work = WeightWork(groups, fallback=fallback)
+    if fallback:
+        work.outputs, work.grads = [o for o, _ in pairs], [g for _, g in pairs]
+    handles = [node.register_prehook(_recorder(group, node)) for group in groups for node in group.nodes]
+    try:
+        found: tuple[torch.Tensor | None, ...] = ()
+        if pairs and needing:
+            found = torch.autograd.grad(
+                [o for o, _ in pairs], needing, [g for _, g in pairs], retain_graph=True, allow_unused=True
+            )
+    finally:
+        for handle in handles:
+            handle.remove()
+    by_id = {id(t): g for t, g in zip(needing, found, strict=True)}
+    return [by_id.get(id(t)) for t in inputs], work
+
+
+def _recorder(group: _Group, node: Node):
+    def record(grad_outputs):
+        group.grads[node] = tuple(grad_outputs)
+
+    return record
+
+
+def _clamp(saved: tuple[torch.Tensor | None, ...]):
+    return lambda grad_outputs: saved
+
+
+def backward_weight(work: WeightWork) -> None:
+    """Accumulate the weights' gradients of a micro-batch whose :func:`backward_input` has run."""
+    for group in work.groups:
+        edges, seeds = [], []
+        for node in group.nodes:
+            for i, g in enumerate(group.grads.get(node, ())):
+                if g is not None:
+                    edges.append(GradientEdge(node, i))
+                    seeds.append(g)
+        if not edges:
+            continue
+        # A frontier node below another one would receive its gradient twice (its own seed and the
+        # flow from above): it gets what it received in B, once.
+        clamps = [
+            node.register_prehook(_clamp(group.grads[node]))
+            for node in group.nodes
+            if len(group.nodes) > 1 and node in group.grads
+        ]
+        try:
+            torch.autograd.backward(edges, seeds, retain_graph=True, inputs=group.weights)
+        finally:
+            for handle in clamps:
+                handle.remove()
+    if work.fallback and work.outputs:
+        torch.autograd.backward(work.outputs, work.grads, retain_graph=True, inputs=work.fallback)
+    work.groups, work.outputs, work.grads = [], [], []

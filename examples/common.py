@@ -1,4 +1,4 @@
-"""What the two Hydra apps share: the Trainer with its DappleStrategy, and a loss report.
+"""What the Hydra apps share: the Trainer with its DappleStrategy, and a loss report.
 
 Why ranks start with ``spawn`` here (``strategy.start_method``), not Lightning's default
 ``popen``: ``popen`` re-runs the command line once per extra rank. For a Hydra app Lightning
@@ -141,10 +141,10 @@ def job_result(out_dir: str | Path) -> dict[str, float] | None:
 
 def fit(cfg: DictConfig, model: LightningModule, data: Any) -> Trainer:
     """Check the model against the config the plan files count on, then train it with ``cfg.plan``."""
-    if len(model.layers) != cfg.model.num_layers:
-        raise ValueError(
-            f"model.num_layers={cfg.model.num_layers} but the model has {len(model.layers)} layers; do not set it"
-        )
+    path = cfg.strategy.sequential or "layers"
+    layers = len(model.get_submodule(path))
+    if layers != cfg.model.num_layers:
+        raise ValueError(f"model.num_layers={cfg.model.num_layers} but the model's {path} has {layers}; do not set it")
     trainer = make_trainer(cfg)
     trainer.fit(model, datamodule=data)
     spec = cfg.plan
@@ -165,6 +165,7 @@ def make_trainer(cfg: DictConfig) -> Trainer:
         start_method=cfg.strategy.start_method,
         timeout=timedelta(seconds=cfg.strategy.timeout_s),
         trace=cfg.strategy.trace,
+        sequential=cfg.strategy.sequential,
     )
     trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
     assert isinstance(trainer_kwargs, dict)

@@ -9,7 +9,8 @@ validates it in ``DappleStrategy``'s constructor, with messages that name the fi
 
 Plans that work for any model use two derived model fields:
 
-* ``model.num_layers``: the length of the model's ``nn.Sequential``;
+* ``model.num_layers``: the length of the model's ``nn.Sequential`` (the Llama's: of its ModuleList of
+  decoder layers, ``strategy.sequential``);
 * ``model.cut``: the layer where a 2-stage pipeline splits the model's compute about evenly.
 
 Both are interpolations (``add`` and ``floordiv`` are resolvers registered below), so they
@@ -30,6 +31,8 @@ __all__ = [
     "GPTAppConfig",
     "GPTModelConfig",
     "ImageDataConfig",
+    "LlamaAppConfig",
+    "LlamaModelConfig",
     "StrategyConfig",
     "TextDataConfig",
     "TrainerConfig",
@@ -70,6 +73,9 @@ class StrategyConfig:
     """Seconds a rank waits on a dead or stuck peer before giving up."""
     trace: str | None = None
     """Write a Chrome trace of every rank's schedule to this path when training ends."""
+    sequential: str | None = None
+    """Attribute path of the container a plan indexes (``DappleStrategy(sequential=...)``); ``None``:
+    the module's only ``nn.Sequential`` (the GPT's and the CNN's ``layers``)."""
 
 
 @dataclass
@@ -88,6 +94,27 @@ class GPTModelConfig:
     """Derived: embedding + blocks + final LayerNorm + head. Do not set."""
     cut: int = II("add:1,${floordiv:${.n_blocks},2}")
     """First layer of a 2-stage pipeline's second stage: the embedding and half the blocks go first."""
+
+
+@dataclass
+class LlamaModelConfig:
+    """``transformers.LlamaForCausalLM``; a plan indexes its decoder layers (``model.model.layers``)."""
+
+    context: int = 64
+    """Tokens per sequence (``max_position_embeddings``)."""
+    n_layers: int = 4
+    hidden_size: int = 128
+    intermediate_size: int = 344
+    """The MLP's width (Llama's 8/3 of ``hidden_size``, rounded)."""
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    """Grouped-query attention: each key/value head serves ``n_heads / n_kv_heads`` query heads."""
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    num_layers: int = II(".n_layers")
+    """Derived: the decoder layers (embedding, norm and head are outside the container). Do not set."""
+    cut: int = II("floordiv:${.n_layers},2")
+    """First layer of a 2-stage pipeline's second stage: half the decoder layers go first."""
 
 
 @dataclass
@@ -155,6 +182,17 @@ class GPTAppConfig:
 
 
 @dataclass
+class LlamaAppConfig:
+    model: LlamaModelConfig = field(default_factory=LlamaModelConfig)
+    data: TextDataConfig = field(default_factory=TextDataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    plan: Any = MISSING
+    seed: int = 1234
+    sample_chars: int = 200
+
+
+@dataclass
 class CNNAppConfig:
     model: CNNModelConfig = field(default_factory=CNNModelConfig)
     data: ImageDataConfig = field(default_factory=ImageDataConfig)
@@ -172,8 +210,9 @@ def _register_resolvers() -> None:
 
 
 def register() -> None:
-    """Register the schemas (primary configs list ``gpt_schema`` / ``cnn_schema`` first in their defaults)."""
+    """Register the schemas (primary configs list ``gpt_schema``, ``cnn_schema``, ``llama_schema`` first)."""
     _register_resolvers()
     cs = ConfigStore.instance()
     cs.store(name="gpt_schema", node=GPTAppConfig)
     cs.store(name="cnn_schema", node=CNNAppConfig)
+    cs.store(name="llama_schema", node=LlamaAppConfig)

@@ -34,6 +34,16 @@ TINY = {
         "data.batch_size=8",
         "sample_chars=20",
     ],
+    "llama": [
+        "model.n_layers=2",
+        "model.hidden_size=32",
+        "model.intermediate_size=64",
+        "model.n_heads=2",
+        "model.n_kv_heads=1",
+        "model.context=16",
+        "data.batch_size=8",
+        "sample_chars=20",
+    ],
     "cnn": [
         "model.image_size=16",
         "model.conv_blocks=2",
@@ -74,7 +84,7 @@ def check_job(job_dir: Path) -> dict:
     return report
 
 
-@pytest.mark.parametrize("name", ["gpt", "cnn"])
+@pytest.mark.parametrize("name", ["gpt", "cnn", "llama"])
 def test_example_runs_a_two_stage_pipeline(name, tmp_path):
     proc = run_example(name, tmp_path)
     losses = printed_losses(proc.stdout)
@@ -84,7 +94,7 @@ def test_example_runs_a_two_stage_pipeline(name, tmp_path):
     assert report["val_loss"]["first_step"] == 0  # the sanity check's: before any step
     config = yaml.safe_load((tmp_path / ".hydra" / "config.yaml").read_text())
     assert len(config["plan"]["stages"]) == 2  # the default plan is a pipeline, not data parallel
-    if name == "gpt":
+    if name in ("gpt", "llama"):
         assert "sample (20 characters" in proc.stdout
 
 

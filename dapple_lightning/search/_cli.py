@@ -123,6 +123,11 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--schedules", type=_schedules, default=SCHEDULES, help="e.g. dapple or dapple,gpipe")
     run.add_argument("--max-stages", type=int, default=None)
     run.add_argument("--planner-seeds", type=int, default=3, help="measure the planner's top K plans first (0: off)")
+    run.add_argument(
+        "--baselines",
+        default="data_parallel,straight",
+        help="plans measured first, once per study: data_parallel, straight (comma-separated; '' for none)",
+    )
     run.add_argument("--enqueue", action="append", default=[], help="plan YAML file to measure first (repeatable)")
     run.add_argument("--pruner", choices=("median", "none"), default="median")
     run.add_argument("--threads-per-rank", type=int, default=None)
@@ -182,6 +187,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         schedules=args.schedules,
         max_stages=args.max_stages,
         planner_seeds=args.planner_seeds,
+        baselines=tuple(b for b in args.baselines.split(",") if b),
         enqueue=tuple(args.enqueue),
         pruner=args.pruner,
         allow_mismatch=args.allow_mismatch,

@@ -55,6 +55,9 @@ class SearchConfig:
     """Most stages a plan may have; ``None``: ``min(layers, world size)``."""
     planner_seeds: int = 3
     """Measure the planner's top this-many plans first (once per study; 0: do not ask the planner)."""
+    baselines: tuple[str, ...] = ("data_parallel", "straight")
+    """Plans measured before anything else, once per study: data parallelism and a balanced straight
+    pipeline (see ``search._seed.baseline_plans``); ``()`` measures none."""
     enqueue: tuple[Any, ...] = ()
     """Plans to measure first (anything ``Plan.coerce`` takes); ones already in the study are skipped."""
     pruner: Literal["median", "none"] = "median"
@@ -85,6 +88,9 @@ class SearchConfig:
             isinstance(self.heartbeat_s, bool) or not isinstance(self.heartbeat_s, int) or self.heartbeat_s < 1
         ):
             raise ValueError(f"heartbeat_s must be a whole number of seconds >= 1 or None, got {self.heartbeat_s!r}")
+        unknown = set(self.baselines) - {"data_parallel", "straight"}
+        if unknown:
+            raise ValueError(f"baselines: {sorted(unknown)} unknown; the baselines are data_parallel and straight")
         if self.planner_seeds < 0:
             raise ValueError(f"planner_seeds must be >= 0, got {self.planner_seeds}")
         if not isinstance(self.storage, str) or "://" not in self.storage:

@@ -84,8 +84,9 @@ def group_alive(pgid: int) -> bool:
     return False
 
 
-def kill_group(pgid: int, term_wait_s: float = 3.0) -> None:
-    """SIGTERM the group, give it ``term_wait_s`` to exit, then SIGKILL what is left."""
+def kill_group(pgid: int, term_wait_s: float = 3.0, kill_wait_s: float = 10.0) -> None:
+    """SIGTERM the group, give it ``term_wait_s`` to exit, then SIGKILL what is left and wait (up
+    to ``kill_wait_s``) until it is gone: callers count on no process of it being left."""
     try:
         os.killpg(pgid, signal.SIGTERM)
     except ProcessLookupError:
@@ -95,6 +96,9 @@ def kill_group(pgid: int, term_wait_s: float = 3.0) -> None:
         time.sleep(0.05)  # polling with a deadline
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGKILL)
+    deadline = time.monotonic() + kill_wait_s
+    while time.monotonic() < deadline and group_alive(pgid):
+        time.sleep(0.02)  # a killed process takes a moment to exit on a loaded machine
 
 
 @dataclass

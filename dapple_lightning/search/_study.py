@@ -114,7 +114,7 @@ class PlanSearch:
             allow_mismatch=cfg.allow_mismatch,
             say=self._say,
         )
-        enqueue_baselines(study, space)  # measured first: what a found plan must beat
+        enqueue_baselines(study, space, cfg.baselines)  # measured first: what a found plan must beat
         enqueue_plans(study, space, cfg.enqueue)
         if want_profile:
             self._enqueue_planner(study, space, info)

@@ -8,6 +8,7 @@ from test_results import FP, _distributions
 
 from dapple_lightning.plan import Plan
 from dapple_lightning.search import PlanSpace, best_choice, best_plan, explain_choice, params_from_plan
+from dapple_lightning.search._loop import enqueue_baselines
 from dapple_lightning.search._seed import baseline_plans
 
 DP = Plan.data_parallel(6, 2, 1)
@@ -64,3 +65,13 @@ def test_baselines_are_data_parallelism_and_a_straight_pipeline_when_the_space_h
     assert [name for name, _ in baseline_plans(only_four)] == ["straight"]
     with pytest.raises(ValueError, match="unknown baseline"):
         baseline_plans(space, ("fastest",))
+
+
+def test_baselines_are_queued_first_and_once_per_study():
+    space = PlanSpace(6, 2, 8)
+    study = optuna.create_study(direction="maximize")
+    enqueue_baselines(study, space)
+    enqueue_baselines(study, space)  # a resumed study: nothing queued again
+    waiting = study.get_trials(states=(optuna.trial.TrialState.WAITING,))
+    assert [t.user_attrs["source"] for t in waiting] == ["data_parallel", "straight"]
+    assert study.user_attrs["baselines_enqueued"] == ["data_parallel", "straight"]

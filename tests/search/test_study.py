@@ -43,6 +43,7 @@ def mlp_study(tmp_path_factory):
         study_name="mlp",
         n_trials=3,
         planner_seeds=2,
+        baselines=(),  # the planner's picks first (baselines: tests/search/test_choice.py)
         micro_batches=(1, 2, 4),
         progress=False,
     )
@@ -141,6 +142,7 @@ def test_crash_hang_oom_and_infeasible_trials_end_the_trial_not_the_study(tmp_pa
         study_name="failures",
         n_trials=5,
         planner_seeds=0,
+        baselines=(),  # exactly these plans, in this order
         pruner="none",
         schedules=("dapple",),
         enqueue=tuple(plans),
@@ -170,6 +172,7 @@ def test_multi_objective_study_keeps_a_pareto_front(tmp_path):
         study_name="multi",
         n_trials=2,
         planner_seeds=0,
+        baselines=(),  # exactly these two plans
         multi_objective=True,
         enqueue=plans,
         progress=False,

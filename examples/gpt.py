@@ -15,33 +15,20 @@ working directory does not change. Ranks start with ``spawn``: see ``examples/co
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import hydra
 from common import fit, job_result, output_dir
 from configs import register
-from gpt_model import CharData, CharGPT
+from gpt_model import CharGPT, char_data, print_sample
 from lightning.pytorch import seed_everything
 from omegaconf import DictConfig
 
 register()
-REPO = Path(__file__).resolve().parents[1]
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="gpt")
 def main(cfg: DictConfig) -> dict[str, float] | None:
     seed_everything(cfg.seed, workers=True)
-    path = Path(cfg.data.path)
-    if not path.is_absolute() and not path.exists():
-        path = REPO / path  # so that the default works from any directory
-    data = CharData(
-        path,
-        context=cfg.data.context,
-        batch_size=cfg.data.batch_size,
-        stride=cfg.data.stride,
-        val_fraction=cfg.data.val_fraction,
-        seed=cfg.seed,
-    )
+    data = char_data(cfg)
     m = cfg.model
     model = CharGPT(
         vocab_size=len(data.vocab),
@@ -54,14 +41,7 @@ def main(cfg: DictConfig) -> dict[str, float] | None:
         weight_decay=m.weight_decay,
     )
     trainer = fit(cfg, model, data)
-
-    # With spawn the ranks hand the trained weights back to this process; with popen this process
-    # is rank 0, which holds the whole model again after fit.
-    if cfg.sample_chars > 0 and trainer.global_rank == 0:
-        model.eval()
-        prompt = data.vocab.encode("\n")
-        text = data.vocab.decode(model.generate(prompt, cfg.sample_chars, temperature=0.8, seed=cfg.seed))
-        print(f"sample ({cfg.sample_chars} characters, temperature 0.8):\n{text}", flush=True)
+    print_sample(cfg, trainer, model, data)
     return job_result(output_dir())  # what a sweep over plans compares
 
 

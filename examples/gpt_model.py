@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -82,7 +83,43 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
-class CharGPT(LightningModule):
+class CharLM(LightningModule):
+    """A character language model's steps and sampling, around ``_logits`` (ids -> next-id logits).
+
+    Subclasses set ``hparams.context`` and pass every batch through their pipelined container once
+    in ``_logits``.
+    """
+
+    def _logits(self, ids: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def _loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
+        ids, targets = batch
+        logits = self._logits(ids)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    @torch.no_grad()
+    def generate(self, prompt: Tensor, new_tokens: int, *, temperature: float = 1.0, seed: int = 0) -> Tensor:
+        """Sample ``new_tokens`` ids after ``prompt`` (1-D ids); needs the whole, unpartitioned model."""
+        context = self.hparams.context
+        g = torch.Generator().manual_seed(seed)
+        ids = prompt.reshape(1, -1)
+        for _ in range(new_tokens):
+            logits = self._logits(ids[:, -context:])[0, -1] / temperature
+            nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=g)
+            ids = torch.cat([ids, nxt.reshape(1, 1)], dim=1)
+        return ids[0]
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        loss = self._loss(batch)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        self.log("val_loss", self._loss(batch), prog_bar=True)
+
+
+class CharGPT(CharLM):
     """Next-character prediction with cross-entropy; AdamW, weight decay on matrices only."""
 
     def __init__(
@@ -113,21 +150,11 @@ class CharGPT(LightningModule):
     def forward(self, ids: Tensor) -> Tensor:
         return self.layers(ids)
 
-    def _loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
-        ids, targets = batch
-        logits = self.layers(ids)  # the one pass through the pipelined Sequential
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-
-    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        loss = self._loss(batch)
-        self.log("train_loss", loss, prog_bar=True)
-        return loss
-
-    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
-        self.log("val_loss", self._loss(batch), prog_bar=True)
+    def _logits(self, ids: Tensor) -> Tensor:
+        return self.layers(ids)  # the one pass through the pipelined Sequential
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        # Under dapple this runs after partitioning: self.parameters() are this rank's only.
+        # Under dapple this sees the whole model (other stages' layers on the meta device); each rank keeps its own.
         decay = [p for p in self.parameters() if p.dim() >= 2]
         no_decay = [p for p in self.parameters() if p.dim() < 2]
         groups = [
@@ -135,18 +162,6 @@ class CharGPT(LightningModule):
             {"params": no_decay, "weight_decay": 0.0},
         ]
         return torch.optim.AdamW([g for g in groups if g["params"]], lr=self.hparams.lr, betas=(0.9, 0.99))
-
-    @torch.no_grad()
-    def generate(self, prompt: Tensor, new_tokens: int, *, temperature: float = 1.0, seed: int = 0) -> Tensor:
-        """Sample ``new_tokens`` ids after ``prompt`` (1-D ids); needs the whole, unpartitioned model."""
-        context = self.hparams.context
-        g = torch.Generator().manual_seed(seed)
-        ids = prompt.reshape(1, -1)
-        for _ in range(new_tokens):
-            logits = self.layers(ids[:, -context:])[0, -1] / temperature
-            nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=g)
-            ids = torch.cat([ids, nxt.reshape(1, 1)], dim=1)
-        return ids[0]
 
 
 def _init_weights(module: nn.Module) -> None:
@@ -251,3 +266,30 @@ class CharData(LightningDataModule):
             shuffle=False,
             drop_last=True,
         )
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def char_data(cfg: Any) -> CharData:
+    """The text data a config's ``data`` group names (a relative path also works from any directory)."""
+    path = Path(cfg.data.path)
+    if not path.is_absolute() and not path.exists():
+        path = REPO / path
+    d = cfg.data
+    return CharData(
+        path, context=d.context, batch_size=d.batch_size, stride=d.stride, val_fraction=d.val_fraction, seed=cfg.seed
+    )
+
+
+def print_sample(cfg: Any, trainer: Any, model: Any, data: CharData) -> None:
+    """Rank 0 prints ``cfg.sample_chars`` characters the trained model writes after a newline.
+
+    With spawn the ranks hand the trained weights back to this process; with popen this process
+    is rank 0, which holds the whole model again after fit.
+    """
+    if cfg.sample_chars > 0 and trainer.global_rank == 0:
+        model.eval()
+        prompt = data.vocab.encode("\n")
+        text = data.vocab.decode(model.generate(prompt, cfg.sample_chars, temperature=0.8, seed=cfg.seed))
+        print(f"sample ({cfg.sample_chars} characters, temperature 0.8):\n{text}", flush=True)

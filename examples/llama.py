@@ -16,34 +16,21 @@ states cross stages. Configs: ``conf/llama.yaml`` and the groups under ``conf/``
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import hydra
 from common import fit, job_result, output_dir
 from configs import register
-from gpt_model import CharData
+from gpt_model import char_data, print_sample
 from lightning.pytorch import seed_everything
 from llama_model import CharLlama
 from omegaconf import DictConfig
 
 register()
-REPO = Path(__file__).resolve().parents[1]
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="llama")
 def main(cfg: DictConfig) -> dict[str, float] | None:
     seed_everything(cfg.seed, workers=True)
-    path = Path(cfg.data.path)
-    if not path.is_absolute() and not path.exists():
-        path = REPO / path  # so that the default works from any directory
-    data = CharData(
-        path,
-        context=cfg.data.context,
-        batch_size=cfg.data.batch_size,
-        stride=cfg.data.stride,
-        val_fraction=cfg.data.val_fraction,
-        seed=cfg.seed,
-    )
+    data = char_data(cfg)
     m = cfg.model
     model = CharLlama(
         vocab_size=len(data.vocab),
@@ -57,13 +44,7 @@ def main(cfg: DictConfig) -> dict[str, float] | None:
         weight_decay=m.weight_decay,
     )
     trainer = fit(cfg, model, data)
-
-    # With spawn the ranks hand the trained weights back to this process (see examples/gpt.py).
-    if cfg.sample_chars > 0 and trainer.global_rank == 0:
-        model.eval()
-        prompt = data.vocab.encode("\n")
-        text = data.vocab.decode(model.generate(prompt, cfg.sample_chars, temperature=0.8, seed=cfg.seed))
-        print(f"sample ({cfg.sample_chars} characters, temperature 0.8):\n{text}", flush=True)
+    print_sample(cfg, trainer, model, data)
     return job_result(output_dir())  # what a sweep over plans compares
 
 

@@ -365,7 +365,9 @@ class HFGPT2(LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 
-def test_hugging_face_gpt2_matches_single_device(tmp_path, single_device):
+@pytest.mark.parametrize("shape", ["2:1", "1:1:1"])
+def test_hugging_face_gpt2_matches_single_device(shape, tmp_path, single_device):
     pytest.importorskip("transformers")
-    got = fit(HFGPT2, tmp_path, plan=TWO_ONE, loader=tokens, strategy_kwargs={"sequential": "model.transformer.h"})
+    p = TWO_ONE if shape == "2:1" else THREE
+    got = fit(HFGPT2, tmp_path, plan=p, loader=tokens, strategy_kwargs={"sequential": "model.transformer.h"})
     assert_same(got, single_device(HFGPT2))

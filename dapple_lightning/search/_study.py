@@ -163,7 +163,8 @@ class PlanSearch:
                 trial.report(samples_per_s, step)
                 return trial.should_prune()
 
-        result = run_trial(drawn.plan, cfg.trial, on_step, on_start=lambda pgid: trial.set_user_attr("pgid", pgid))
+        started = lambda pgid: trial.set_user_attr("pgid", pgid)  # noqa: E731
+        result = run_trial(drawn.plan, cfg.trial, on_step, on_start=started, on_wait=self._say)  # waits for devices
         return outcome_of(result, multi_objective=cfg.multi_objective, warmup=cfg.trial.warmup)
 
     def _pruner(self) -> optuna.pruners.BasePruner:

@@ -84,7 +84,7 @@ def test_no_output_or_file_of_a_search_shows_the_password(tmp_path):
         done,
         run("trials", "--storage", storage, "--study", "secret"),
         run("best", "--storage", storage, "--study", "secret", "--export", "best.yaml"),
-        run("plot", "--storage", storage, "--study", "secret", "--out", "plots"),  # without plotly: a hint
+        run("plot", "--storage", storage, "--study", "secret", "--out", "plots"),
         run("best", "--storage", storage, "--study", "missing"),
         run("trials", "--storage", wrong, "--study", "secret"),
         run(*search, "--storage", wrong),

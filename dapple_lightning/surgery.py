@@ -3,12 +3,14 @@
 Everything that changes which modules a LightningModule holds lives here, so that the
 strategy, ``plan="auto"`` and the search all cut and restore a model the same way:
 
-- :func:`find_container` finds the container whose children a plan indexes: an ``nn.Sequential``
-  that forward calls once, or an ``nn.ModuleList`` of blocks that forward loops over
-  (:func:`find_sequential` where only a Sequential will do);
-- :class:`Cut` replaces it, on one rank, by that rank's :class:`~dapple_lightning.runtime.StageModule`
-  (for a ModuleList: by a list of the stage's blocks and placeholders; the layers of other stages
-  go to the meta device) and later puts the whole container back with the trained weights;
+- :func:`find_chain` finds the containers whose children a plan indexes (a :class:`Chain`): an
+  ``nn.Sequential`` that forward calls once, an ``nn.ModuleList`` of blocks that forward loops
+  over, or several of them that forward runs in turn with its own code between them
+  (:func:`find_container` for one, :func:`find_sequential` where only a Sequential will do);
+- :class:`Cut` replaces them, on one rank, by that rank's :class:`~dapple_lightning.runtime.StageModule`
+  (for a ModuleList or a chain: by stand-ins holding the stage's layers and placeholders; the
+  layers of other stages go to the meta device) and later puts the whole containers back with the
+  trained weights;
 - :func:`standing_in` and :func:`capture_input` let the user's own step run with something
   else in the container's place (to learn the container's input, or to time what the step
   does around it).
@@ -19,7 +21,7 @@ moves modules.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
@@ -28,12 +30,15 @@ import torch
 from torch import Tensor, nn
 
 from dapple_lightning.plan import Plan
-from dapple_lightning.runtime import StageExit, StageModule, stand_in_blocks
+from dapple_lightning.runtime import StageExit, StageModule, stand_in_layers
 
 __all__ = [
+    "Chain",
     "Container",
     "Cut",
     "capture_input",
+    "check_ties",
+    "find_chain",
     "find_container",
     "find_sequential",
     "partition",
@@ -73,7 +78,8 @@ def find_container(module: nn.Module, name: str | None = None) -> tuple[str, Con
     names = ", ".join(repr(n) for n, _ in candidates)
     raise ValueError(
         f"{type(module).__name__} has several nn.Sequential/nn.ModuleList attributes ({names}); choose one with "
-        f"DappleStrategy(sequential={candidates[0][0]!r})"
+        f"DappleStrategy(sequential={candidates[0][0]!r}), or several that forward runs in turn with "
+        f"sequential={[n for n, _ in candidates]!r}"
     )
 
 
@@ -88,6 +94,99 @@ def find_sequential(module: nn.Module, name: str | None = None) -> tuple[str, nn
             "plan (DappleStrategy({'stages': [...], 'micro_batches': ...}))"
         )
     return path, found
+
+
+@dataclass(frozen=True, eq=False)
+class Chain:
+    """The containers whose children are a plan's layers, in the order forward runs them.
+
+    Layer ``i`` of a plan is the ``i``-th child in that order: the children of ``containers[0]``,
+    then those of ``containers[1]``, and so on. Code between the containers (pooling, flatten,
+    a norm) is the user's and runs unchanged.
+    """
+
+    paths: tuple[str, ...]
+    containers: tuple[Container, ...]
+
+    @classmethod
+    def of(cls, path: str, container: Container) -> Chain:
+        return cls((path,), (container,))
+
+    def __len__(self) -> int:
+        return sum(len(c) for c in self.containers)
+
+    @property
+    def called_whole(self) -> bool:
+        """Whether the user's step calls the stage once (one ``nn.Sequential``), rather than each layer itself."""
+        return len(self.containers) == 1 and isinstance(self.containers[0], nn.Sequential)
+
+    def named_layers(self) -> list[tuple[str, nn.Module]]:
+        """Every layer, in plan order, with its path in the model."""
+        return [
+            (f"{path}.{name}", layer)
+            for path, container in zip(self.paths, self.containers)
+            for name, layer in container.named_children()
+        ]
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """The containers' state under the model's keys (after a cut, other stages' layers are meta tensors)."""
+        return {
+            f"{path}.{key}": value
+            for path, container in zip(self.paths, self.containers)
+            for key, value in container.state_dict().items()
+        }
+
+    def single(self) -> tuple[str, Container]:
+        """The one container (path and module) of a chain of one."""
+        if len(self.containers) != 1:
+            raise ValueError(f"expected one container to pipeline, got {len(self.containers)}: {list(self.paths)}")
+        return self.paths[0], self.containers[0]
+
+
+def find_chain(module: nn.Module, name: str | Sequence[str] | None = None) -> Chain:
+    """The containers to pipeline: the one or several named (in the order forward runs them), or
+    the module's only ``nn.Sequential`` / ``nn.ModuleList`` (:func:`find_container`)."""
+    if name is None or isinstance(name, str):
+        return Chain.of(*find_container(module, name))
+    paths = [str(n) for n in name]
+    if not paths:
+        raise ValueError("sequential=[]: name at least one container to pipeline")
+    for i, a in enumerate(paths):
+        for b in paths[i + 1 :]:
+            if a == b or b.startswith(f"{a}.") or a.startswith(f"{b}."):
+                raise ValueError(
+                    f"sequential={paths!r} names {a!r} and {b!r}, which overlap; name containers that hold "
+                    "different layers, in the order forward runs them"
+                )
+    return Chain(tuple(paths), tuple(find_container(module, path)[1] for path in paths))
+
+
+def check_ties(module: nn.Module, chain: Chain, plan: Plan) -> None:
+    """Refuse a parameter that ``plan`` would put in more than one place: held by layers of two
+    stages, or by a layer of the chain and by a module outside it (a tied embedding and head).
+
+    Parameters shared outside the containers need nothing (every rank holds them and their
+    gradient is summed over every rank); a tie that a plan splits would need the stages that hold
+    it to sum their gradients, which dapple does not do yet.
+    """
+    stage_of = {index: s for s, stage in enumerate(plan.stages) for index in range(stage.start, stage.end)}
+    where: dict[int, dict[str, str]] = {}  # parameter -> {place: a path it has there}
+    for index, (path, layer) in enumerate(chain.named_layers()):
+        for name, param in layer.named_parameters(remove_duplicate=False):
+            where.setdefault(id(param), {}).setdefault(f"stage {stage_of[index]}", f"{path}.{name}")
+    inside = tuple(f"{path}." for path in chain.paths)
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if id(param) in where and not name.startswith(inside):
+            where[id(param)].setdefault("outside the containers", name)
+    split = [places for places in where.values() if len(places) > 1]
+    if split:
+        said = "; ".join(" and ".join(f"{path} ({place})" for place, path in places.items()) for places in split)
+        raise ValueError(
+            f"the plan splits parameters that layers share: {said}. dapple does not sum a tied parameter's "
+            "gradient over the stages that hold it yet: give the plan a stage that holds every layer using it, "
+            "or move the tied modules outside the pipelined containers (as Hugging Face keeps the embedding and "
+            "the head), where every rank holds them"
+        )
 
 
 def set_submodule(root: nn.Module, path: str, new: nn.Module) -> None:
@@ -107,66 +206,77 @@ def partition(container: Container, plan: Plan, rank: int) -> StageModule:
 
 @dataclass
 class Cut:
-    """``module`` with the container at ``path`` replaced by one rank's stage.
+    """``module`` with the containers of ``chain`` replaced by one rank's stage.
 
-    Made by :meth:`apply`; :meth:`restore` undoes it. The container object itself is kept (its
-    layers of other stages on the meta device), so that restoring gives the user back the very
-    modules they built.
+    Made by :meth:`apply`; :meth:`restore` undoes it. The container objects themselves are kept
+    (their layers of other stages on the meta device), so that restoring gives the user back the
+    very modules they built.
 
-    ``stage`` (a :class:`StageModule`) holds the rank's layers under their indices in the
-    container and takes the executor's calls. What sits at ``path`` meanwhile is ``stand_in``: the
-    stage itself for a Sequential; for a ModuleList a list of the container's length, the stage's
-    blocks in their places and placeholders elsewhere (see
-    :func:`~dapple_lightning.runtime.stand_in_blocks`).
+    ``stage`` (a :class:`StageModule`) holds the rank's layers and takes the executor's calls.
+    What sits at the containers' paths meanwhile is ``stand_ins``: for one Sequential the stage
+    itself; otherwise, for each container, one of its own class and length with the stage's
+    layers in their places and placeholders elsewhere (see
+    :func:`~dapple_lightning.runtime.stand_in_layers`).
     """
 
     module: nn.Module
-    path: str
-    container: Container
+    chain: Chain
     stage: StageModule
-    stand_in: nn.Module
+    stand_ins: tuple[nn.Module, ...]
     _unhook: Callable[[], None] = lambda: None
 
     @classmethod
-    def apply(cls, module: nn.Module, path: str, container: Container, plan: Plan, rank: int) -> Cut:
-        """Replace the container by ``rank``'s stage of ``plan`` and free the other stages' layers."""
-        stage = partition(container, plan, rank)
+    def apply(cls, module: nn.Module, chain: Chain, plan: Plan, rank: int) -> Cut:
+        """Replace the containers by ``rank``'s stage of ``plan`` and free the other stages' layers."""
+        check_ties(module, chain, plan)
+        layers = plan.stages[plan.stage_of(rank)]
+        if len(chain.containers) == 1:
+            stage = partition(chain.containers[0], plan, rank)
+        else:  # children named by their index in the chain; messages name their paths
+            named = chain.named_layers()
+            stage = StageModule(
+                [(str(i), named[i][1]) for i in range(layers.start, layers.end)],
+                blocks=len(chain),
+                names=[name for name, _ in named],
+            )
         unhook: Callable[[], None] = lambda: None  # noqa: E731
-        stand_in: nn.Module = stage
-        if isinstance(container, nn.ModuleList):
-            layers = plan.stages[plan.stage_of(rank)]
-            stand_in, unhook = stand_in_blocks(container, stage, layers.start, layers.end)
+        stand_ins: tuple[nn.Module, ...] = (stage,)
+        if not chain.called_whole:
+            stand_in_list, unhook = stand_in_layers(chain.containers, stage, layers.start, layers.end)
+            stand_ins = tuple(stand_in_list)
         local = set(stage.children())
-        for layer in container.children():
+        for _, layer in chain.named_layers():
             if layer not in local:
                 layer.to("meta")  # frees the memory of layers that live on other ranks
-        set_submodule(module, path, stand_in)
-        return cls(module, path, container, stage, stand_in, unhook)
+        cut = cls(module, chain, stage, stand_ins, unhook)
+        cut._put(stand_ins)
+        return cut
 
-    @property
-    def prefix(self) -> str:
-        """The state-dict key prefix of the container's entries."""
-        return f"{self.path}."
+    def _put(self, modules: Sequence[nn.Module]) -> None:
+        for path, new in zip(self.chain.paths, modules):
+            set_submodule(self.module, path, new)
 
     @contextmanager
     def whole(self) -> Iterator[None]:
-        """Within the block the module holds its container again (other stages' layers on the meta
-        device): code that indexes it (``self.layers[i]``) or names parameters sees what one device sees."""
-        set_submodule(self.module, self.path, self.container)
+        """Within the block the module holds its containers again (other stages' layers on the meta
+        device): code that indexes them (``self.layers[i]``) or names parameters sees what one device sees."""
+        self._put(self.chain.containers)
         try:
             yield
         finally:
-            set_submodule(self.module, self.path, self.stand_in)
+            self._put(self.stand_ins)
 
     def restore(self, weights: Mapping[str, Tensor], device: torch.device) -> None:
-        """Put the whole container back, its state from ``weights`` (keys relative to the container)."""
+        """Put the whole containers back, their state from ``weights`` (under the model's keys)."""
         self._unhook()
         local = set(self.stage.children())
-        for layer in self.container.children():
+        for _, layer in self.chain.named_layers():
             if layer not in local:
                 layer.to_empty(device=device)
-        self.container.load_state_dict(weights)
-        set_submodule(self.module, self.path, self.container)
+        for path, container in zip(self.chain.paths, self.chain.containers):
+            prefix = f"{path}."
+            container.load_state_dict({k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)})
+        self._put(self.chain.containers)
 
 
 @contextmanager

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from dapple_lightning import Plan
 from dapple_lightning.runtime import StageCall, StageExit
-from dapple_lightning.surgery import Cut, find_container
+from dapple_lightning.surgery import Chain, Cut, find_container
 
 from harness import assert_same, fit
 
@@ -135,7 +135,7 @@ def single_device(tmp_path_factory):
 def test_the_decoder_layers_are_the_container_and_a_stage_runs_on_what_it_received():
     model, reference = llama(), llama()
     name, container = find_container(model, "model.layers")  # the Hugging Face model itself
-    cut = Cut.apply(model, name, container, ONE_ONE, rank=1)
+    cut = Cut.apply(model, Chain.of(name, container), ONE_ONE, rank=1)
     x, received = torch.randint(0, VOCAB, (2, T)), torch.randn(2, T, 32)
     call = cut.stage.call = StageCall(1, first=False, last=True, blocks=LAYERS, received=[received])
     got = model(input_ids=x, labels=x).loss
@@ -155,7 +155,7 @@ def test_the_decoder_layers_are_the_container_and_a_stage_runs_on_what_it_receiv
 def test_a_middle_stage_sends_only_the_hidden_states_and_keeps_the_cache_and_rotary_tuple_local():
     model = llama()
     name, container = find_container(model, "model.layers")
-    cut = Cut.apply(model, name, container, THREE, rank=1)  # layers 1 and 2
+    cut = Cut.apply(model, Chain.of(name, container), THREE, rank=1)  # layers 1 and 2
     side_inputs = []
     container[1].register_forward_pre_hook(lambda _, args, kwargs: side_inputs.append(kwargs), with_kwargs=True)
     received = torch.randn(2, T, 32)

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from dapple_lightning import Plan
 from dapple_lightning.runtime import Placeholder, StageCall, StageExit
-from dapple_lightning.surgery import Cut, find_container
+from dapple_lightning.surgery import Chain, Cut, find_container
 
 from harness import assert_same, fit
 
@@ -181,14 +181,14 @@ def single_device(tmp_path_factory):
 
 def cut_for(model: nn.Module, p: Plan, rank: int) -> Cut:
     name, container = find_container(model)
-    return Cut.apply(model, name, container, p, rank)
+    return Cut.apply(model, Chain.of(name, container), p, rank)
 
 
 def test_a_modulelist_is_found_and_cut_into_blocks_and_placeholders_under_the_original_keys():
     model = TinyGPT()
     assert find_container(model)[0] == "blocks"
     blocks, keys = list(model.blocks), set(model.state_dict())
-    weights = {k: v.clone() for k, v in model.blocks.state_dict().items()}
+    weights = {f"blocks.{k}": v.clone() for k, v in model.blocks.state_dict().items()}
     cut = cut_for(model, THREE, rank=1)
     stand_in = model.blocks
     assert type(stand_in) is nn.ModuleList and len(stand_in) == BLOCKS
@@ -202,11 +202,11 @@ def test_a_modulelist_is_found_and_cut_into_blocks_and_placeholders_under_the_or
         k[len("blocks.") :] for k in keys if k.startswith(("blocks.1.", "blocks.2."))
     }
     with cut.whole():
-        assert model.blocks is cut.container
+        assert model.blocks is cut.chain.containers[0]
     assert model.blocks is stand_in
     cut.restore(weights, torch.device("cpu"))
-    assert model.blocks is cut.container and list(model.blocks) == blocks
-    assert all(torch.equal(v, weights[k]) for k, v in model.blocks.state_dict().items())
+    assert model.blocks is cut.chain.containers[0] and list(model.blocks) == blocks
+    assert all(torch.equal(v, weights[f"blocks.{k}"]) for k, v in model.blocks.state_dict().items())
     assert not blocks[1]._forward_hooks and not blocks[1]._forward_pre_hooks
 
 
@@ -223,7 +223,7 @@ def test_the_stage_runs_its_blocks_on_what_it_received_and_leaves_after_its_last
     mask = torch.ones(T, T, dtype=torch.bool).tril()
     want = reference.blocks[2](reference.blocks[1](received, mask), mask)
     assert call.inputs[0] is received and torch.allclose(call.outputs[0], want)
-    assert call.next_block == 3 and [b.calls for b in cut.container] == [0, 1, 1, 0]
+    assert call.next_block == 3 and [b.calls for b in cut.chain.containers[0]] == [0, 1, 1, 0]
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ from torch import nn
 
 from dapple_lightning.plan import Plan
 from dapple_lightning.runtime import StageModule
-from dapple_lightning.surgery import Cut, capture_input, find_sequential, set_submodule, standing_in, unchanged
+from dapple_lightning.surgery import Chain, Cut, capture_input, find_sequential, set_submodule, standing_in, unchanged
 
 
 class Net(nn.Module):
@@ -48,8 +48,8 @@ def test_find_sequential_finds_the_only_one_or_the_named_one_and_says_why_not() 
 def test_a_cut_keeps_the_stage_under_its_original_names_and_restores_the_very_modules() -> None:
     net = Net()
     container, layers = net.layers, list(net.layers)
-    weights = {k: v.clone() for k, v in container.state_dict().items()}
-    cut = Cut.apply(net, "layers", container, two_stages(), rank=1)
+    weights = {f"layers.{k}": v.clone() for k, v in container.state_dict().items()}
+    cut = Cut.apply(net, Chain.of("layers", container), two_stages(), rank=1)
     assert isinstance(net.layers, StageModule)
     assert [name for name, _ in net.layers.named_children()] == ["2", "3"]
     assert net.layers[0] is layers[2]  # re-indexed from 0, the same module
@@ -58,7 +58,7 @@ def test_a_cut_keeps_the_stage_under_its_original_names_and_restores_the_very_mo
     cut.restore(weights, torch.device("cpu"))
     assert net.layers is container and list(container) == layers
     for key, value in container.state_dict().items():
-        assert torch.equal(value, weights[key]), key
+        assert torch.equal(value, weights[f"layers.{key}"]), key
 
 
 def test_capture_input_stops_the_step_at_the_container_and_silences_logging() -> None:

@@ -4,8 +4,9 @@
   from a dispatch table: forwards, backwards, sends, receives and the gradient sum;
 - :class:`StageModule` stands in for the user's container and takes one :class:`StageCall`
   per micro-batch from the executor (the hand-off between the user's step and the pipeline);
-  :func:`stand_in_blocks` spreads that hand-off over the blocks of an ``nn.ModuleList`` that
-  the user's forward loops over (other stages' blocks become :class:`Placeholder` modules);
+  :func:`stand_in_layers` spreads that hand-off over the layers the user's code calls one by one
+  (the blocks of an ``nn.ModuleList`` it loops over, a chain of containers; other stages' layers
+  become :class:`Placeholder` modules);
 - :class:`GradientReducer` sums gradients over a group while backward still runs;
 - :class:`Link` and :func:`share` move tensors and values between ranks;
 - :class:`Timeline` records spans for a Chrome trace;
@@ -16,7 +17,7 @@ No Lightning and no Optuna here.
 """
 
 from dapple_lightning.runtime._batchnorm import agree_buffers, synchronize_batch_norms
-from dapple_lightning.runtime._blocks import Placeholder, stand_in_blocks
+from dapple_lightning.runtime._blocks import Placeholder, stand_in_blocks, stand_in_layers
 from dapple_lightning.runtime._comm import Link, Pending, Signature, p2p_groups, share, stage_group
 from dapple_lightning.runtime._executor import Pipeline, StepStats
 from dapple_lightning.runtime._reducer import GradientReducer
@@ -42,6 +43,7 @@ __all__ = [
     "share",
     "stage_group",
     "stand_in_blocks",
+    "stand_in_layers",
     "synchronize_batch_norms",
     "write_chrome_trace",
 ]

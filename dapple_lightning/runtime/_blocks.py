@@ -1,30 +1,39 @@
-"""Blocks in an ``nn.ModuleList`` that the user's forward loops over, handed to the pipeline one by one.
+"""Layers that the user's own code calls one by one, handed to the pipeline layer by layer.
 
-With a Sequential container the user's step calls the stage once; with a ModuleList it calls
-every block itself, with side inputs it computes on every rank::
+With one ``nn.Sequential`` container the user's step calls the stage once (a
+:class:`~dapple_lightning.runtime.StageModule` stands in for it). With an ``nn.ModuleList`` of
+blocks that forward loops over, or a chain of several containers with code between them, the
+user's code calls every layer itself, with side inputs it computes on every rank::
 
-    for block in self.blocks:
+    x = self.features(x)                    # an nn.Sequential calls its layers in turn
+    x = torch.flatten(self.avgpool(x), 1)   # code between containers
+    x = self.classifier(x)
+    for block in self.blocks:               # a loop calls each block of an nn.ModuleList
         x = block(x, mask, position_ids=pos)
 
-:func:`stand_in_blocks` builds the list that stands in for the user's on one rank: element ``i``
-is the real block ``i`` where this rank's stage holds it, and a :class:`Placeholder` (no
-parameters, no computing: it returns its first argument) elsewhere. Hooks on the stage's blocks
-make the run of them one stage call (:class:`~dapple_lightning.runtime.StageCall`):
+:func:`stand_in_layers` builds, for each container, a stand-in of the container's own class in
+which layer ``i`` is the real layer where this rank's stage holds it and a :class:`Placeholder`
+(no parameters, no computing) elsewhere. Hooks make the run of the stage's layers one stage call
+(:class:`~dapple_lightning.runtime.StageCall`):
 
-* the stage's first block runs on what the executor received (on stages after the first),
-  instead of its first positional argument; the side inputs are the step's own;
-* the stage's last block hands its output to the executor, and ends the user's step with
+* on stages after the first, the placeholder of the previous stage's last layer returns what
+  the executor received, as that layer's output: the user's code between the two stages
+  (pooling and flattening, unpacking a block's tuple) then runs on it as on one device;
+* the stage's last layer hands its output to the executor, and ends the user's step with
   :class:`~dapple_lightning.runtime.StageExit` on every stage but the last;
-* every block, placeholder or real, reports its call, so that a block called twice, out of
+* every layer, placeholder or real, reports its call, so that a layer called twice, out of
   order or not at all stops the first micro-batch with a message.
 
-Only the first positional argument of a block and its output (a tensor or a tuple of tensors)
-cross stages; the side inputs never do.
+Only a layer's output (a tensor or a tuple of tensors) crosses stages; side inputs never do.
+The other placeholders return their first argument: code that runs before the stage's entry
+works on stand-in values, and what it makes of them is dropped at the entry.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import copy
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -32,7 +41,7 @@ from torch import nn
 
 from dapple_lightning.runtime._stage import StageModule
 
-__all__ = ["Placeholder", "stand_in_blocks"]
+__all__ = ["Placeholder", "stand_in_blocks", "stand_in_layers"]
 
 
 def _check_not_recomputed(index: int) -> None:
@@ -56,15 +65,18 @@ def _first_argument(index: int, args: tuple) -> Any:
 
 
 class Placeholder(nn.Module):
-    """Block ``index`` of another stage: returns its first argument, computes nothing, holds no parameters.
+    """Layer ``index`` of another stage: computes nothing, holds no parameters.
 
-    Attributes the real block has and a placeholder lacks (a layer's ``attention_type``, say,
-    which some models read in their loop) come from the real block, which stays on the meta device.
+    It returns its first argument, or, as the ``entry`` of a stage after the first (the previous
+    stage's last layer), what the stage received. Attributes the real layer has and a placeholder
+    lacks (a layer's ``attention_type``, say, which some models read in their loop) come from the
+    real layer, which stays on the meta device.
     """
 
-    def __init__(self, index: int, real: nn.Module, stage: StageModule) -> None:
+    def __init__(self, index: int, real: nn.Module, stage: StageModule, *, entry: bool = False) -> None:
         super().__init__()
         self.index = index
+        self.entry = entry
         # Plain references, not submodules: the placeholder must own no parameters or state.
         self.__dict__["_real"] = real
         self.__dict__["_stage"] = stage
@@ -72,8 +84,11 @@ class Placeholder(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         _check_not_recomputed(self.index)
         call = self.__dict__["_stage"].call
-        if call is not None:
-            call.block(self.index)
+        if call is None:
+            return _first_argument(self.index, args)
+        call.block(self.index)
+        if self.entry:
+            return call.enter(None)
         return _first_argument(self.index, args)
 
     def __getattr__(self, name: str) -> Any:
@@ -86,47 +101,66 @@ class Placeholder(nn.Module):
             return getattr(real, name)
 
     def extra_repr(self) -> str:
-        return f"block {self.index} of another stage"
+        role = ", the entry of this rank's stage" if self.entry else ""
+        return f"layer {self.index} of another stage{role}"
 
 
-def stand_in_blocks(
-    blocks: nn.ModuleList, stage: StageModule, start: int, end: int
-) -> tuple[nn.ModuleList, Callable[[], None]]:
-    """The list that stands in for ``blocks`` on the rank of ``stage`` (its blocks ``[start, end)``),
-    and a function that removes the hooks this puts on those blocks.
+def stand_in_layers(
+    containers: Sequence[nn.Module], stage: StageModule, start: int, end: int
+) -> tuple[list[nn.Module], Callable[[], None]]:
+    """A stand-in for each of ``containers`` (whose children, in order, are a plan's layers) on
+    the rank of ``stage`` (layers ``[start, end)``), and a function that removes the hooks this
+    puts on the stage's layers.
 
-    The list is a plain ``nn.ModuleList`` of the user's length, so slicing, ``len``, indexing and
-    iteration work as on one device, and its state-dict keys are those of the stage's blocks under
-    their original indices.
+    A stand-in is a shallow copy of its container, of the same class, with the same names and
+    length: slicing, ``len``, indexing, iteration and the container's own ``forward`` work as on
+    one device, and its state-dict keys are those of the stage's layers under their original
+    names.
     """
     handles = []
-    elements: list[nn.Module] = []
-    for index, block in enumerate(blocks):
-        if not start <= index < end:
-            elements.append(Placeholder(index, block, stage))
-            continue
-        pre, post = _hooks(index, stage, first=index == start, last=index == end - 1)
-        handles.append(block.register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
-        handles.append(block.register_forward_hook(post, with_kwargs=True))
-        elements.append(block)
+    stand_ins: list[nn.Module] = []
+    index = 0
+    for container in containers:
+        elements: OrderedDict[str, nn.Module] = OrderedDict()
+        for name, layer in container.named_children():
+            if start <= index < end:
+                pre, post = _hooks(index, stage, first=index == start, last=index == end - 1)
+                handles.append(layer.register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
+                handles.append(layer.register_forward_hook(post, with_kwargs=True))
+                elements[name] = layer
+            else:
+                elements[name] = Placeholder(index, layer, stage, entry=index == start - 1)
+            index += 1
+        stand_in = copy.copy(container)
+        stand_in.__dict__["_modules"] = elements
+        stand_ins.append(stand_in)
 
     def remove() -> None:
         for handle in handles:
             handle.remove()
 
-    return nn.ModuleList(elements), remove
+    return stand_ins, remove
+
+
+def stand_in_blocks(
+    blocks: nn.ModuleList, stage: StageModule, start: int, end: int
+) -> tuple[nn.ModuleList, Callable[[], None]]:
+    """:func:`stand_in_layers` for one ``nn.ModuleList`` of blocks."""
+    (stand_in,), remove = stand_in_layers([blocks], stage, start, end)
+    assert isinstance(stand_in, nn.ModuleList)
+    return stand_in, remove
 
 
 def _hooks(index: int, stage: StageModule, *, first: bool, last: bool) -> tuple[Callable, Callable]:
-    """Forward hooks of the stage's block ``index``: the hand-off of a StageCall, spread over its blocks."""
+    """Forward hooks of the stage's layer ``index``: the hand-off of a StageCall, spread over its layers."""
 
     def pre(_: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         _check_not_recomputed(index)
         call = stage.call
-        if call is None:  # outside a pipelined step: the block runs as written
+        if call is None:  # outside a pipelined step: the layer runs as written
             return None
         call.block(index)
-        if not first:
+        if not (first and call.first):  # later stages entered at the previous stage's placeholder
             return None
         return (call.enter(_first_argument(index, args)), *args[1:]), kwargs
 

@@ -275,7 +275,7 @@ class Pipeline:
 
     def _forward(self, step: _Step, op: Op) -> None:
         m = op.micro_batch
-        call = StageCall(self.stage, self.is_first, self.is_last, blocks=self.module.blocks)
+        call = StageCall(self.stage, self.is_first, self.is_last, blocks=self.module.blocks, names=self.module.names)
         if not self.is_first:
             call.received, call.received_tuple = _concat(self.stage, m, step.pieces)
             if step.train and torch.is_grad_enabled():

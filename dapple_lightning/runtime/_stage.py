@@ -10,10 +10,10 @@ hand-off between the two:
 * it records the inputs and outputs the executor sends and back-propagates, and on every stage
   but the last ends the rest of the user's step with :class:`StageExit` (no loss to compute).
 
-With an ``nn.ModuleList`` container the user's loop calls the blocks one by one instead: the
-same call is then entered at the stage's first block and left at its last
-(:meth:`StageCall.enter`, :meth:`StageCall.leave`), and every block's call is checked against
-the order (:meth:`StageCall.block`); see :mod:`~dapple_lightning.runtime._blocks`.
+With an ``nn.ModuleList`` container, or a chain of several containers, the user's code calls
+the layers one by one instead: the same call is then entered where the stage begins and left at
+its last layer (:meth:`StageCall.enter`, :meth:`StageCall.leave`), and every layer's call is
+checked against the order (:meth:`StageCall.block`); see :mod:`~dapple_lightning.runtime._blocks`.
 """
 
 from __future__ import annotations
@@ -50,6 +50,20 @@ def as_tensors(value: Any, where: str) -> tuple[list[torch.Tensor], bool]:
     )
 
 
+def _fresh(received: torch.Tensor) -> torch.Tensor:
+    """What the stage's code runs on in place of ``received``, a leaf that collects its gradient.
+
+    A leaf that requires grad cannot be modified in place, and a stage may well begin with
+    ``ReLU(inplace=True)``, which on one device runs on a layer's output: the code gets a copy,
+    and the leaf gives up its memory (autograd needs only its shape to give it a gradient).
+    """
+    if not received.requires_grad:
+        return received
+    copy = received.clone()
+    received.untyped_storage().resize_(0)
+    return copy
+
+
 @dataclass
 class StageCall:
     """One micro-batch's pass through a :class:`StageModule` during a pipelined step.
@@ -69,9 +83,11 @@ class StageCall:
     output_tuple: bool = False
     calls: int = 0
     blocks: int | None = None
-    """With a ModuleList container: how many blocks it has (``None`` for a Sequential)."""
+    """When the user's code calls the layers one by one: how many there are (``None`` for one Sequential)."""
+    names: tuple[str, ...] | None = None
+    """The layers' paths in the model, for messages, when they come from a chain of containers."""
     next_block: int = 0
-    """With a ModuleList container: the block that forward must call next."""
+    """When the user's code calls the layers one by one: the one it must call next."""
 
     def run(self, layers: Callable[[Activation], Any], arg: Any) -> Any:
         """Run the stage as one call (a Sequential's layers) on ``arg`` or what was received."""
@@ -88,9 +104,11 @@ class StageCall:
         if self.first:
             container = "Sequential" if self.blocks is None else "ModuleList's first block"
             self.inputs, as_tuple = as_tensors(arg, f"the input of the pipelined {container}")
+            values = self.inputs
         else:
             self.inputs, as_tuple = self.received, self.received_tuple
-        return tuple(self.inputs) if as_tuple else self.inputs[0]
+            values = [_fresh(t) for t in self.inputs]
+        return tuple(values) if as_tuple else values[0]
 
     def leave(self, out: Any) -> Any:
         """Record the stage's output for the executor; end the user's step unless this is the last stage."""
@@ -99,18 +117,30 @@ class StageCall:
             raise StageExit
         return out
 
+    def _layer(self, index: int) -> str:
+        return f"block {index}" if self.names is None else f"layer {self.names[index]!r}"
+
+    def _rule(self) -> str:
+        if self.names is None:
+            return "dapple needs forward to call every block of the pipelined ModuleList once per micro-batch, in order"
+        return (
+            "dapple needs forward to call every layer of the pipelined containers once per micro-batch, in order "
+            "(the containers in the order they were named)"
+        )
+
     def block(self, index: int) -> None:
-        """Forward calls block ``index`` of a ModuleList container (any stage's): it must be the next one."""
+        """Forward calls layer ``index`` (any stage's): it must be the next one."""
         if index == self.next_block:
             self.next_block += 1
             return
-        rule = "dapple needs forward to call every block of the pipelined ModuleList once per micro-batch, in order"
         if index < self.next_block:
-            raise RuntimeError(f"block {index} was called again after block {self.next_block - 1}; {rule}")
-        raise RuntimeError(f"block {index} was called before block {self.next_block}; {rule}")
+            raise RuntimeError(
+                f"{self._layer(index)} was called again after {self._layer(self.next_block - 1)}; {self._rule()}"
+            )
+        raise RuntimeError(f"{self._layer(index)} was called before {self._layer(self.next_block)}; {self._rule()}")
 
     def check_called(self) -> None:
-        """Once the user's step is over: refuse a step that skipped the stage (or, on the last stage, blocks)."""
+        """Once the user's step is over: refuse a step that skipped the stage (or, on the last stage, layers)."""
         if self.blocks is None:
             if self.calls == 0:
                 raise RuntimeError(
@@ -118,10 +148,10 @@ class StageCall:
                     "pass the batch through the Sequential exactly once"
                 )
             return
-        if self.outputs is None:  # the stage's last block never ran
+        if self.outputs is None:  # the stage's last layer never ran
+            what = "blocks of the pipelined ModuleList" if self.names is None else "layers of the pipelined containers"
             raise RuntimeError(
-                f"training_step/validation_step called {self.next_block} of the {self.blocks} blocks of the pipelined "
-                "ModuleList; dapple needs forward to call every block once per micro-batch, in order"
+                f"training_step/validation_step called {self.next_block} of the {self.blocks} {what}; {self._rule()}"
             )
 
 
@@ -133,14 +163,23 @@ class StageModule(nn.Sequential):
     (``call`` is ``None``) it behaves like that slice of the Sequential.
     """
 
-    def __init__(self, layers: Sequence[tuple[str, nn.Module]], *, blocks: int | None = None) -> None:
+    def __init__(
+        self,
+        layers: Sequence[tuple[str, nn.Module]],
+        *,
+        blocks: int | None = None,
+        names: Sequence[str] | None = None,
+    ) -> None:
         super().__init__(OrderedDict(layers))
         # A plain attribute, not a submodule: the executor sets it around each micro-batch.
         self.call: StageCall | None = None
         self.blocks = blocks
-        """``None`` when the module stands in for a Sequential; with a ModuleList container, its length:
-        the module then only holds the stage's blocks, which forward calls one by one (see
-        :func:`~dapple_lightning.runtime.stand_in_blocks`)."""
+        """``None`` when the module stands in for one Sequential. When the user's code calls the
+        layers one by one (a ModuleList's blocks, a chain of containers), how many layers the plan
+        indexes: the module then only holds the stage's layers (see
+        :func:`~dapple_lightning.runtime.stand_in_layers`)."""
+        self.names = tuple(names) if names is not None else None
+        """For a chain of containers, every layer's path in the model (for messages)."""
 
     def forward(self, input: Any) -> Any:
         if torch._C._current_graph_task_id() != -1:  # called by autograd: a checkpoint recomputes

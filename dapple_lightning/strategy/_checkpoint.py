@@ -73,14 +73,14 @@ class Checkpoints:
     def attach(self, module: nn.Module, cut: Cut, plan: Plan, rank: int, device: torch.device, keys: list[str]) -> None:
         """Take the module as cut for ``rank`` (collective when saving asynchronously)."""
         self.module, self.cut, self.rank, self.device, self.full_state_keys = module, cut, rank, device, keys
-        named = list(cut.container.named_children())
+        named = cut.chain.named_layers()
         self._everywhere = plan.num_stages == 1
         self._owner = {}
         for s, stage in enumerate(plan.stages):
             first = plan.stage_ranks(s)[0]
-            for child, layer in named[stage.start : stage.end]:
+            for path, layer in named[stage.start : stage.end]:
                 for key in layer.state_dict():
-                    self._owner[f"{cut.prefix}{child}.{key}"] = first
+                    self._owner[f"{path}.{key}"] = first
         if self.async_save and self._group is None and _distributed():
             # Background writes talk on their own group, so they never interleave with training's.
             self._group = dist.new_group(backend="gloo", timeout=self.timeout)
@@ -100,19 +100,21 @@ class Checkpoints:
         assert self.module is not None
         return {id(p) for n, p in self.module.named_parameters() if n in self._owned_optimizer_state}
 
-    def whole_container(self) -> dict[str, Tensor]:
-        """The container's state (keys relative to it) on every rank, each entry broadcast by its owner."""
+    def whole_chain(self) -> dict[str, Tensor]:
+        """The pipelined containers' state (under the model's keys) on every rank, each entry
+        broadcast by its owner."""
         assert self.cut is not None
-        local = self.cut.stage.state_dict()
+        state = self.cut.chain.state_dict()  # this rank's layers real, the others' on the meta device
         if self._everywhere:
-            return {k: local[k] for k in self.cut.container.state_dict()}
+            return state
         whole = {}
-        for key, meta in self.cut.container.state_dict().items():
-            src = self.owner(self.cut.prefix + key)
-            if src == self.rank:
-                tensor = local[key].contiguous()
-            else:
-                tensor = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
+        for key, value in state.items():
+            src = self.owner(key)
+            tensor = (
+                value.contiguous()
+                if src == self.rank
+                else torch.empty(value.shape, dtype=value.dtype, device=self.device)
+            )
             dist.broadcast(tensor, src)
             whole[key] = tensor
         return whole
@@ -135,14 +137,13 @@ class Checkpoints:
         sharded = self.state_dict_type == "sharded"
         if self.rank != 0 or not _distributed() or (self.cut is None and not sharded):
             return local
-        elsewhere = {} if self.cut is None else self.cut.container.state_dict()
-        prefix = "" if self.cut is None else self.cut.prefix
+        elsewhere = {} if self.cut is None else self.cut.chain.state_dict()
 
         def entry(key: str) -> Tensor:
             owner = self.owner(key)
             if key in local and (owner == 0 or not sharded):
                 return local[key]
-            like = local[key] if key in local else elsewhere[key[len(prefix) :]]
+            like = local[key] if key in local else elsewhere[key]
             return self._stand_in(torch.empty_like(like, device="meta"), owner, ("model", key))
 
         return {key: entry(key) for key in self.full_state_keys}

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from dapple_lightning.plan import Plan
 from dapple_lightning.strategy._materialize import on_meta
-from dapple_lightning.surgery import Container, find_container, find_sequential
+from dapple_lightning.surgery import Chain, check_ties, find_chain, find_sequential
 
 __all__ = ["SUPPORTED_PRECISION", "check_before_start"]
 
@@ -14,9 +15,9 @@ SUPPORTED_PRECISION = frozenset({"32-true", "32", "64-true", "64", "bf16-mixed",
 
 
 def check_before_start(
-    module: Any, precision: str, sequential_name: str | None, plan: Plan | str, world_size: int
-) -> tuple[str, Container]:
-    """The container to pipeline (its path and itself), once the module and an explicit plan pass."""
+    module: Any, precision: str, sequential_name: str | Sequence[str] | None, plan: Plan | str, world_size: int
+) -> Chain:
+    """The containers to pipeline, once the module and an explicit plan pass."""
     if not module.automatic_optimization:
         raise ValueError(
             "dapple supports automatic optimization only: the pipeline schedule runs each micro-batch's "
@@ -34,7 +35,16 @@ def check_before_start(
             "(to be materialised stage by stage): give DappleStrategy an explicit plan"
         )
     if not isinstance(plan, Plan):  # plan="auto" profiles the layers as a chain: a Sequential only
-        return find_sequential(module, sequential_name)
-    name, container = find_container(module, sequential_name)
-    plan.check(num_layers=len(container), world_size=world_size)
-    return name, container
+        if sequential_name is not None and not isinstance(sequential_name, str):
+            names = [str(n) for n in sequential_name]
+            if len(names) != 1:
+                raise ValueError(
+                    f"sequential={names!r}: plan='auto' profiles the layers of one container; give an explicit "
+                    "plan to pipeline a chain of several (DappleStrategy({'stages': [...], 'micro_batches': ...}))"
+                )
+            sequential_name = names[0]
+        return Chain.of(*find_sequential(module, sequential_name))
+    chain = find_chain(module, sequential_name)
+    plan.check(num_layers=len(chain), world_size=world_size)
+    check_ties(module, chain, plan)
+    return chain

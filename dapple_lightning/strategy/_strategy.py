@@ -21,7 +21,7 @@ from __future__ import annotations
 import atexit
 import functools
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -62,7 +62,7 @@ from dapple_lightning.strategy._materialize import STAYS_CUT, materialize, meta_
 from dapple_lightning.strategy._pipelines import Buffers, Pipelines, broadcast_module
 from dapple_lightning.strategy._refusals import check_before_start
 from dapple_lightning.strategy._step import MicroBatches, clip_grad_norm_over_stages
-from dapple_lightning.surgery import Container, Cut
+from dapple_lightning.surgery import Chain, Cut
 
 __all__ = ["DappleStrategy"]
 
@@ -78,7 +78,8 @@ class DappleStrategy(ParallelStrategy):
             choose (see :mod:`dapple_lightning.planner`). A plan search's best plan comes from
             :func:`dapple_lightning.search.strategy_from_study`.
         sequential: attribute path of the ``nn.Sequential`` or ``nn.ModuleList`` to pipeline (e.g.
-            ``"layers"``, ``"model.transformer.h"``); found automatically when the module has exactly one.
+            ``"layers"``, ``"model.transformer.h"``), or a list of them that forward runs in turn
+            (``["features", "classifier"]``); found automatically when the module has exactly one.
         timeout: how long a rank waits on a peer before giving up; a dead or stuck peer ends
             the job after at most this long.
         start_method: ``"popen"`` re-launches the script once per rank (Lightning's default for
@@ -103,7 +104,7 @@ class DappleStrategy(ParallelStrategy):
         self,
         plan: PlanLike = "auto",
         *,
-        sequential: str | None = None,
+        sequential: str | Sequence[str] | None = None,
         timeout: timedelta = timedelta(seconds=120),
         start_method: Literal["popen", "spawn"] = "popen",
         trace: str | None = None,
@@ -234,7 +235,7 @@ class DappleStrategy(ParallelStrategy):
         # dapple every rank already logs the exact global value, so the advice would only mislead.
         warnings.filterwarnings("ignore", message=r".*recommended to use `self\.log\(.*sync_dist=True")
 
-    def _validate(self) -> tuple[str, Container]:
+    def _validate(self) -> Chain:
         """Check the module and an explicit plan; raises before any process group exists."""
         precision = str(getattr(self.precision_plugin, "precision", "32-true"))
         return check_before_start(
@@ -248,7 +249,7 @@ class DappleStrategy(ParallelStrategy):
         module = self.lightning_module
         if self._cut is not None:
             raise RuntimeError(STAYS_CUT)
-        name, sequential = self._validate()
+        chain = self._validate()
         self.precision_plugin.convert_module(module)
         self._materialized = on_meta(module)
         if not self._materialized:
@@ -260,9 +261,9 @@ class DappleStrategy(ParallelStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         pipelines = Pipelines(module, self.global_rank, self.root_device, self._timeout)
         self._steps = MicroBatches(module, self.root_device)
-        self.plan = self._resolve_plan(trainer, name, sequential, pipelines)
+        self.plan = self._resolve_plan(trainer, chain, pipelines)
         rank = self.global_rank
-        self._cut = Cut.apply(module, name, sequential, self.plan, rank)
+        self._cut = Cut.apply(module, chain, self.plan, rank)
         if self._materialized:  # this rank's part only, the same values under any plan
             materialize(module, self.root_device, self._shuffle_seed)
         self.model_to_device()
@@ -287,12 +288,12 @@ class DappleStrategy(ParallelStrategy):
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
 
-    def _resolve_plan(self, trainer: Trainer, name: str, sequential: Container, pipelines: Pipelines) -> Plan:
+    def _resolve_plan(self, trainer: Trainer, chain: Chain, pipelines: Pipelines) -> Plan:
         if isinstance(self._plan_spec, Plan):
             return self._plan_spec
         if trainer.state.fn != TrainerFn.FITTING:
             # Forward-only loops have no training batch to profile; every rank holds every layer.
-            return Plan.data_parallel(len(sequential), self.world_size)
+            return Plan.data_parallel(len(chain), self.world_size)
         assert self._steps is not None
         setting = AutoSetting(
             self.lightning_module,
@@ -303,7 +304,8 @@ class DappleStrategy(ParallelStrategy):
             self._steps,
             self.precision_plugin.train_step_context,
         )
-        chosen = choose_automatically(setting, draw_global_batch(trainer, self.batch_to_device), name, sequential)
+        batch = draw_global_batch(trainer, self.batch_to_device)
+        chosen = choose_automatically(setting, batch, *chain.single())
         rank_zero_info(chosen.report())
         self.auto_plan = chosen
         return chosen.plan
@@ -481,8 +483,8 @@ class DappleStrategy(ParallelStrategy):
         if not self._failed:
             self._checkpoints.wait()
             if self._cut is not None and _distributed_is_initialized() and not self._materialized:
-                # The whole container back on every rank, with the trained weights of every stage.
-                self._cut.restore(self._checkpoints.whole_container(), self.root_device)
+                # The whole containers back on every rank, with the trained weights of every stage.
+                self._cut.restore(self._checkpoints.whole_chain(), self.root_device)
                 self._cut = None
                 self._checkpoints.detach()
         super().teardown()

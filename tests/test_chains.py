@@ -180,7 +180,9 @@ def test_containers_run_in_another_order_than_named_are_refused_by_path():
     cut = Cut.apply(model, find_chain(model, CHAIN), CONVS_THEN_CLASSIFIER, rank=2)
     call = StageCall(1, first=False, last=True, blocks=LAYERS, received=[torch.randn(2, 64)], names=cut.stage.names)
     cut.stage.call = call
-    with pytest.raises(RuntimeError, match=r"layer 'classifier\.0' was called before layer 'features\.0'.*in the order"):
+    with pytest.raises(
+        RuntimeError, match=r"layer 'classifier\.0' was called before layer 'features\.0'.*in the order"
+    ):
         model(torch.randn(2, 3, SIZE, SIZE))
 
 
@@ -266,3 +268,31 @@ def test_vgg_matches_single_device_and_each_layer_runs_only_on_its_stages_ranks(
             assert [c > 0 for c in calls] == [stage.start <= i < stage.end for i in range(LAYERS)], (rank, calls)
         else:
             assert calls == [each if stage.start <= i < stage.end else 0 for i in range(LAYERS)], (rank, calls)
+
+
+@pytest.mark.parametrize("state_dict_type", ["full", "sharded"])
+def test_a_checkpoint_saved_under_a_chain_plan_loads_on_one_device(state_dict_type, tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from dapple_lightning.strategy import consolidate_checkpoint
+
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
+    _, trained = fit(
+        VGG,
+        tmp_path,
+        plan=ACROSS,
+        loader=images,
+        max_steps=2,
+        enable_checkpointing=True,
+        callbacks=(saver,),
+        strategy_kwargs={"sequential": CHAIN, "state_dict_type": state_dict_type},
+    )
+    path = tmp_path / "ckpt" / "epoch=0-step=2.ckpt"
+    if state_dict_type == "sharded":
+        path = consolidate_checkpoint(path, tmp_path / "whole.ckpt")
+    state = torch.load(path, weights_only=False)["state_dict"]
+    assert list(state) == list(VGG().state_dict())
+    fresh = VGG()
+    fresh.load_state_dict(state)
+    for key, value in fresh.state_dict().items():
+        torch.testing.assert_close(value, trained[key], rtol=0, atol=0, msg=key)

@@ -37,12 +37,12 @@ __all__ = [
     "Container",
     "Cut",
     "capture_input",
-    "check_ties",
     "find_chain",
     "find_container",
     "find_sequential",
     "partition",
     "set_submodule",
+    "split_ties",
     "standing_in",
     "unchanged",
 ]
@@ -161,32 +161,46 @@ def find_chain(module: nn.Module, name: str | Sequence[str] | None = None) -> Ch
     return Chain(tuple(paths), tuple(find_container(module, path)[1] for path in paths))
 
 
-def check_ties(module: nn.Module, chain: Chain, plan: Plan) -> None:
-    """Refuse a parameter that ``plan`` would put in more than one place: held by layers of two
-    stages, or by a layer of the chain and by a module outside it (a tied embedding and head).
+def split_ties(module: nn.Module, chain: Chain, plan: Plan) -> list[nn.Parameter]:
+    """The parameters ``plan`` puts in more than one place, in the model's order: held by layers
+    of two stages, or by a layer of the chain and a module outside it (an embedding and a head
+    tied inside one Sequential).
 
-    Parameters shared outside the containers need nothing (every rank holds them and their
-    gradient is summed over every rank); a tie that a plan splits would need the stages that hold
-    it to sum their gradients, which dapple does not do yet.
+    A cut keeps such a parameter on every rank and the pipeline sums its gradient over every
+    rank, as for the parameters outside the containers: each stage adds what its layers
+    contributed, which is the single-device gradient.
     """
     stage_of = {index: s for s, stage in enumerate(plan.stages) for index in range(stage.start, stage.end)}
-    where: dict[int, dict[str, str]] = {}  # parameter -> {place: a path it has there}
-    for index, (path, layer) in enumerate(chain.named_layers()):
-        for name, param in layer.named_parameters(remove_duplicate=False):
-            where.setdefault(id(param), {}).setdefault(f"stage {stage_of[index]}", f"{path}.{name}")
+    places: dict[int, set[int | None]] = {}  # parameter -> the stages holding it (None: outside the chain)
+    for index, (_, layer) in enumerate(chain.named_layers()):
+        for _, param in layer.named_parameters(remove_duplicate=False):
+            places.setdefault(id(param), set()).add(stage_of[index])
     inside = tuple(f"{path}." for path in chain.paths)
+    ordered: dict[int, nn.Parameter] = {}
     for name, param in module.named_parameters(remove_duplicate=False):
-        if id(param) in where and not name.startswith(inside):
-            where[id(param)].setdefault("outside the containers", name)
-    split = [places for places in where.values() if len(places) > 1]
-    if split:
-        said = "; ".join(" and ".join(f"{path} ({place})" for place, path in places.items()) for places in split)
-        raise ValueError(
-            f"the plan splits parameters that layers share: {said}. dapple does not sum a tied parameter's "
-            "gradient over the stages that hold it yet: give the plan a stage that holds every layer using it, "
-            "or move the tied modules outside the pipelined containers (as Hugging Face keeps the embedding and "
-            "the head), where every rank holds them"
-        )
+        if id(param) in places:
+            ordered.setdefault(id(param), param)
+            if not name.startswith(inside):
+                places[id(param)].add(None)
+    return [param for key, param in ordered.items() if len(places[key]) > 1]
+
+
+def _retie(module: nn.Module, params: Sequence[nn.Parameter]) -> Callable[[], None]:
+    """A function that puts ``params`` back wherever ``module`` holds them now (a layer moved to
+    the meta device gets a meta copy of each; the tie must survive on every rank)."""
+    wanted = {id(p): p for p in params}
+    places = [
+        (sub, name, wanted[id(p)])
+        for sub in module.modules()
+        for name, p in sub._parameters.items()
+        if p is not None and id(p) in wanted
+    ]
+
+    def retie() -> None:
+        for sub, name, param in places:
+            sub._parameters[name] = param
+
+    return retie
 
 
 def set_submodule(root: nn.Module, path: str, new: nn.Module) -> None:
@@ -228,7 +242,8 @@ class Cut:
     @classmethod
     def apply(cls, module: nn.Module, chain: Chain, plan: Plan, rank: int) -> Cut:
         """Replace the containers by ``rank``'s stage of ``plan`` and free the other stages' layers."""
-        check_ties(module, chain, plan)
+        ties = split_ties(module, chain, plan)
+        retie = _retie(module, ties)
         layers = plan.stages[plan.stage_of(rank)]
         if len(chain.containers) == 1:
             stage = partition(chain.containers[0], plan, rank)
@@ -248,6 +263,8 @@ class Cut:
         for _, layer in chain.named_layers():
             if layer not in local:
                 layer.to("meta")  # frees the memory of layers that live on other ranks
+        retie()
+        stage.shared = tuple(ties)
         cut = cls(module, chain, stage, stand_ins, unhook)
         cut._put(stand_ins)
         return cut

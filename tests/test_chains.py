@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from dapple_lightning import Plan
 from dapple_lightning.runtime import Placeholder, StageCall, StageExit
-from dapple_lightning.surgery import Cut, check_ties, find_chain
+from dapple_lightning.surgery import Cut, find_chain, split_ties
 
 from harness import assert_same, fit
 
@@ -186,51 +186,85 @@ def test_containers_run_in_another_order_than_named_are_refused_by_path():
         model(torch.randn(2, 3, SIZE, SIZE))
 
 
-class TiedLM(nn.Module):
-    """An embedding and a head that share one weight, both inside the pipelined Sequential."""
+VOCAB, WIDTH = 16, 8
+
+
+class TiedLM(LightningModule):
+    """A language model whose embedding and head share one weight, both inside the pipelined
+    Sequential (as a model written for a single Sequential would have them)."""
 
     def __init__(self) -> None:
         super().__init__()
-        embed, head = nn.Embedding(16, 8), nn.Linear(8, 16, bias=False)
+        torch.manual_seed(0)
+        embed, head = nn.Embedding(VOCAB, WIDTH), nn.Linear(WIDTH, VOCAB, bias=False)
         head.weight = embed.weight
-        self.layers = nn.Sequential(embed, nn.Linear(8, 8), nn.Tanh(), head)
-
-
-def test_a_plan_that_splits_a_tied_parameter_is_refused_and_one_that_keeps_it_together_is_not():
-    model = TiedLM()
-    chain = find_chain(model)
-    with pytest.raises(ValueError, match=r"splits parameters that layers share: layers\.0\.weight \(stage 0\) and "):
-        check_ties(model, chain, plan(((0, 2), 1), ((2, 4), 1)))
-    check_ties(model, chain, Plan.data_parallel(4, 2))
-    outside = TiedLM()
-    outside.out = nn.Linear(8, 16, bias=False)
-    outside.out.weight = outside.layers[0].weight  # a layer's weight shared with a module outside the chain
-    with pytest.raises(ValueError, match="outside the containers"):
-        check_ties(outside, find_chain(outside, "layers"), plan(((0, 3), 1), ((3, 4), 1)))
-
-
-class TiedLightning(LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lm = TiedLM()
+        self.layers = nn.Sequential(embed, nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH), head)
 
     def training_step(self, batch, batch_idx):
-        x, _ = batch
-        return self.lm.layers(x[:, :4].long().abs() % 16).mean()
+        idx, target = batch
+        loss = F.cross_entropy(self.layers(idx).reshape(-1, VOCAB), target.reshape(-1))
+        self.log("train_loss", loss)
+        return loss
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
+        return torch.optim.Adam(self.parameters(), lr=0.05)
 
 
-def test_the_strategy_refuses_a_split_tie_before_training(tmp_path):
-    with pytest.raises(Exception, match="splits parameters that layers share"):
-        fit(
-            TiedLightning,
-            tmp_path,
-            plan=plan(((0, 2), 1), ((2, 4), 1)),
-            max_steps=1,
-            strategy_kwargs={"sequential": "lm.layers"},
-        )
+class TiedOutside(TiedLM):
+    """The Sequential's first layer shares its weight with a head outside the containers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = self.layers[:4]
+        self.out = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.out.weight = self.layers[0].weight
+
+    def training_step(self, batch, batch_idx):
+        idx, target = batch
+        loss = F.cross_entropy(self.out(self.layers(idx)).reshape(-1, VOCAB), target.reshape(-1))
+        self.log("train_loss", loss)
+        return loss
+
+
+def words(batch_size: int) -> DataLoader:
+    g = torch.Generator().manual_seed(5)
+    seq = torch.randint(0, VOCAB, (ROWS, 7), generator=g)
+    return DataLoader(TensorDataset(seq[:, :-1], seq[:, 1:]), batch_size=batch_size, shuffle=False)
+
+
+def test_the_parameters_a_plan_splits_are_found_in_the_models_order():
+    model = TiedLM()
+    chain = find_chain(model)
+    weight = model.layers[0].weight
+    assert split_ties(model, chain, plan(((0, 2), 1), ((2, 5), 1))) == [weight]
+    assert split_ties(model, chain, Plan.data_parallel(5, 2)) == []
+    outside = TiedOutside()
+    assert split_ties(outside, find_chain(outside, "layers"), Plan.data_parallel(4, 2)) == [outside.out.weight]
+
+
+def test_a_split_tie_stays_one_parameter_on_every_rank():
+    model = TiedLM()
+    weight = model.layers[0].weight
+    cut = Cut.apply(model, find_chain(model), plan(((0, 2), 1), ((2, 5), 1)), rank=1)
+    assert cut.stage.shared == (weight,) and model.layers[-1].weight is weight and not weight.is_meta
+    assert cut.chain.containers[0][0].weight is weight  # the other stage's layer keeps it too
+    assert all(p.is_meta for p in cut.chain.containers[0][1].parameters())
+
+
+@pytest.mark.parametrize(
+    ("model_cls", "p"),
+    [
+        (TiedLM, plan(((0, 2), 1), ((2, 5), 1))),
+        (TiedLM, plan(((0, 1), 2), ((1, 3), 1), ((3, 5), 1), micro_batches=3)),
+        (TiedOutside, plan(((0, 2), 1), ((2, 4), 2))),
+    ],
+    ids=["embed|head", "embed|middle|head, 2:1:1", "layer|outside, 1:2"],
+)
+def test_tied_parameters_split_by_the_plan_train_like_one_device(model_cls, p, tmp_path):
+    options = {"loader": words, "gradient_clip_val": 0.5}
+    want = fit(model_cls, tmp_path / "one", **options)
+    got = fit(model_cls, tmp_path / "dapple", plan=p, strategy_kwargs={"sequential": "layers"}, **options)
+    assert_same(got, want)
 
 
 # ------------------------------------------------------------ real processes vs one device

@@ -99,8 +99,12 @@ class Pipeline:
         timeline: optional event recorder.
         stage_group: process group of this stage's replicas (``None`` for one replica); their
             gradients are summed over it at the end of each training step.
-        shared_params: parameters outside the pipelined Sequential, held by every rank; their
-            gradients are summed over all ranks at the end of each training step.
+        shared_params: parameters held by every rank (outside the pipelined containers, or tied
+            across stages); their gradients are summed over all ranks at the end of each training
+            step, and never over the stage's replicas alone.
+        idle_params: shared parameters this rank holds only to take part in their sum (tied
+            weights of other stages' layers): no optimizer here clears their gradients, so each
+            training step starts by doing so.
         track_memory: count the bytes autograd saves per micro-batch (costs a hook call per
             saved tensor); the peak is reported in :attr:`stats`.
         p2p_groups: process groups (over all ranks) for activations and for gradients; ``None``
@@ -118,6 +122,7 @@ class Pipeline:
         timeline: Timeline | None = None,
         stage_group: dist.ProcessGroup | None = None,
         shared_params: Sequence[nn.Parameter] = (),
+        idle_params: Sequence[nn.Parameter] = (),
         track_memory: bool = False,
         p2p_groups: tuple[dist.ProcessGroup | None, dist.ProcessGroup | None] = (None, None),
     ) -> None:
@@ -136,6 +141,7 @@ class Pipeline:
         # Gradients are summed while the step's last backward still runs: the stage's over its
         # replicas, the parameters outside the Sequential over every rank.
         self.shared_params = list(shared_params)
+        self.idle_params = list(idle_params)
         self.reducers: list[GradientReducer] = []
         self.stage_reducer: GradientReducer | None = None
         self._trainable: tuple[bool, ...] = ()
@@ -206,6 +212,9 @@ class Pipeline:
             # Layers were frozen or unfrozen (e.g. by BaseFinetuning): every replica sees the same
             # flags, so every replica rebuilds the same buckets.
             self._build_reducers()
+        if train:
+            for p in self.idle_params:
+                p.grad = None
         rows = self.rows(batch_rows)
         program = self.program(batch_rows, train=train)
         step = _Step(rows, forward, forward_context, carry, train, _Inbox(program, self.links))
@@ -235,7 +244,9 @@ class Pipeline:
             reducer.remove()
         self.reducers, self.stage_reducer = [], None
         if self.stage_group is not None:
-            self.stage_reducer = GradientReducer(self.module.parameters(), self.stage_group, device=self.device)
+            shared = {id(p) for p in self.shared_params}
+            own = [p for p in self.module.parameters() if id(p) not in shared]
+            self.stage_reducer = GradientReducer(own, self.stage_group, device=self.device)
             self.reducers.append(self.stage_reducer)
         shared = [p for p in self.shared_params if p.requires_grad]
         if shared and dist.is_initialized() and dist.get_world_size() > 1:

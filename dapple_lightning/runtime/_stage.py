@@ -180,6 +180,10 @@ class StageModule(nn.Sequential):
         :func:`~dapple_lightning.runtime.stand_in_layers`)."""
         self.names = tuple(names) if names is not None else None
         """For a chain of containers, every layer's path in the model (for messages)."""
+        self.shared: tuple[nn.Parameter, ...] = ()
+        """Parameters of the stage's layers that other stages' layers or modules outside the
+        containers share (tied weights): every rank holds them, and their gradients are summed
+        over every rank rather than over the stage's replicas."""
 
     def forward(self, input: Any) -> Any:
         if torch._C._current_graph_task_id() != -1:  # called by autograd: a checkpoint recomputes

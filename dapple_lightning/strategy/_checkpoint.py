@@ -62,6 +62,7 @@ class Checkpoints:
         self.full_optimizer_names: list[list[list[str]]] = []
         self.optimizers: list[Optimizer] = []
         self._owner: dict[str, int] = {}  # state keys inside the container -> owner rank
+        self._canonical: dict[int, str] = {}  # tied parameter -> the name one device gives it
         self._everywhere = True  # every rank holds every layer
         self._owned_optimizer_state: set[str] = set()  # parameter names
         self._stand_ins: dict[int, tuple[Tensor, int, Path_]] = {}
@@ -81,9 +82,26 @@ class Checkpoints:
             for path, layer in named[stage.start : stage.end]:
                 for key in layer.state_dict():
                     self._owner[f"{path}.{key}"] = first
+        self._tie_names(module, cut)
         if self.async_save and self._group is None and _distributed():
             # Background writes talk on their own group, so they never interleave with training's.
             self._group = dist.new_group(backend="gloo", timeout=self.timeout)
+
+    def _tie_names(self, module: nn.Module, cut: Cut) -> None:
+        """A tied parameter has the name one device gives it (its first) on every rank, and all its
+        keys the owner of that name: the one rank that saves its state and counts its gradient."""
+        tied = {id(p) for p in cut.stage.shared}
+        self._canonical = {}
+        names: dict[int, list[str]] = {}
+        with cut.whole():
+            for name, param in module.named_parameters(remove_duplicate=False):
+                if id(param) in tied:
+                    names.setdefault(id(param), []).append(name)
+        for key, all_names in names.items():
+            self._canonical[key] = all_names[0]
+            first = self.owner(all_names[0])
+            for name in all_names:
+                self._owner[name] = first
 
     def owner(self, key: str) -> int:
         return self._owner.get(key, 0)
@@ -98,7 +116,8 @@ class Checkpoints:
     def owns_gradient(self) -> set[int]:
         """Parameters this rank speaks for when something must count each parameter once."""
         assert self.module is not None
-        return {id(p) for n, p in self.module.named_parameters() if n in self._owned_optimizer_state}
+        owned = self._owned_optimizer_state
+        return {id(p) for n, p in self.module.named_parameters() if self._canonical.get(id(p), n) in owned}
 
     def whole_chain(self) -> dict[str, Tensor]:
         """The pipelined containers' state (under the model's keys) on every rank, each entry
@@ -177,7 +196,7 @@ class Checkpoints:
 
     def _names(self, optimizer: Optimizer) -> list[list[str]]:
         assert self.module is not None
-        name_of = {id(p): n for n, p in self.module.named_parameters()}
+        name_of = {id(p): n for n, p in self.module.named_parameters()} | self._canonical
         return [[name_of[id(p)] for p in group["params"]] for group in optimizer.param_groups]
 
     # ----------------------------------------------------------------------- saving

@@ -36,10 +36,15 @@ class Pipelines:
 
     def build(self, plan: Plan, stage: StageModule, timeline: Timeline, *, track_memory: bool = False) -> Pipeline:
         """``plan``'s pipeline on this rank (collective: may create process groups), with
-        ``stage`` already standing in for the container; parameters outside it are summed over
-        every rank."""
+        ``stage`` already standing in for the container; parameters outside it, and the stage's
+        tied ones (``stage.shared``), are summed over every rank."""
+        tied = {id(p) for p in stage.shared}
         local = {id(p) for p in stage.parameters()}
-        outside = [p for p in self.module.parameters() if id(p) not in local]
+        # Every rank lists them in the same order: those outside the stage, then the tied ones.
+        outside = [p for p in self.module.parameters() if id(p) not in local and id(p) not in tied]
+        outside += stage.shared
+        held = {id(p) for p in self.module.parameters()}
+        idle = [p for p in stage.shared if id(p) not in held]  # only other stages' layers use them
         if plan.num_stages > 1 and self._p2p is None:
             self._p2p = p2p_groups(timeout=self.timeout)
         if plan not in self._stage_groups:
@@ -52,6 +57,7 @@ class Pipelines:
             timeline=timeline,
             stage_group=self._stage_groups[plan],
             shared_params=outside,
+            idle_params=idle,
             track_memory=track_memory,
             p2p_groups=self._p2p if plan.num_stages > 1 else (None, None),
         )

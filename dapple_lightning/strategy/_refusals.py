@@ -7,7 +7,7 @@ from typing import Any
 
 from dapple_lightning.plan import Plan
 from dapple_lightning.strategy._materialize import on_meta
-from dapple_lightning.surgery import Chain, check_ties, find_chain, find_sequential
+from dapple_lightning.surgery import Chain, find_chain, find_sequential
 
 __all__ = ["SUPPORTED_PRECISION", "check_before_start"]
 
@@ -46,5 +46,4 @@ def check_before_start(
         return Chain.of(*find_sequential(module, sequential_name))
     chain = find_chain(module, sequential_name)
     plan.check(num_layers=len(chain), world_size=world_size)
-    check_ties(module, chain, plan)
     return chain

@@ -5,7 +5,8 @@ Runs inside the strategy's ``setup`` on every rank, before the model is partitio
 1. draw one global batch from the training DataLoader (the RNG states that decide the data
    order are saved and restored, so training still sees the batches it would have seen);
 2. run the user's ``training_step`` until it reaches the Sequential, to learn the
-   Sequential's input;
+   Sequential's input (for a ModuleList of blocks, through every block, to learn each block's
+   side inputs too);
 3. time every layer's forward and backward on this rank's device, run as a chain at two batch
    sizes (so that small micro-batches are priced at what they cost), what adding into
    existing gradients costs, and the user's optimizer's step over each layer's parameters
@@ -26,7 +27,7 @@ import inspect
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +60,8 @@ __all__ = [
     "draw_batch",
     "measure_cluster",
     "optimizer_factory",
+    "small_batch_of",
+    "time_step_around",
     "time_step_outside",
 ]
 
@@ -144,16 +147,41 @@ def draw_batch(dataloader: Any) -> Any:
             del iterator
 
 
-class _Replay(nn.Module):
-    """Stands in for the Sequential: returns a stored output as a fresh leaf on every call."""
+def _fresh_leaves(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        leaf = value.detach()
+        return leaf.requires_grad_(True) if leaf.is_floating_point() else leaf
+    if isinstance(value, tuple | list):
+        return type(value)(_fresh_leaves(v) for v in value)
+    return value
 
-    def __init__(self, output: torch.Tensor) -> None:
+
+class _Replay(nn.Module):
+    """Stands in for the container (or its last block): returns a stored output (a tensor or a
+    tuple of tensors) as fresh leaves on every call, so that the step's backward ends there."""
+
+    def __init__(self, output: Any) -> None:
         super().__init__()
         self.output = output
 
-    def forward(self, x: Any) -> torch.Tensor:
-        out = self.output.detach()
-        return out.requires_grad_(True) if out.is_floating_point() else out
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return _fresh_leaves(self.output)
+
+
+class _PassOn(nn.Module):
+    """Stands in for a block before the last: returns its first argument, computes nothing."""
+
+    def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        return x
+
+
+def _replaying(container: nn.Module, output: Any) -> nn.Module:
+    """What stands in for ``container`` while the step outside it is timed: a replay of ``output``
+    for a Sequential; for a ModuleList, a list of its length that the user's loop runs through,
+    every block passing its argument on and the last replaying ``output``."""
+    if isinstance(container, nn.ModuleList):
+        return nn.ModuleList([*(_PassOn() for _ in range(len(container) - 1)), _Replay(output)])
+    return _Replay(output)
 
 
 def time_step_outside(
@@ -172,12 +200,25 @@ def time_step_outside(
     ``sequential_input``."""
     with torch.no_grad():
         output = sequential(sequential_input)
-    if not isinstance(output, torch.Tensor):
-        return 0.0, 0.0  # a tuple output: the step's own code is not timed (rare; small)
+    return time_step_around(module, set_sequential, sequential, step, output, repeats=repeats, warmup=warmup)
+
+
+def time_step_around(
+    module: nn.Module,
+    set_container: Callable[[nn.Module], None],
+    container: nn.Module,
+    step: Callable[[], Any],
+    output: Any,
+    *,
+    repeats: int = 3,
+    warmup: int = 1,
+) -> tuple[float, float]:
+    """:func:`time_step_outside` for any container, given what it outputs on the step's batch
+    (for a ModuleList: its last block's output); the container itself does not run."""
     forward: list[float] = []
     backward: list[float] = []
     try:
-        with standing_in(module, set_sequential, sequential, _Replay(output)):
+        with standing_in(module, set_container, container, _replaying(container, output)):
             for run in range(warmup + repeats):
                 t0 = time.perf_counter()
                 result = step()
@@ -344,8 +385,14 @@ def _first_optimizer(value: Any) -> torch.optim.Optimizer | None:
     return None
 
 
+def small_batch_of(rows: int) -> int | None:
+    """The smaller batch the profile also times the layers at (see ``planner.profile_layers``'
+    ``small_batch``) when it profiles ``rows`` rows; ``None`` for a single row."""
+    return max(1, rows // 8) if rows > 1 else None
+
+
 def choose_plan(
-    sequential: nn.Sequential,
+    layers: Sequence[nn.Module],
     sample_input: Any,
     device: torch.device,
     *,
@@ -359,8 +406,11 @@ def choose_plan(
 ) -> AutoPlan:
     """Profile, measure and plan (collective on every rank); the plan is rank 0's choice.
 
-    ``sample_input`` should have about as many rows as a device runs per micro-batch at most;
-    the layers are timed on it and on an eighth of it. ``optimizer`` (see
+    ``layers`` run as a chain, each on the previous one's output: a Sequential's layers, or the
+    blocks of a ModuleList wrapped to run that way (see ``strategy._auto_blocks``).
+    ``sample_input``, the first layer's input, should have about as many rows as a device runs
+    per micro-batch at most; the layers are timed on it and on :func:`small_batch_of` its rows
+    (an eighth). ``optimizer`` (see
     :func:`optimizer_factory`) lets the profile include each layer's optimizer step;
     ``step_outside(rows)`` (see :func:`time_step_outside`) the step's own time on ``rows`` rows.
 
@@ -376,10 +426,10 @@ def choose_plan(
     if not 0.0 <= margin < 1.0:  # before the profiling, not after
         raise ValueError(f"margin must be in [0, 1), got {margin!r}")
     rows = _batch_rows(sample_input)
-    small = max(1, rows // 8) if rows > 1 else None
+    small = small_batch_of(rows)
     together = dist.barrier if dist.is_initialized() and dist.get_world_size() > 1 else None
     profile = profile_layers(
-        list(sequential), sample_input, repeats=5, warmup=2, small_batch=small, optimizer=optimizer, in_step=together
+        list(layers), sample_input, repeats=5, warmup=2, small_batch=small, optimizer=optimizer, in_step=together
     )
     if step_outside is not None:
         big = (rows, *step_outside(rows))

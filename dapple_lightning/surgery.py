@@ -84,14 +84,16 @@ def find_container(module: nn.Module, name: str | None = None) -> tuple[str, Con
 
 
 def find_sequential(module: nn.Module, name: str | None = None) -> tuple[str, nn.Sequential]:
-    """The container to pipeline (:func:`find_container`) where only a Sequential will do: profiling
-    runs its layers as a chain, which the blocks of a ModuleList (with side inputs) are not."""
+    """The container to pipeline (:func:`find_container`) where only a Sequential will do: the plan
+    search's trials profile its layers as a chain in a process of their own, and cannot run the
+    blocks of a ModuleList with the side inputs the user's loop gives them."""
     path, found = find_container(module, name)
     if not isinstance(found, nn.Sequential):
         raise TypeError(
-            f"the container to pipeline, {path!r}, is an nn.ModuleList: plan='auto' and the plan search profile "
-            "an nn.Sequential's layers as a chain and cannot run blocks with side inputs yet; give an explicit "
-            "plan (DappleStrategy({'stages': [...], 'micro_batches': ...}))"
+            f"the container to pipeline, {path!r}, is an nn.ModuleList: the plan search profiles an "
+            "nn.Sequential's layers and cannot run blocks with side inputs yet; train with plan='auto' "
+            "(DappleStrategy(sequential=...), which profiles the blocks through your training_step) or an "
+            "explicit plan (DappleStrategy({'stages': [...], 'micro_batches': ...}))"
         )
     return path, found
 

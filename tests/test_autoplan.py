@@ -77,6 +77,26 @@ def test_step_outside_times_the_loss_and_puts_everything_back():
     assert all(p.grad is None for p in model.parameters())
 
 
+class Pair(nn.Module):
+    def forward(self, x):
+        return x, x.tanh()
+
+
+def test_step_outside_replays_a_tuple_output_as_fresh_leaves():
+    model = Model(adamw)
+    model.layers = nn.Sequential(nn.Linear(4, 3), Pair())
+    sequential = model.layers
+    model.training_step = lambda batch, _: sum(t.sum() for t in model.layers(batch[0]))
+    x = torch.randn(8, 4)
+
+    def set_sequential(module):
+        model.layers = module
+
+    fwd, bwd = time_step_outside(model, set_sequential, sequential, lambda: model.training_step((x,), 0), x)
+    assert fwd > 0 and bwd > 0  # the step's backward ends at the replayed pair
+    assert model.layers is sequential and all(p.grad is None for p in model.parameters())
+
+
 def test_step_outside_goes_to_the_last_layer_split_like_the_layers():
     layers = (LayerProfile("a", 1.0, 2.0, 0, 0), LayerProfile("b", 1.0, 2.0, 0, 0, forward_fixed_s=0.5))
     profile = ModelProfile(layers, profile_batch_size=8)

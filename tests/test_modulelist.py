@@ -273,11 +273,15 @@ def test_activation_checkpointing_around_a_block_is_refused_in_backward():
         loss.backward()
 
 
-def test_plan_auto_refuses_a_modulelist_and_names_the_fix():
+def test_plan_auto_takes_a_modulelist_and_the_plan_search_refuses_it_naming_the_fix():
     from dapple_lightning.strategy._refusals import check_before_start
+    from dapple_lightning.surgery import find_sequential
 
-    with pytest.raises(TypeError, match=r"'blocks', is an nn.ModuleList: plan='auto'.*give an explicit plan"):
-        check_before_start(TinyGPT(), "32-true", None, "auto", 2)
+    model = TinyGPT()  # plan='auto' profiles its blocks: tests/test_autoplan_blocks.py
+    assert check_before_start(model, "32-true", None, "auto", 2).single() == ("blocks", model.blocks)
+    fix = r"'blocks', is an nn.ModuleList: the plan search .* plan='auto' .* explicit plan"
+    with pytest.raises(TypeError, match=fix):
+        find_sequential(model)
 
 
 # ------------------------------------------------------------ real processes vs one device

@@ -12,7 +12,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -26,10 +26,11 @@ from dapple_lightning.autoplan import AutoPlan, choose_plan, draw_batch, optimiz
 from dapple_lightning.microbatch import Rows, batch_size_of, slice_batch
 from dapple_lightning.plan import Plan
 from dapple_lightning.planner import SETTLE_STEPS, Measured
-from dapple_lightning.runtime import Pipeline, StageModule, Timeline
+from dapple_lightning.runtime import Pipeline, StageModule, Timeline, stand_in_blocks
+from dapple_lightning.strategy._auto_blocks import BlockChain
 from dapple_lightning.strategy._pipelines import Pipelines
 from dapple_lightning.strategy._step import MicroBatches
-from dapple_lightning.surgery import capture_input, partition, set_submodule, unchanged
+from dapple_lightning.surgery import Container, capture_input, partition, set_submodule, unchanged
 
 __all__ = ["AutoSetting", "Trials", "choose_automatically", "draw_global_batch"]
 
@@ -49,37 +50,48 @@ class AutoSetting:
     """The precision plugin's training-step context."""
 
 
-def choose_automatically(setting: AutoSetting, batch: Any, path: str, container: nn.Sequential) -> AutoPlan:
+def choose_automatically(setting: AutoSetting, batch: Any, path: str, container: Container) -> AutoPlan:
     """Profile ``container`` on a slice of ``batch`` (a global batch on the device), measure close
-    plans in real steps, and return the choice (collective on every rank)."""
+    plans in real steps, and return the choice (collective on every rank).
+
+    A Sequential's layers are profiled as they are; a ModuleList's blocks as the chain that the
+    user's loop makes of them (see :class:`~dapple_lightning.strategy._auto_blocks.BlockChain`).
+    """
     module = setting.module
     rows = batch_size_of(batch)
     # Profile on a micro-batch-sized slice: whole global batches make profiling slow, and the
     # cost model scales times with the micro-batch size.
     sample = slice_batch(batch, Rows(0, max(1, rows // max(dist.get_world_size(), 2))))
+    sample_rows = batch_size_of(sample)
     set_container = partial(set_submodule, module, path)
-    sample_input = capture_input(module, set_container, container, lambda: module.training_step(sample, 0))
 
-    def step_outside(n: int) -> tuple[float, float]:
-        part = slice_batch(sample, Rows(0, n))
-        return time_step_outside(
-            module,
-            set_container,
-            container,
-            lambda: module.training_step(part, 0),
-            slice_batch(sample_input, Rows(0, n)),
-        )
+    def step_on(n: int) -> Any:
+        return module.training_step(slice_batch(sample, Rows(0, n)), 0)
 
     try:
         optimizer = optimizer_factory(module)
     except Exception as err:  # the plan can do without optimizer timings; say so and go on
         rank_zero_warn(f"dapple plan='auto' could not time optimizer steps ({err!r}); planning without them")
         optimizer = None
+    # Learning the container's input runs the user's step too: what it draws from the RNG or moves
+    # in buffers (a batch norm before the container) is put back with the rest.
     with unchanged(module):
+        chain: BlockChain | None = None
+        if isinstance(container, nn.ModuleList):
+            chain = BlockChain(module, set_container, container, step_on, sample_rows)
+            layers, sample_input, step_outside = chain.layers, chain.sample_input, chain.step_outside
+        else:
+            layers = list(container)
+            sample_input = capture_input(module, set_container, container, lambda: step_on(sample_rows))
+
+            def step_outside(n: int) -> tuple[float, float]:
+                part_input = slice_batch(sample_input, Rows(0, n))
+                return time_step_outside(module, set_container, container, lambda: step_on(n), part_input)
+
         trials = Trials(setting, batch, container, set_container, optimizer)
         try:
-            return choose_plan(
-                container,
+            chosen = choose_plan(
+                layers,
                 sample_input,
                 setting.device,
                 nodes=setting.nodes,
@@ -90,6 +102,7 @@ def choose_automatically(setting: AutoSetting, batch: Any, path: str, container:
             )
         finally:
             trials.close()
+    return chosen if chain is None else replace(chosen, profile=chain.named(chosen.profile))
 
 
 def draw_global_batch(trainer: Any, to_device: Callable[[Any], Any]) -> Any:
@@ -103,22 +116,28 @@ class Trials:
     returns what they took. A plan's pipeline is built on its first turn and kept for the later
     ones, so that creating and connecting its process groups and its first, slower step are paid
     once and never counted. The steps train: the caller puts the weights back
-    (``surgery.unchanged``); :meth:`close` detaches the pipelines and puts the Sequential back.
+    (``surgery.unchanged``); :meth:`close` detaches the pipelines and puts the container back.
+
+    Every rank holds every layer throughout (nothing moves to the meta device): a plan's stage
+    stands in for the container while that plan runs, for a ModuleList as the list of the stage's
+    blocks among placeholders (``runtime.stand_in_blocks``), whose hooks come off when another
+    plan takes its turn.
     """
 
     def __init__(
         self,
         setting: AutoSetting,
         batch: Any,
-        sequential: nn.Sequential,
-        set_sequential: Callable[[nn.Module], None],
+        container: Container,
+        set_container: Callable[[nn.Module], None],
         optimizer: Callable[[list[nn.Parameter]], Optimizer] | None,
         *,
         steps: int = 2,
         budget_s: float = 0.25,
     ) -> None:
         self._setting, self._batch = setting, batch
-        self._sequential, self._set_sequential = sequential, set_sequential
+        self._container, self._set_container = container, set_container
+        self._unhook: Callable[[], None] = lambda: None  # the hooks of the stage standing in now
         self._make_optimizer = optimizer
         self._steps, self._budget_s = steps, budget_s
         # Per plan: its stage, pipeline, the parameters its rank holds, and its steps per turn.
@@ -158,8 +177,8 @@ class Trials:
         tells how many steps a turn takes (collective)."""
         setting = self._setting
         rank = setting.rank
-        stage = partition(self._sequential, plan, rank)
-        self._set_sequential(stage)
+        stage = partition(self._container, plan, rank)
+        self._stand_in(plan, stage)
         params = [p for p in setting.module.parameters() if p.requires_grad]
         self._cover(params)
         pipeline = setting.pipelines.build(plan, stage, Timeline(rank, plan.stage_of(rank)))
@@ -182,7 +201,7 @@ class Trials:
             if plan not in self._built:
                 self._built[plan] = self._build(plan)
             stage, pipeline, params, count = self._built[plan]
-            self._set_sequential(stage)
+            self._stand_in(plan, stage)
             dist.barrier()
             timeline = pipeline.timeline
             timeline.events.clear()
@@ -215,4 +234,17 @@ class Trials:
         self._pipelines.clear()
         self._built.clear()
         self._step = lambda: None  # and the optimizer's state with it
-        self._set_sequential(self._sequential)
+        self._unhook()
+        self._unhook = lambda: None
+        self._set_container(self._container)
+
+    def _stand_in(self, plan: Plan, stage: StageModule) -> None:
+        """Put ``plan``'s stage of this rank where the container is."""
+        self._unhook()
+        self._unhook = lambda: None
+        if isinstance(self._container, nn.ModuleList):
+            layers = plan.stages[plan.stage_of(self._setting.rank)]
+            blocks, self._unhook = stand_in_blocks(self._container, stage, layers.start, layers.end)
+            self._set_container(blocks)
+        else:
+            self._set_container(stage)

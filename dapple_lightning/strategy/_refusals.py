@@ -7,7 +7,7 @@ from typing import Any
 
 from dapple_lightning.plan import Plan
 from dapple_lightning.strategy._materialize import on_meta
-from dapple_lightning.surgery import Chain, find_chain, find_sequential
+from dapple_lightning.surgery import Chain, find_chain, find_container
 
 __all__ = ["SUPPORTED_PRECISION", "check_before_start"]
 
@@ -34,7 +34,7 @@ def check_before_start(
             "plan='auto' profiles the whole model on every rank, and this one was built on the meta device "
             "(to be materialised stage by stage): give DappleStrategy an explicit plan"
         )
-    if not isinstance(plan, Plan):  # plan="auto" profiles the layers as a chain: a Sequential only
+    if not isinstance(plan, Plan):  # plan="auto" profiles the layers of one container as a chain
         if sequential_name is not None and not isinstance(sequential_name, str):
             names = [str(n) for n in sequential_name]
             if len(names) != 1:
@@ -43,7 +43,7 @@ def check_before_start(
                     "plan to pipeline a chain of several (DappleStrategy({'stages': [...], 'micro_batches': ...}))"
                 )
             sequential_name = names[0]
-        return Chain.of(*find_sequential(module, sequential_name))
+        return Chain.of(*find_container(module, sequential_name))
     chain = find_chain(module, sequential_name)
     plan.check(num_layers=len(chain), world_size=world_size)
     return chain

@@ -245,6 +245,12 @@ class Cut:
     def apply(cls, module: nn.Module, chain: Chain, plan: Plan, rank: int) -> Cut:
         """Replace the containers by ``rank``'s stage of ``plan`` and free the other stages' layers."""
         ties = split_ties(module, chain, plan)
+        if any(p.is_meta for p in ties):
+            raise ValueError(
+                "the model was built on the meta device and the plan splits parameters that layers share "
+                f"({len(ties)} tied): their value would come from a different module's initialisation on each "
+                "stage. Give one stage all the layers that share them, or build the model on a real device"
+            )
         retie = _retie(module, ties)
         layers = plan.stages[plan.stage_of(rank)]
         if len(chain.containers) == 1:

@@ -10,10 +10,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from lightning.pytorch import Callback
+from torch import nn
 
 from dapple_lightning import DappleStrategy, Plan
+from dapple_lightning.strategy._materialize import materialize
 
 import models
 from harness import assert_close_tree, quiet_trainer
@@ -42,7 +45,22 @@ class Record(Callback):
         trainer.save_checkpoint(self.out / "end.ckpt")
 
 
-def run(plan: Plan, out: Path) -> dict:
+class TiedMLP(models.HeadMLP):
+    """HeadMLP with two more layers outside the Sequential that share one weight, before and after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre, self.post = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.post.weight = self.pre.weight
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.head(self.post(self.layers(self.pre(self.embed(x))))), y)
+        self.log("train_loss", loss)
+        return loss
+
+
+def run(plan: Plan, out: Path, model_cls=models.HeadMLP) -> dict:
     out.mkdir(parents=True)
     trainer = quiet_trainer(
         devices=plan.world_size,
@@ -51,7 +69,7 @@ def run(plan: Plan, out: Path) -> dict:
         callbacks=[Record(out)],
     )
     with trainer.init_module(empty_init=True):
-        model = models.HeadMLP()
+        model = model_cls()
     assert all(p.is_meta for p in model.parameters())  # nothing allocated before the cut
     trainer.fit(model, models.loader())
     return torch.load(out / "end.ckpt", weights_only=False)
@@ -78,3 +96,31 @@ def test_each_rank_materialises_only_its_stage_and_every_plan_starts_alike(tmp_p
     assert_close_tree(under_1_1_1["state_dict"], under_2_1["state_dict"])
     assert all(torch.isfinite(v).all() for v in under_2_1["state_dict"].values())
     assert under_2_1["state_dict"]["layers.1.weight"].abs().sum() > 0
+
+
+def test_a_tie_survives_materialisation_and_takes_its_first_modules_draw(tmp_path):
+    with torch.device("meta"):
+        model = TiedMLP()
+    materialize(model, torch.device("cpu"), seed=5)
+    assert model.post.weight is model.pre.weight and not model.pre.weight.is_meta
+    with torch.device("meta"):
+        alone = nn.ModuleDict({"pre": nn.Linear(16, 16)})
+    materialize(alone, torch.device("cpu"), seed=5)
+    assert torch.equal(model.pre.weight, alone["pre"].weight)  # drawn as if "pre" alone held it
+    under_2_1 = run(PLAN_2_1, tmp_path / "2-1", TiedMLP)
+    under_1_1_1 = run(PLAN_1_1_1, tmp_path / "1-1-1", TiedMLP)
+    state = under_2_1["state_dict"]
+    assert torch.equal(state["pre.weight"], state["post.weight"])  # still one parameter after training
+    assert_close_tree(under_1_1_1["state_dict"], state)
+
+
+def test_a_meta_model_whose_plan_splits_a_tie_is_refused(tmp_path):
+    from test_chains import TiedLM, plan, words
+
+    trainer = quiet_trainer(
+        devices=2, strategy=DappleStrategy(plan(((0, 2), 1), ((2, 5), 1)), start_method="spawn"), max_steps=1
+    )
+    with trainer.init_module(empty_init=True):
+        model = TiedLM()
+    with pytest.raises(Exception, match="built on the meta device and the plan splits parameters that layers share"):
+        trainer.fit(model, words(8))

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["STAYS_CUT", "materialize", "meta_context", "on_meta"]
+__all__ = ["STAYS_CUT", "materialize", "meta_context", "on_meta", "unmoved_on_meta"]
 
 STAYS_CUT = (
     "dapple: this model was materialised stage by stage, and stays so after fit (no rank can hold all of it): "
@@ -37,6 +37,22 @@ def meta_context(precision: Any) -> Iterator[None]:
 def on_meta(module: nn.Module) -> bool:
     """Whether any parameter or buffer of ``module`` is on the meta device."""
     return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
+
+
+@contextmanager
+def unmoved_on_meta(module: nn.Module | None) -> Iterator[None]:
+    """Within the block ``module.cpu()`` leaves a module that is still on the meta device as it is
+    (Lightning's teardown moves the model to the CPU, and a meta tensor has no data to move: a run
+    that failed before materialising, or a spawn run's launching process, would report that
+    instead of its own error)."""
+    if module is None or not on_meta(module):
+        yield
+        return
+    module.cpu = lambda: module  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del module.cpu
 
 
 def materialize(module: nn.Module, device: torch.device, seed: int) -> None:
@@ -60,10 +76,28 @@ def materialize(module: nn.Module, device: torch.device, seed: int) -> None:
             f"reset_parameters(); these modules hold meta tensors but have none: {lacking}. Give them a "
             "reset_parameters() that fills their parameters and buffers, or build the model on a real device"
         )
+    ties = _ties(empty)
     for _, sub in empty:  # all allocated first: a module's reset may fill its children's tensors too
         sub.to_empty(device=device, recurse=False)
-    for name, sub in empty:
+    for places in ties:  # allocating gave each place its own tensor: one again, the first place's
+        first_sub, first_name = places[0][1:]
+        for _, sub, name in places[1:]:
+            sub._parameters[name] = first_sub._parameters[first_name]
+    for name, sub in [*empty, *((places[0][0], places[0][1]) for places in ties)]:
+        # A tied parameter's value is its first module's draw, as when a model built on a device
+        # ties a later module's weight to an earlier one's: that module's reset runs again, last.
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed((seed + zlib.crc32(name.encode())) % 2**63)
             with torch.no_grad():
                 sub.reset_parameters()
+
+
+def _ties(modules: list[tuple[str, nn.Module]]) -> list[list[tuple[str, nn.Module, str]]]:
+    """The meta parameters that several of ``modules`` hold, each as its places (module path,
+    module, attribute), in the model's order."""
+    places: dict[int, list[tuple[str, nn.Module, str]]] = {}
+    for path, sub in modules:
+        for name, param in sub._parameters.items():
+            if param is not None and param.is_meta:
+                places.setdefault(id(param), []).append((path, sub, name))
+    return [found for found in places.values() if len(found) > 1]

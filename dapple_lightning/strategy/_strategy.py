@@ -58,7 +58,7 @@ from dapple_lightning.strategy._batch import SameBatch
 from dapple_lightning.strategy._checkpoint import Checkpoints, gather_on_zero, group_names, keep_local
 from dapple_lightning.strategy._finetuning import adapt_finetuning
 from dapple_lightning.strategy._launcher import STATE_LEFT_IN_SPAWNED_RANKS, SpawnLauncher
-from dapple_lightning.strategy._materialize import STAYS_CUT, materialize, meta_context, on_meta
+from dapple_lightning.strategy._materialize import STAYS_CUT, materialize, meta_context, on_meta, unmoved_on_meta
 from dapple_lightning.strategy._pipelines import Buffers, Pipelines, broadcast_module
 from dapple_lightning.strategy._refusals import check_before_start
 from dapple_lightning.strategy._step import MicroBatches, clip_grad_norm_over_stages
@@ -262,8 +262,7 @@ class DappleStrategy(ParallelStrategy):
         pipelines = Pipelines(module, self.global_rank, self.root_device, self._timeout)
         self._steps = MicroBatches(module, self.root_device)
         self.plan = self._resolve_plan(trainer, chain, pipelines)
-        rank = self.global_rank
-        self._cut = Cut.apply(module, chain, self.plan, rank)
+        self._cut = Cut.apply(module, chain, self.plan, rank := self.global_rank)
         if self._materialized:  # this rank's part only, the same values under any plan
             materialize(module, self.root_device, self._shuffle_seed)
         self.model_to_device()
@@ -487,7 +486,8 @@ class DappleStrategy(ParallelStrategy):
                 self._cut.restore(self._checkpoints.whole_chain(), self.root_device)
                 self._cut = None
                 self._checkpoints.detach()
-        super().teardown()
+        with unmoved_on_meta(self.lightning_module):
+            super().teardown()
 
     def _write_trace(self) -> None:
         assert self._pipeline is not None

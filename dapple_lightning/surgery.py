@@ -54,7 +54,8 @@ blocks that forward loops over (each block called once per micro-batch, in order
 
 
 def find_container(module: nn.Module, name: str | None = None) -> tuple[str, Container]:
-    """The container to pipeline: the one named, or the module's only ``nn.Sequential`` / ``nn.ModuleList``."""
+    """The container to pipeline: the one named, or the module's only ``nn.Sequential`` / ``nn.ModuleList``
+    (its only attribute that is one, or else its only one that no other container holds)."""
     if name is not None:
         try:
             found = module.get_submodule(name)
@@ -67,13 +68,15 @@ def find_container(module: nn.Module, name: str | None = None) -> tuple[str, Con
             )
         return name, found
     candidates = [(n, m) for n, m in module.named_children() if isinstance(m, Container)]
+    if not candidates:  # nested, as a Hugging Face model's blocks are (model.transformer.h)
+        candidates = _outermost_containers(module)
     if len(candidates) == 1:
         return candidates[0]
     if not candidates:
         raise ValueError(
-            f"{type(module).__name__} has no nn.Sequential or nn.ModuleList attribute to pipeline; put the layers "
-            "to split into one (self.layers = nn.Sequential(...), self.blocks = nn.ModuleList(...)) or name a "
-            "nested one with DappleStrategy(sequential='path.to.it')"
+            f"{type(module).__name__} has no nn.Sequential or nn.ModuleList attribute to pipeline, nor any nested "
+            "one; put the layers to split into one (self.layers = nn.Sequential(...), "
+            "self.blocks = nn.ModuleList(...))"
         )
     names = ", ".join(repr(n) for n, _ in candidates)
     raise ValueError(
@@ -81,6 +84,18 @@ def find_container(module: nn.Module, name: str | None = None) -> tuple[str, Con
         f"DappleStrategy(sequential={candidates[0][0]!r}), or several that forward runs in turn with "
         f"sequential={[n for n, _ in candidates]!r}"
     )
+
+
+def _outermost_containers(module: nn.Module, prefix: str = "") -> list[tuple[str, Container]]:
+    """The containers among ``module``'s descendants that no other container holds."""
+    found: list[tuple[str, Container]] = []
+    for name, child in module.named_children():
+        path = f"{prefix}{name}"
+        if isinstance(child, Container):
+            found.append((path, child))
+        else:
+            found += _outermost_containers(child, f"{path}.")
+    return found
 
 
 def find_sequential(module: nn.Module, name: str | None = None) -> tuple[str, nn.Sequential]:

@@ -112,6 +112,19 @@ def single_device(tmp_path_factory):
 # ------------------------------------------------------------------ one process: the surgery
 
 
+def test_nested_containers_are_found_when_only_one_is_outermost_and_listed_otherwise():
+    from test_hf_llama import CONTAINER, Llama
+    from test_modulelist import HFGPT2, TinyGPT
+
+    assert find_chain(HFGPT2()).paths == ("model.transformer.h",)
+    assert find_chain(Llama()).paths == (CONTAINER,)
+    assert find_chain(TinyGPT()).paths == ("blocks",)  # not the MLP Sequentials inside its blocks
+    wrapped = nn.Module()
+    wrapped.net = VGG()
+    with pytest.raises(ValueError, match=r"several .*sequential=\['net\.features', 'net\.classifier'\]"):
+        find_chain(wrapped)
+
+
 def test_the_chain_indexes_the_children_of_each_container_in_turn():
     model = VGG()
     chain = find_chain(model, CHAIN)

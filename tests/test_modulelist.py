@@ -358,6 +358,11 @@ class HFGPT2(LightningModule):
         )
         config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0
         self.model = GPT2LMHeadModel(config)
+        from test_hf_llama import Counter
+
+        self.counters = [Counter() for _ in self.model.transformer.h]  # read by CountMLPCalls
+        for block, counter in zip(self.model.transformer.h, self.counters):
+            block.mlp.register_forward_hook(counter)
 
     def training_step(self, batch, batch_idx):
         idx, _ = batch
@@ -370,8 +375,21 @@ class HFGPT2(LightningModule):
 
 
 @pytest.mark.parametrize("shape", ["2:1", "1:1:1"])
-def test_hugging_face_gpt2_matches_single_device(shape, tmp_path, single_device):
-    pytest.importorskip("transformers")
+def test_hugging_face_gpt2_matches_single_device_and_runs_each_block_on_its_stage_only(shape, tmp_path, single_device):
+    from test_hf_llama import CountCalls as CountMLPCalls
+
     p = TWO_ONE if shape == "2:1" else THREE
-    got = fit(HFGPT2, tmp_path, plan=p, loader=tokens, strategy_kwargs={"sequential": "model.transformer.h"})
+    got = fit(
+        HFGPT2,
+        tmp_path,
+        plan=p,
+        loader=tokens,
+        callbacks=(CountMLPCalls(tmp_path),),
+        strategy_kwargs={"sequential": "model.transformer.h"},
+    )
     assert_same(got, single_device(HFGPT2))
+    each = 4 * p.micro_batches  # steps x micro-batches
+    for rank in range(p.world_size):
+        stage = p.stages[p.stage_of(rank)]
+        calls = json.loads((tmp_path / f"calls{rank}.json").read_text())
+        assert calls == [each if stage.start <= i < stage.end else 0 for i in range(BLOCKS)], rank

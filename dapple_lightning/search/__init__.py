@@ -42,7 +42,7 @@ import importlib
 from typing import Any
 
 from dapple_lightning.search._fingerprint import Fingerprint, FingerprintMismatch, check_fingerprint
-from dapple_lightning.search._seed import SeedPlan, local_cluster, planner_seeds
+from dapple_lightning.search._seed import SeedPlan, baseline_plans, local_cluster, planner_seeds
 from dapple_lightning.search._space import (
     DEFAULT_MAX_PLANS,
     PlanSpace,
@@ -102,6 +102,7 @@ __all__ = [
     "SweepSettings",
     "TrialConfig",
     "TrialResult",
+    "baseline_plans",
     "best_choice",
     "best_plan",
     "best_trial",

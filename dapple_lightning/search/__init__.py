@@ -27,8 +27,9 @@ Pieces, one module each:
   (:func:`planner_seeds`, ``_seed``);
 - the fronts that drive the loop: :class:`PlanSearch` / :func:`run_search` (``_study``) and the
   Hydra sweeper (:func:`run_sweep`, ``_hydra``);
-- the result: :func:`best_plan`, :func:`strategy_from_study`, :func:`resolve_plan_spec`
-  (``_results``), :func:`trial_rows` / :func:`format_table` (``_report``);
+- the result: which plan the measurements support (:func:`choose_plan`, ``_choice``: plans by
+  median, told apart only beyond their spreads), :func:`best_plan`, :func:`strategy_from_study`,
+  :func:`resolve_plan_spec` (``_results``), :func:`trial_rows` / :func:`format_table` (``_report``);
 - what leaves the search: URLs with their passwords masked (``_redact``), files replaced whole
   (``_files``).
 
@@ -76,7 +77,12 @@ _LAZY = {
     "ranked_trials": "_results",
     "resolve_plan_spec": "_results",
     "strategy_from_study": "_results",
-    "trial_plan": "_results",
+    "Choice": "_choice",
+    "PlanResult": "_choice",
+    "choice_lines": "_choice",
+    "choose_plan": "_choice",
+    "plan_results": "_choice",
+    "trial_plan": "_choice",
     "format_table": "_report",
     "trial_rows": "_report",
     "SweepSettings": "_hydra",
@@ -89,11 +95,13 @@ _LAZY = {
 __all__ = [
     "DEFAULT_MAX_PLANS",
     "DEFAULT_STORAGE",
+    "Choice",
     "Drawn",
     "Fingerprint",
     "FingerprintMismatch",
     "ModelInfo",
     "Outcome",
+    "PlanResult",
     "PlanSearch",
     "PlanSpace",
     "RepeatGuard",
@@ -106,6 +114,8 @@ __all__ = [
     "best_plan",
     "best_trial",
     "check_fingerprint",
+    "choice_lines",
+    "choose_plan",
     "count_plans",
     "create_sampler",
     "describe_plan",
@@ -122,6 +132,7 @@ __all__ = [
     "params_from_plan",
     "plan_from_params",
     "plan_override",
+    "plan_results",
     "planner_seeds",
     "probe_model",
     "ranked_trials",

@@ -158,6 +158,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from dapple_lightning.search import PlanSearch, SearchConfig, TrialConfig, best_choice, trial_plan
+    from dapple_lightning.search._choice import choice_lines, choose_plan, throughput_study
 
     trial = TrialConfig(
         model=args.model,
@@ -204,14 +205,18 @@ def _cmd_run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(str(e))
         return 1
-    if note:
+    if throughput_study(study):
+        print("\n" + "\n".join(choice_lines(choose_plan(study))))
+    elif note:
         print(f"\n{note}")
-    print(f"\nbest: trial {best.number}, {best.values[0]:.1f} samples/s\n{trial_plan(best, study).table()}")
+    print(f"\nbest: trial {best.number}\n{trial_plan(best, study).table()}")
     return 0
 
 
 def _cmd_best(args: argparse.Namespace) -> int:
     from dapple_lightning.search import best_choice, format_table, load_search, ranked_trials, trial_plan, trial_rows
+    from dapple_lightning.search._choice import choose_plan, compare_with_data_parallel, throughput_study
+    from dapple_lightning.search._report import plan_rows
 
     study = load_search(args.storage, args.study)
     ranked = ranked_trials(study)
@@ -219,22 +224,22 @@ def _cmd_best(args: argparse.Namespace) -> int:
         print(f"study {args.study!r} has no completed trial yet")
         return 1
     show = _shower(args)
-    rows_by_number = {r["trial"]: r for r in trial_rows(study)}
-    rows = []
-    for place, t in enumerate(ranked[: args.top], start=1):
-        row = dict(rows_by_number[str(t.number)])
-        rows.append(
-            {
-                "#": str(place),
-                **{k: row[k] for k in ("trial", "plan", "samples/s", "step s", "peak mem/rank", "source")},
-            }
-        )
-    title = "Pareto front (samples/s up, peak memory down)" if len(study.directions) > 1 else "fastest plans"
-    show(f"study {args.study!r}: {title}")
-    show(format_table(rows))
-    chosen, note = best_choice(study)
-    if note:
-        show(f"\n{note}")
+    if throughput_study(study):
+        choice = choose_plan(study)
+        show(f"study {args.study!r}: plans by median samples/s (± the spread that tells plans apart)")
+        show(format_table(plan_rows(choice, study)[: args.top]))
+        show("\n" + "\n".join([*([choice.note] if choice.note else []), compare_with_data_parallel(choice)]))
+    else:
+        rows_by_number = {r["trial"]: r for r in trial_rows(study)}
+        columns = ("trial", "plan", "samples/s", "step s", "peak mem/rank", "source")
+        rows = [
+            {"#": str(place), **{k: rows_by_number[str(t.number)][k] for k in columns}}
+            for place, t in enumerate(ranked[: args.top], start=1)
+        ]
+        multi = len(study.directions) > 1
+        show(f"study {args.study!r}: {'Pareto front (samples/s up, peak memory down)' if multi else 'best trials'}")
+        show(format_table(rows))
+    chosen, _ = best_choice(study)
     best = trial_plan(chosen, study)
     show(f"\nbest (trial {chosen.number}):\n{best.table()}")
     if args.export is not None:

@@ -36,6 +36,7 @@ from optuna.trial import TrialState
 
 from dapple_lightning.plan import SCHEDULES, Plan
 from dapple_lightning.search._bookkeeping import heartbeat_storage
+from dapple_lightning.search._choice import choice_lines, choose_plan, throughput_study
 from dapple_lightning.search._files import write_atomic
 from dapple_lightning.search._fingerprint import Fingerprint
 from dapple_lightning.search._loop import (
@@ -293,6 +294,7 @@ def _outcome(ret: Any, settings: SweepSettings) -> Outcome:
 
 
 def _write_results(study: optuna.Study, sweep_dir: Path, say: Any) -> None:
+    """``optimization_results.yaml`` (Hydra's name for a sweep's result) and the choice, in numbers."""
     from omegaconf import OmegaConf
 
     try:
@@ -300,14 +302,18 @@ def _write_results(study: optuna.Study, sweep_dir: Path, say: Any) -> None:
     except ValueError:
         say("no trial completed")
         return
-    if note:
-        say(note)
     plan = trial_plan(best, study)
-    results = {
-        "name": "dapple",
-        "best_trial": best.number,
-        "best_values": list(best.values),
-        "best_plan": plan.to_dict(),
-    }
+    results: dict[str, Any] = {"name": "dapple", "best_trial": best.number, "best_values": list(best.values)}
+    if throughput_study(study):
+        choice = choose_plan(study)
+        for line in choice_lines(choice):
+            say(line)
+        chosen = choice.chosen
+        results["best_values"] = [chosen.samples_per_s]  # the median of the plan's runs
+        results["best_spread"] = chosen.spread
+        results["best_runs"] = [{"trial": t.number, "value": t.values[0]} for t in chosen.trials]
+    elif note:
+        say(note)
+    results["best_plan"] = plan.to_dict()
     write_atomic(sweep_dir / "optimization_results.yaml", OmegaConf.to_yaml(OmegaConf.create(results)))
-    say(f"best trial {best.number}: {best.values} with {describe_plan(plan)}")
+    say(f"best trial {best.number}: {results['best_values']} with {describe_plan(plan)}")

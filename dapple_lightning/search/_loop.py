@@ -37,6 +37,7 @@ from dapple_lightning.search._bookkeeping import (
     recover_stale_trials,
     repeat_trial,
 )
+from dapple_lightning.search._choice import choose_plan, throughput_study
 from dapple_lightning.search._fingerprint import Fingerprint, check_fingerprint
 from dapple_lightning.search._redact import cause, redact, storage_error
 from dapple_lightning.search._report import clip
@@ -375,11 +376,20 @@ class _Front:
     def _progress(self, number: int, outcome: str) -> None:
         plan = self.study.trials[number].user_attrs.get("plan_str", "?")
         try:
-            best = best_trial(self.study)
-            tail = f"best {best.values[0]:.1f}{' ' + self.label if self.label else ''} (trial {best.number})"
-            if len(self.study.directions) > 1:
-                tail += f", Pareto front of {len(self.study.best_trials)}"
+            tail = self._leader()
         except ValueError:
             tail = "no completed trial yet"
         done = finished_count(self.study)
         self.say(f"trial {number:>3} [{done}/{self.n_trials}] {plan:<28} {clip(outcome, 60):<30} | {tail}")
+
+    def _leader(self) -> str:
+        """The progress line's tail: the fastest plan by median (the fastest trial, for other studies)."""
+        unit = f" {self.label}" if self.label else ""
+        if throughput_study(self.study):
+            leader = choose_plan(self.study).leader
+            return f"best {leader.figure()}{unit} (trial {leader.number})"
+        best = best_trial(self.study)
+        tail = f"best {best.values[0]:.1f}{unit} (trial {best.number})"
+        if len(self.study.directions) > 1:
+            tail += f", Pareto front of {len(self.study.best_trials)}"
+        return tail

@@ -44,6 +44,7 @@ import optuna
 from optuna.trial import TrialState
 
 from dapple_lightning.search._bookkeeping import heartbeat_storage
+from dapple_lightning.search._choice import relative_spread
 from dapple_lightning.search._config import SearchConfig
 from dapple_lightning.search._loop import (
     Drawn,
@@ -57,7 +58,6 @@ from dapple_lightning.search._loop import (
 )
 from dapple_lightning.search._probe import ModelInfo, probe_model
 from dapple_lightning.search._redact import redact
-from dapple_lightning.search._results import relative_spread
 from dapple_lightning.search._seed import planner_seeds
 from dapple_lightning.search._space import PlanSpace, describe_plan
 from dapple_lightning.search._trial import TrialResult, run_trial

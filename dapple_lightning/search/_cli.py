@@ -74,6 +74,16 @@ def _heartbeat(text: str) -> int | None:
     return seconds or None
 
 
+def _whole(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from e
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
+    return value
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     from dapple_lightning.search import DEFAULT_STORAGE
 
@@ -127,6 +137,13 @@ def _parser() -> argparse.ArgumentParser:
         "--baselines",
         default="data_parallel,straight",
         help="plans measured first, once per study: data_parallel, straight (comma-separated; '' for none)",
+    )
+    run.add_argument(
+        "--confirm-repeats",
+        type=_whole,
+        default=1,
+        help="at the end, measure the leading plans (the fastest, data parallelism, the closest rival) this many "
+        "more times each, interleaved, before choosing by their medians (default: %(default)s; 0: off)",
     )
     run.add_argument("--enqueue", action="append", default=[], help="plan YAML file to measure first (repeatable)")
     run.add_argument("--pruner", choices=("median", "none"), default="median")
@@ -189,6 +206,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         max_stages=args.max_stages,
         planner_seeds=args.planner_seeds,
         baselines=tuple(b for b in args.baselines.split(",") if b),
+        confirm_repeats=args.confirm_repeats,
         enqueue=tuple(args.enqueue),
         pruner=args.pruner,
         allow_mismatch=args.allow_mismatch,

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 
 import optuna
 
-from dapple_lightning.search._bookkeeping import interrupted_trials
+from dapple_lightning.search._bookkeeping import CONFIRMS, interrupted_trials
 from dapple_lightning.search._choice import Choice
 from dapple_lightning.search._space import describe_plan
 
@@ -39,6 +39,8 @@ def trial_rows(study: optuna.Study) -> list[dict[str, str]]:
         reason = a.get("fail_reason") or ("interrupted" if t.number in interrupted else "")
         if a.get("duplicate_of") is not None:
             reason = f"same plan as trial {a['duplicate_of']}" + (f"; {reason}" if reason else "")
+        if a.get(CONFIRMS) is not None:
+            reason = f"measures trial {a[CONFIRMS]}'s plan again" + (f"; {reason}" if reason else "")
         samples = a.get("samples_per_s")
         rows.append(
             {

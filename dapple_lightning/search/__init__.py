@@ -23,7 +23,8 @@ Pieces, one module each:
 - one measurement: :class:`TrialConfig`, :func:`run_trial` (``_trial``; its processes in
   ``_launch``, ``_zygote``, ``_leader`` on PyTorch's elastic agent, ``_worker``), :func:`probe_model` (``_probe``);
 - the study: :func:`optimize` (``_loop``, the one loop), its bookkeeping (``_bookkeeping``:
-  :class:`RepeatGuard`, :func:`interrupted_trials`, ...), the planner's seeds
+  :class:`RepeatGuard`, :func:`interrupted_trials`, ...), the confirmation round that ends it
+  (``_confirm``: the contenders measured again, interleaved), the planner's seeds
   (:func:`planner_seeds`, ``_seed``);
 - the fronts that drive the loop: :class:`PlanSearch` / :func:`run_search` (``_study``) and the
   Hydra sweeper (:func:`run_sweep`, ``_hydra``);

@@ -23,12 +23,14 @@ Pieces, one module each:
 - one measurement: :class:`TrialConfig`, :func:`run_trial` (``_trial``; its processes in
   ``_launch``, ``_zygote``, ``_leader`` on PyTorch's elastic agent, ``_worker``), :func:`probe_model` (``_probe``);
 - the study: :func:`optimize` (``_loop``, the one loop), its bookkeeping (``_bookkeeping``:
-  :class:`RepeatGuard`, :func:`interrupted_trials`, ...), the planner's seeds
+  :class:`RepeatGuard`, :func:`interrupted_trials`, ...), the confirmation round that ends it
+  (``_confirm``: the contenders measured again, interleaved), the planner's seeds
   (:func:`planner_seeds`, ``_seed``);
 - the fronts that drive the loop: :class:`PlanSearch` / :func:`run_search` (``_study``) and the
   Hydra sweeper (:func:`run_sweep`, ``_hydra``);
-- the result: :func:`best_plan`, :func:`strategy_from_study`, :func:`resolve_plan_spec`
-  (``_results``), :func:`trial_rows` / :func:`format_table` (``_report``);
+- the result: which plan the measurements support (:func:`choose_plan`, ``_choice``: plans by
+  median, told apart only beyond their spreads), :func:`best_plan`, :func:`strategy_from_study`,
+  :func:`resolve_plan_spec` (``_results``), :func:`trial_rows` / :func:`format_table` (``_report``);
 - what leaves the search: URLs with their passwords masked (``_redact``), files replaced whole
   (``_files``).
 
@@ -76,7 +78,12 @@ _LAZY = {
     "ranked_trials": "_results",
     "resolve_plan_spec": "_results",
     "strategy_from_study": "_results",
-    "trial_plan": "_results",
+    "Choice": "_choice",
+    "PlanResult": "_choice",
+    "choice_lines": "_choice",
+    "choose_plan": "_choice",
+    "plan_results": "_choice",
+    "trial_plan": "_choice",
     "format_table": "_report",
     "trial_rows": "_report",
     "SweepSettings": "_hydra",
@@ -89,11 +96,13 @@ _LAZY = {
 __all__ = [
     "DEFAULT_MAX_PLANS",
     "DEFAULT_STORAGE",
+    "Choice",
     "Drawn",
     "Fingerprint",
     "FingerprintMismatch",
     "ModelInfo",
     "Outcome",
+    "PlanResult",
     "PlanSearch",
     "PlanSpace",
     "RepeatGuard",
@@ -107,6 +116,8 @@ __all__ = [
     "best_plan",
     "best_trial",
     "check_fingerprint",
+    "choice_lines",
+    "choose_plan",
     "count_plans",
     "create_sampler",
     "describe_plan",
@@ -123,6 +134,7 @@ __all__ = [
     "params_from_plan",
     "plan_from_params",
     "plan_override",
+    "plan_results",
     "planner_seeds",
     "probe_model",
     "ranked_trials",

@@ -15,6 +15,10 @@ trial callback, marks them interrupted and queues their plans again. A restarted
 checks, on its own host, whether the process of a RUNNING trial is gone (:func:`recover_stale_trials`),
 to mark at once what its killed predecessor left. A plan another worker is measuring right now is
 waited for and its result taken, not measured a second time (:func:`draw_plan`).
+
+**Confirmation trials** (``_confirm``) measure a measured plan again on purpose. They carry
+:data:`CONFIRMS`: they are not answered from the earlier measurement, do not count towards
+``n_trials``, and a retry of one interrupted is a confirmation trial too.
 """
 
 from __future__ import annotations
@@ -37,10 +41,13 @@ from dapple_lightning.search._redact import cause, storage_error
 from dapple_lightning.search._space import PlanSpace, describe_plan
 
 __all__ = [
+    "CONFIRMS",
     "GRACE_BEATS",
     "RepeatGuard",
     "distinct_finished",
     "draw_plan",
+    "explored_count",
+    "exploring_elsewhere",
     "fail_stale",
     "finished_count",
     "heartbeat_storage",
@@ -57,8 +64,20 @@ _INTERRUPTED = "interrupted_trial_"
 """Study attribute ``interrupted_trial_N``: trial ``N`` was interrupted."""
 
 
+CONFIRMS = "confirms"
+"""Trial attribute of a confirmation trial: the number of the trial whose plan it measures again."""
+_CONFIRMATION_ATTRS = (CONFIRMS, "confirmation_round")
+"""What a retry of an interrupted confirmation trial keeps of it."""
+
+
 def _key(params: Mapping[str, Any]) -> tuple:
     return tuple(sorted(params.items()))
+
+
+def _retry_attrs(number: int, attrs: Mapping[str, Any]) -> dict[str, Any]:
+    """The attributes of the queued retry of interrupted trial ``number`` (whose attributes were ``attrs``)."""
+    kept = {k: attrs[k] for k in _CONFIRMATION_ATTRS if k in attrs}
+    return {"source": "retry", "retry_of": number, **kept}
 
 
 # ------------------------------------------------------------------------------ runner identity
@@ -116,7 +135,8 @@ def _counted(study: optuna.Study) -> list[FrozenTrial]:
 
 def finished_count(study: optuna.Study) -> int:
     """Finished trials (complete, pruned, failed) that count towards ``n_trials``: not the interrupted
-    ones, and not repeated proposals of a measured plan (they reuse its result and cost nothing).
+    ones, not repeated proposals of a measured plan (they reuse its result and cost nothing), and not
+    confirmation trials (they re-measure plans, they do not search).
 
     With several workers on the study, the trials the others are measuring now count too: they
     will finish, and a worker that did not count them would start a trial too many at the end of
@@ -124,8 +144,17 @@ def finished_count(study: optuna.Study) -> int:
     finds its heartbeat stopped, and that worker queues the plan again and goes on; when none is
     left running by then, the study holds one trial too few until a search runs again.
     """
-    finished = sum(1 for t in _counted(study) if t.user_attrs.get("duplicate_of") is None)
-    return finished + len(_running_elsewhere(study))
+    return explored_count(study) + len(exploring_elsewhere(study))
+
+
+def explored_count(study: optuna.Study) -> int:
+    """The counted finished trials of the search itself, not those other workers still measure."""
+    return sum(1 for t in _counted(study) if t.user_attrs.get("duplicate_of") is None and CONFIRMS not in t.user_attrs)
+
+
+def exploring_elsewhere(study: optuna.Study) -> list[FrozenTrial]:
+    """The search's trials (not confirmation trials) that other workers are measuring now."""
+    return [t for t in _running_elsewhere(study) if CONFIRMS not in t.user_attrs]
 
 
 def distinct_finished(study: optuna.Study) -> int:
@@ -134,10 +163,15 @@ def distinct_finished(study: optuna.Study) -> int:
 
 
 def mark_interrupted(
-    study: optuna.Study, number: int, params: Mapping[str, Any], reason: str = "the search was stopped"
+    study: optuna.Study,
+    number: int,
+    params: Mapping[str, Any],
+    reason: str = "the search was stopped",
+    attrs: Mapping[str, Any] | None = None,
 ) -> bool:
     """Mark a running trial interrupted (it will not count), end it FAIL and queue its plan again;
-    whether this call ended it.
+    whether this call ended it. ``attrs``, the trial's attributes, say whether it confirmed a plan
+    (its retry then does too).
 
     Only the caller whose FAIL ended the trial queues the retry: of two workers that find the
     same orphaned trial, the second finds it finished and queues nothing (on storages that lock
@@ -151,7 +185,7 @@ def mark_interrupted(
     except (RuntimeError, ValueError):  # another worker ended it first
         return False
     if params:
-        study.enqueue_trial(dict(params), user_attrs={"source": "retry", "retry_of": number})
+        study.enqueue_trial(dict(params), user_attrs=_retry_attrs(number, attrs or {}))
     return True
 
 
@@ -170,7 +204,7 @@ def recover_stale_trials(study: optuna.Study) -> list[int]:
         if _runner_dead(t.user_attrs.get("runner"))
     ]
     reason = "its search process died"
-    return ended + [t.number for t in dead if mark_interrupted(study, t.number, t.params, reason)]
+    return ended + [t.number for t in dead if mark_interrupted(study, t.number, t.params, reason, t.user_attrs)]
 
 
 # ---------------------------------------------------------------------------------- heartbeat
@@ -242,7 +276,7 @@ def requeue_stale_trial(study: optuna.Study, trial: FrozenTrial) -> None:
     """
     study.set_user_attr(f"{_INTERRUPTED}{trial.number}", {"reason": _NO_HEARTBEAT, "by": runner_info()})
     if trial.params:
-        study.enqueue_trial(dict(trial.params), user_attrs={"source": "retry", "retry_of": trial.number})
+        study.enqueue_trial(dict(trial.params), user_attrs=_retry_attrs(trial.number, trial.user_attrs))
 
 
 def fail_stale(study: optuna.Study) -> list[int]:
@@ -326,7 +360,8 @@ def draw_plan(study: optuna.Study, trial: optuna.Trial, space: PlanSpace) -> tup
     The trial's heartbeat starts here, and first the trials whose heartbeat stopped are ended and
     queued again (:func:`fail_stale`). When another worker is measuring the same plan in an earlier
     trial, this waits for its result rather than measure the plan a second time at once; should that
-    trial be interrupted instead, the plan is measured here.
+    trial be interrupted instead, the plan is measured here. A confirmation trial (:data:`CONFIRMS`)
+    is neither answered from an earlier trial nor waits.
     """
     trial.set_user_attr("runner", runner_info())
     interval = _PULSE.start(study, trial)
@@ -338,6 +373,8 @@ def draw_plan(study: optuna.Study, trial: optuna.Trial, space: PlanSpace) -> tup
     plan = space.suggest(trial)
     trial.set_user_attr("plan", plan.to_dict())
     trial.set_user_attr("plan_str", describe_plan(plan))
+    if CONFIRMS in trial.user_attrs:
+        return plan, None  # measured again on purpose, at once: neither answered nor waited for
     while interval is not None and _measuring_elsewhere(study, trial):
         time.sleep(interval)  # polled: the other trial ends with its result, or with its worker's heartbeat
         fail_stale(study)

@@ -74,6 +74,16 @@ def _heartbeat(text: str) -> int | None:
     return seconds or None
 
 
+def _whole(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from e
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
+    return value
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     from dapple_lightning.search import DEFAULT_STORAGE
 
@@ -128,6 +138,13 @@ def _parser() -> argparse.ArgumentParser:
         default="data_parallel,straight",
         help="plans measured first, once per study: data_parallel, straight (comma-separated; '' for none)",
     )
+    run.add_argument(
+        "--confirm-repeats",
+        type=_whole,
+        default=1,
+        help="at the end, measure the leading plans (the fastest, data parallelism, the closest rival) this many "
+        "more times each, interleaved, before choosing by their medians (default: %(default)s; 0: off)",
+    )
     run.add_argument("--enqueue", action="append", default=[], help="plan YAML file to measure first (repeatable)")
     run.add_argument("--pruner", choices=("median", "none"), default="median")
     run.add_argument("--threads-per-rank", type=int, default=None)
@@ -158,6 +175,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from dapple_lightning.search import PlanSearch, SearchConfig, TrialConfig, best_choice, trial_plan
+    from dapple_lightning.search._choice import choice_lines, choose_plan, throughput_study
 
     trial = TrialConfig(
         model=args.model,
@@ -188,6 +206,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         max_stages=args.max_stages,
         planner_seeds=args.planner_seeds,
         baselines=tuple(b for b in args.baselines.split(",") if b),
+        confirm_repeats=args.confirm_repeats,
         enqueue=tuple(args.enqueue),
         pruner=args.pruner,
         allow_mismatch=args.allow_mismatch,
@@ -204,14 +223,18 @@ def _cmd_run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(str(e))
         return 1
-    if note:
+    if throughput_study(study):
+        print("\n" + "\n".join(choice_lines(choose_plan(study))))
+    elif note:
         print(f"\n{note}")
-    print(f"\nbest: trial {best.number}, {best.values[0]:.1f} samples/s\n{trial_plan(best, study).table()}")
+    print(f"\nbest: trial {best.number}\n{trial_plan(best, study).table()}")
     return 0
 
 
 def _cmd_best(args: argparse.Namespace) -> int:
     from dapple_lightning.search import best_choice, format_table, load_search, ranked_trials, trial_plan, trial_rows
+    from dapple_lightning.search._choice import choose_plan, compare_with_data_parallel, throughput_study
+    from dapple_lightning.search._report import plan_rows
 
     study = load_search(args.storage, args.study)
     ranked = ranked_trials(study)
@@ -219,22 +242,22 @@ def _cmd_best(args: argparse.Namespace) -> int:
         print(f"study {args.study!r} has no completed trial yet")
         return 1
     show = _shower(args)
-    rows_by_number = {r["trial"]: r for r in trial_rows(study)}
-    rows = []
-    for place, t in enumerate(ranked[: args.top], start=1):
-        row = dict(rows_by_number[str(t.number)])
-        rows.append(
-            {
-                "#": str(place),
-                **{k: row[k] for k in ("trial", "plan", "samples/s", "step s", "peak mem/rank", "source")},
-            }
-        )
-    title = "Pareto front (samples/s up, peak memory down)" if len(study.directions) > 1 else "fastest plans"
-    show(f"study {args.study!r}: {title}")
-    show(format_table(rows))
-    chosen, note = best_choice(study)
-    if note:
-        show(f"\n{note}")
+    if throughput_study(study):
+        choice = choose_plan(study)
+        show(f"study {args.study!r}: plans by median samples/s (± the spread that tells plans apart)")
+        show(format_table(plan_rows(choice, study)[: args.top]))
+        show("\n" + "\n".join([*([choice.note] if choice.note else []), compare_with_data_parallel(choice)]))
+    else:
+        rows_by_number = {r["trial"]: r for r in trial_rows(study)}
+        columns = ("trial", "plan", "samples/s", "step s", "peak mem/rank", "source")
+        rows = [
+            {"#": str(place), **{k: rows_by_number[str(t.number)][k] for k in columns}}
+            for place, t in enumerate(ranked[: args.top], start=1)
+        ]
+        multi = len(study.directions) > 1
+        show(f"study {args.study!r}: {'Pareto front (samples/s up, peak memory down)' if multi else 'best trials'}")
+        show(format_table(rows))
+    chosen, _ = best_choice(study)
     best = trial_plan(chosen, study)
     show(f"\nbest (trial {chosen.number}):\n{best.table()}")
     if args.export is not None:

@@ -63,6 +63,12 @@ class SearchConfig:
     pruner: Literal["median", "none"] = "median"
     """``median``: stop a trial whose throughput at a timed step is below the median of earlier trials
     at that step (single objective only; after 3 trials)."""
+    confirm_repeats: int = 1
+    """Runs of each contender in the confirmation round that ends the search: the fastest plan by
+    median, data parallelism and the closest rivals (at most 3 plans) are measured this many more
+    times, interleaved, and the choice takes the median of each plan's runs (``search._confirm``);
+    0: no round, the choice rests on single measurements. A resumed study does not repeat a round
+    it has measured."""
     tpe_startup_trials: int = 10
     """Trials TPE samples at random (enqueued ones count) before it models the results (Optuna's
     default; 5 did no better in ``benchmarks/search.py``'s replays)."""
@@ -91,6 +97,9 @@ class SearchConfig:
         unknown = set(self.baselines) - {"data_parallel", "straight"}
         if unknown:
             raise ValueError(f"baselines: {sorted(unknown)} unknown; the baselines are data_parallel and straight")
+        repeats = self.confirm_repeats
+        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 0:
+            raise ValueError(f"confirm_repeats must be a whole number >= 0 (0: no round), got {repeats!r}")
         if self.planner_seeds < 0:
             raise ValueError(f"planner_seeds must be >= 0, got {self.planner_seeds}")
         if not isinstance(self.storage, str) or "://" not in self.storage:

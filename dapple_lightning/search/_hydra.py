@@ -20,7 +20,8 @@ process, which is fine for an app whose ranks are separate processes anyway
 The loop is the search's own (``_loop``, the one :class:`~dapple_lightning.search.PlanSearch`
 drives): the sweeper only turns a batch of drawn plans into jobs and their return values into
 outcomes. Resuming, the fingerprint (here without the architecture hash: the sweeper never builds
-the model), repeated proposals and ``n_trials`` as the study's total work are the loop's.
+the model), repeated proposals, ``n_trials`` as the study's total work and the confirmation round
+(``confirm_repeats`` more runs of the contenders, as jobs like any other) are the loop's.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from optuna.trial import TrialState
 
 from dapple_lightning.plan import SCHEDULES, Plan
 from dapple_lightning.search._bookkeeping import heartbeat_storage
+from dapple_lightning.search._choice import choice_lines, choose_plan, throughput_study
 from dapple_lightning.search._files import write_atomic
 from dapple_lightning.search._fingerprint import Fingerprint
 from dapple_lightning.search._loop import (
@@ -80,6 +82,7 @@ class SweepSettings:
     enqueue: tuple[Any, ...] = ()
     baselines: tuple[str, ...] = BASELINES
     heartbeat_s: int | None = 10
+    confirm_repeats: int = 1
 
     def __post_init__(self) -> None:
         if self.sampler not in ("tpe", "random"):
@@ -99,6 +102,9 @@ class SweepSettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"hydra.sweeper.{name} must be an integer >= 1, got {value!r}")
+        repeats = self.confirm_repeats
+        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 0:
+            raise ValueError(f"hydra.sweeper.confirm_repeats must be an integer >= 0 (0: no round), got {repeats!r}")
         if not self.plan_key or not isinstance(self.plan_key, str):
             raise ValueError(f"hydra.sweeper.plan_key must name a config key, got {self.plan_key!r}")
 
@@ -221,7 +227,16 @@ def run_sweep(sweeper: Any, settings: SweepSettings, arguments: list[str]) -> li
     sweep_dir.mkdir(parents=True, exist_ok=True)
     write_atomic(sweep_dir / "multirun.yaml", OmegaConf.to_yaml(config))  # unresolved, as Hydra saves
     jobs = _Jobs(sweeper, settings, fixed, first_job=len(study.trials))
-    optimize(study, space, jobs, n_trials=settings.n_trials, batch_size=settings.n_jobs, seed=settings.seed, say=say)
+    optimize(
+        study,
+        space,
+        jobs,
+        n_trials=settings.n_trials,
+        batch_size=settings.n_jobs,
+        seed=settings.seed,
+        confirm_repeats=settings.confirm_repeats,
+        say=say,
+    )
     _write_results(study, sweep_dir, say)
     return jobs.returns
 
@@ -293,6 +308,7 @@ def _outcome(ret: Any, settings: SweepSettings) -> Outcome:
 
 
 def _write_results(study: optuna.Study, sweep_dir: Path, say: Any) -> None:
+    """``optimization_results.yaml`` (Hydra's name for a sweep's result) and the choice, in numbers."""
     from omegaconf import OmegaConf
 
     try:
@@ -300,14 +316,18 @@ def _write_results(study: optuna.Study, sweep_dir: Path, say: Any) -> None:
     except ValueError:
         say("no trial completed")
         return
-    if note:
-        say(note)
     plan = trial_plan(best, study)
-    results = {
-        "name": "dapple",
-        "best_trial": best.number,
-        "best_values": list(best.values),
-        "best_plan": plan.to_dict(),
-    }
+    results: dict[str, Any] = {"name": "dapple", "best_trial": best.number, "best_values": list(best.values)}
+    if throughput_study(study):
+        choice = choose_plan(study)
+        for line in choice_lines(choice):
+            say(line)
+        chosen = choice.chosen
+        results["best_values"] = [chosen.samples_per_s]  # the median of the plan's runs
+        results["best_spread"] = chosen.spread
+        results["best_runs"] = [{"trial": t.number, "value": t.values[0]} for t in chosen.trials]
+    elif note:
+        say(note)
+    results["best_plan"] = plan.to_dict()
     write_atomic(sweep_dir / "optimization_results.yaml", OmegaConf.to_yaml(OmegaConf.create(results)))
-    say(f"best trial {best.number}: {best.values} with {describe_plan(plan)}")
+    say(f"best trial {best.number}: {results['best_values']} with {describe_plan(plan)}")

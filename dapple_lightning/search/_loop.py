@@ -10,10 +10,11 @@ What the loop owns, the same for both: the study's identity (fingerprint, search
 objectives; resuming refuses another setup), the sampler's seed offset on resume (a resumed search
 does not replay the first run's random start-up choices), trials orphaned by a dead search (marked,
 their plans queued again), repeated proposals (answered from the earlier measurement), ``n_trials``
-as the study's total, an optional time limit, and interruption: Ctrl-C or SIGTERM marks the running
-trials FAIL, queues their plans again and propagates. A runner's own error (an ``Exception``) fails
-the trials it was given and the loop goes on; what a candidate does to its processes is the
-runner's business and comes back as an :class:`Outcome`.
+as the study's total, an optional time limit, the confirmation round that measures the contenders
+again before the study's choice is read (``_confirm``), and interruption: Ctrl-C or SIGTERM marks
+the running trials FAIL, queues their plans again and propagates. A runner's own error (an
+``Exception``) fails the trials it was given and the loop goes on; what a candidate does to its
+processes is the runner's business and comes back as an :class:`Outcome`.
 """
 
 from __future__ import annotations
@@ -25,18 +26,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import optuna
-from optuna.trial import TrialState
+from optuna.trial import FrozenTrial, TrialState
 
 from dapple_lightning.plan import Plan
 from dapple_lightning.search._bookkeeping import (
+    CONFIRMS,
     RepeatGuard,
     distinct_finished,
     draw_plan,
+    exploring_elsewhere,
     finished_count,
     mark_interrupted,
     recover_stale_trials,
     repeat_trial,
 )
+from dapple_lightning.search._choice import choose_plan, throughput_study
+from dapple_lightning.search._confirm import pending, plan_round, round_key, take_queued
 from dapple_lightning.search._fingerprint import Fingerprint, check_fingerprint
 from dapple_lightning.search._redact import cause, redact, storage_error
 from dapple_lightning.search._report import clip
@@ -62,6 +67,9 @@ class Drawn:
 
     trial: optuna.Trial
     plan: Plan
+    confirms: int | None = None
+    """For a confirmation trial, the trial whose plan it measures again: a runner does not prune it,
+    since a repeat cut short would leave the plan's median to its luckier runs."""
 
 
 @dataclass(frozen=True)
@@ -253,29 +261,34 @@ def optimize(
     batch_size: int = 1,
     timeout_s: float | None = None,
     seed: int = 0,
+    confirm_repeats: int = 0,
     label: str = "",
     say: Callable[[str], None] = print,
 ) -> None:
-    """Run trials with ``run`` until ``study`` holds ``n_trials`` counted finished trials.
+    """Run trials with ``run`` until ``study`` holds ``n_trials`` counted finished trials, then the
+    confirmation round.
 
     Each round asks for up to ``batch_size`` trials (never more than the budget has left), answers
     repeated proposals from the earlier measurement, and hands the rest to ``run`` at once. It stops
     early when every plan of ``space`` has been tried or ``timeout_s`` seconds have passed (the
-    running batch finishes). ``label`` names the first objective in the progress lines.
+    running batch finishes). Then, unless the time ran out, the contenders are measured
+    ``confirm_repeats`` more times each, interleaved (``_confirm``; 0: no round). ``label`` names
+    the first objective in the progress lines.
 
     Raises:
         KeyboardInterrupt: (or another ``BaseException``) passed on after the running trials are
             marked FAIL and their plans queued again.
     """
     front = _Front(study, space, n_trials, RepeatGuard(seed=seed), label, say)
-    started = time.monotonic()
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     done = finished_count(study)
     if done >= n_trials:
         say(f"study {study.study_name!r} already holds {done} finished trials (n_trials={n_trials})")
     while done < n_trials:
-        if timeout_s is not None and time.monotonic() - started > timeout_s:
-            say(f"time limit of {timeout_s:g} s reached after {done} finished trials")
-            break
+        if _out_of_time(deadline):
+            later = "; the confirmation round comes with the next run of this search" if confirm_repeats else ""
+            say(f"time limit of {timeout_s:g} s reached after {done} finished trials{later}")
+            return
         if distinct_finished(study) >= space.size:
             say(f"every one of the {space.size} plans of the space has been tried")
             break
@@ -283,6 +296,39 @@ def optimize(
         if batch:
             front.run(batch, run)
         done = finished_count(study)
+    if confirm_repeats > 0:
+        _confirmation_round(front, run, confirm_repeats, batch_size, deadline, timeout_s)
+
+
+def _out_of_time(deadline: float | None) -> bool:
+    return deadline is not None and time.monotonic() >= deadline
+
+
+def _confirmation_round(
+    front: _Front, run: Runner, repeats: int, batch_size: int, deadline: float | None, timeout_s: float | None
+) -> None:
+    """The confirmation round (see ``_confirm``): planned once, its queued trials measured in queue order."""
+    study, say = front.study, front.say
+    if not throughput_study(study):
+        say("no confirmation round: the study does not maximize one throughput")
+        return
+    others = exploring_elsewhere(study)
+    if others:
+        numbers = ", ".join(str(t.number) for t in others)
+        say(f"no confirmation round here: other workers still measure trial(s) {numbers}; the last of them runs it")
+        return
+    planned = plan_round(study, repeats, say)
+    queued = pending(study)
+    if planned is None and not queued and round_key(study) in study.user_attrs:
+        say(f"the confirmation round of these trials ({round_key(study)}) was measured already")
+    while queued:
+        if _out_of_time(deadline):
+            say(f"time limit of {timeout_s:g} s reached: {len(queued)} confirmation trial(s) left for the next run")
+            return
+        batch = front.take(queued[:batch_size])
+        if batch:
+            front.run(batch, run)
+        queued = pending(study)
 
 
 class _Front:
@@ -305,23 +351,40 @@ class _Front:
         batch: list[Drawn] = []
         for _ in range(count):
             trial = self.study.ask()
-            try:
-                plan, previous = draw_plan(self.study, trial, self.space)
-            except Exception as e:
-                self._search_error([trial], e)
+            drawn = self._draw(trial, batch)
+            if drawn is None:
                 continue
-            except BaseException:
-                self._interrupt([trial, *(d.trial for d in batch)])
-                raise
+            plan, previous = drawn
             if previous is None:
                 self.repeats.measured()
-                batch.append(Drawn(trial, plan))
+                batch.append(Drawn(trial, plan, trial.user_attrs.get(CONFIRMS)))
                 continue
             self._progress(trial.number, repeat_trial(self.study, trial, previous))
             explore = self.repeats.repeated(self.study, self.space)
             if explore is not None:
                 self.say(f"the sampler keeps repeating itself: queued the unmeasured plan {describe_plan(explore)}")
         return batch
+
+    def take(self, numbers: Sequence[int]) -> list[Drawn]:
+        """The queued confirmation trials ``numbers`` that no other worker took first, drawn."""
+        batch: list[Drawn] = []
+        for number in numbers:
+            trial = take_queued(self.study, number)
+            drawn = None if trial is None else self._draw(trial, batch)
+            if drawn is not None:
+                batch.append(Drawn(trial, drawn[0], trial.user_attrs.get(CONFIRMS)))
+        return batch
+
+    def _draw(self, trial: optuna.Trial, batch: list[Drawn]) -> tuple[Plan, FrozenTrial | None] | None:
+        """``trial``'s plan and an earlier measurement of it (see ``draw_plan``); ``None`` after a search error."""
+        try:
+            return draw_plan(self.study, trial, self.space)
+        except Exception as e:
+            self._search_error([trial], e)
+            return None
+        except BaseException:
+            self._interrupt([trial, *(d.trial for d in batch)])
+            raise
 
     def run(self, batch: list[Drawn], run: Runner) -> None:
         trials = [d.trial for d in batch]
@@ -367,19 +430,29 @@ class _Front:
         for trial in trials:
             try:
                 trial.set_user_attr("fail_reason", "interrupted: the search was stopped; the plan is queued again")
-                mark_interrupted(self.study, trial.number, trial.params)
+                mark_interrupted(self.study, trial.number, trial.params, attrs=trial.user_attrs)
                 self.say(f"trial {trial.number:>3} interrupted; run the same command again to resume")
             except Exception:  # never hide the interruption behind a storage error
                 pass
 
     def _progress(self, number: int, outcome: str) -> None:
-        plan = self.study.trials[number].user_attrs.get("plan_str", "?")
+        attrs = self.study.trials[number].user_attrs
+        plan = attrs.get("plan_str", "?")
         try:
-            best = best_trial(self.study)
-            tail = f"best {best.values[0]:.1f}{' ' + self.label if self.label else ''} (trial {best.number})"
-            if len(self.study.directions) > 1:
-                tail += f", Pareto front of {len(self.study.best_trials)}"
+            tail = self._leader()
         except ValueError:
             tail = "no completed trial yet"
-        done = finished_count(self.study)
-        self.say(f"trial {number:>3} [{done}/{self.n_trials}] {plan:<28} {clip(outcome, 60):<30} | {tail}")
+        step = f"confirms {attrs[CONFIRMS]}" if CONFIRMS in attrs else f"{finished_count(self.study)}/{self.n_trials}"
+        self.say(f"trial {number:>3} [{step}] {plan:<28} {clip(outcome, 60):<30} | {tail}")
+
+    def _leader(self) -> str:
+        """The progress line's tail: the fastest plan by median (the fastest trial, for other studies)."""
+        unit = f" {self.label}" if self.label else ""
+        if throughput_study(self.study):
+            leader = choose_plan(self.study).leader
+            return f"best {leader.figure()}{unit} (trial {leader.number})"
+        best = best_trial(self.study)
+        tail = f"best {best.values[0]:.1f}{unit} (trial {best.number})"
+        if len(self.study.directions) > 1:
+            tail += f", Pareto front of {len(self.study.best_trials)}"
+        return tail

@@ -3,8 +3,9 @@
 Three figures, each written as HTML (plotly, interactive, opens offline) and PNG (kaleido):
 
 - ``history``: every measured trial's samples/s in trial order, and the best so far;
-- ``plans``: each plan's measured samples/s (its fastest trial), fastest first, with the trial's
-  spread (half the interquartile range of its step times over their median) as error bars;
+- ``plans``: each plan's measured samples/s (the median of its runs, as the choice ranks plans),
+  the highest first, with the spread the choice tells plans apart by as error bars (``_choice``:
+  its trials' step-time spread, or how far its runs disagree, whichever is larger);
 - ``predicted``: the planner's predicted step time against the measured one, for the trials that
   have both (the planner's seeds), beside the line where they agree.
 
@@ -25,6 +26,7 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
+from dapple_lightning.search._choice import plan_results
 from dapple_lightning.search._space import describe_plan
 
 __all__ = ["plot_study"]
@@ -78,31 +80,29 @@ def _history(go: Any, trials: list[FrozenTrial]) -> Any:
     return fig
 
 
-def _plans(go: Any, trials: list[FrozenTrial]) -> Any:
-    by_plan: dict[str, list[FrozenTrial]] = {}
-    for t in trials:
-        by_plan.setdefault(_plan_label(t), []).append(t)
-    rows = []
-    for label, group in by_plan.items():
-        fastest = max(group, key=lambda t: float(t.user_attrs["samples_per_s"]))
-        speed = float(fastest.user_attrs["samples_per_s"])
-        spread = _number(fastest.user_attrs.get("spread"))
-        numbers = ", ".join(str(t.number) for t in group)
-        # No bar where no spread was recorded (fewer than 4 timed steps), rather than a bar of 0.
-        rows.append((speed, label, speed * spread if spread is not None else None, fastest.number, numbers))
-    rows.sort(key=lambda r: -r[0])
+def _plans(go: Any, study: optuna.Study) -> Any:
+    rows = [
+        (
+            r.samples_per_s,
+            describe_plan(r.plan),
+            r.samples_per_s * r.spread,
+            r.number,
+            ", ".join(str(t.number) for t in r.trials),
+        )
+        for r in plan_results(study)
+    ]
     fig = go.Figure(
         go.Bar(
             x=[r[1] for r in rows],
             y=[r[0] for r in rows],
             error_y={"type": "data", "array": [r[2] for r in rows], "visible": True},
             customdata=[[r[3], r[4]] for r in rows],
-            hovertemplate="%{x}<br>%{y:.1f} ± %{error_y.array:.1f} samples/s (trial %{customdata[0]})"
+            hovertemplate="%{x}<br>%{y:.1f} ± %{error_y.array:.1f} samples/s (median; first trial %{customdata[0]})"
             "<br>trials %{customdata[1]}<extra></extra>",
         )
     )
     fig.update_layout(
-        title="Measured samples/s per plan (error bars: the trial's spread)",
+        title="Measured samples/s per plan (the median of its runs; error bars: the spread that tells plans apart)",
         xaxis_title="plan",
         yaxis_title="samples/s",
     )
@@ -190,7 +190,7 @@ def plot_study(study: optuna.Study, out: Path, *, png: bool = True, say: Callabl
         say(f"study {study.study_name!r} has no measured trial yet: nothing to plot")
         return 1
     out.mkdir(parents=True, exist_ok=True)
-    figures: dict[str, Any] = {"history": _history(go, trials), "plans": _plans(go, trials)}
+    figures: dict[str, Any] = {"history": _history(go, trials), "plans": _plans(go, study)}
     predicted = _predicted(go, study)
     if predicted is None:
         say(_NO_PREDICTIONS)

@@ -1,15 +1,18 @@
-"""The trials of a study as text: the rows and the aligned table the CLI prints."""
+"""The trials of a study as text: the rows and the aligned tables the CLI prints."""
 
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Mapping, Sequence
 
 import optuna
 
-from dapple_lightning.search._bookkeeping import interrupted_trials
+from dapple_lightning.search._bookkeeping import CONFIRMS, interrupted_trials
+from dapple_lightning.search._choice import Choice
+from dapple_lightning.search._space import describe_plan
 
-__all__ = ["clip", "format_table", "trial_rows"]
+__all__ = ["clip", "format_table", "plan_rows", "trial_rows"]
 
 
 def clip(text: str, width: int) -> str:
@@ -36,6 +39,8 @@ def trial_rows(study: optuna.Study) -> list[dict[str, str]]:
         reason = a.get("fail_reason") or ("interrupted" if t.number in interrupted else "")
         if a.get("duplicate_of") is not None:
             reason = f"same plan as trial {a['duplicate_of']}" + (f"; {reason}" if reason else "")
+        if a.get(CONFIRMS) is not None:
+            reason = f"measures trial {a[CONFIRMS]}'s plan again" + (f"; {reason}" if reason else "")
         samples = a.get("samples_per_s")
         rows.append(
             {
@@ -48,6 +53,30 @@ def trial_rows(study: optuna.Study) -> list[dict[str, str]]:
                 "peak mem/rank": _format_bytes(a.get("peak_memory_bytes")),
                 "max RSS": _format_bytes(max(a["max_rss_bytes"])) if a.get("max_rss_bytes") else "-",
                 "reason": " ".join(str(reason).split()),
+            }
+        )
+    return rows
+
+
+def plan_rows(choice: Choice, study: optuna.Study) -> list[dict[str, str]]:
+    """One row per measured plan, the highest median first, as the CLI's ``best`` table shows them:
+    the median samples/s with its spread, each run, the median step time, and the first trial's
+    memory and source."""
+    first = {r["trial"]: r for r in trial_rows(study)}
+    rows = []
+    for place, r in enumerate(choice.ranked, start=1):
+        steps = [
+            t.user_attrs["median_step_s"] for t in r.trials if isinstance(t.user_attrs.get("median_step_s"), float)
+        ]
+        rows.append(
+            {
+                "#": str(place),
+                "trial": str(r.number),
+                "plan": describe_plan(r.plan) + ("  <- chosen" if r is choice.chosen else ""),
+                "samples/s": r.figure(),
+                "runs": " ".join(f"{t.values[0]:.1f}" for t in r.trials),
+                "step s": f"{statistics.median(steps):.3f}" if steps else "-",
+                **{k: first[str(r.number)][k] for k in ("peak mem/rank", "source")},
             }
         )
     return rows

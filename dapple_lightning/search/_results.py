@@ -11,8 +11,7 @@ resolved here before the strategy is built (the examples' ``make_trainer`` does)
 
 from __future__ import annotations
 
-import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
 
@@ -20,10 +19,17 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from dapple_lightning.plan import Plan
+from dapple_lightning.search._choice import (
+    choice_lines,
+    choose_plan,
+    no_completed_trial,
+    throughput_study,
+    trial_plan,
+)
 from dapple_lightning.search._config import DEFAULT_STORAGE
 from dapple_lightning.search._fingerprint import Fingerprint, check_fingerprint
 from dapple_lightning.search._redact import cause, redact, storage_error
-from dapple_lightning.search._space import describe_plan, plan_from_params
+from dapple_lightning.search._space import describe_plan
 
 if TYPE_CHECKING:
     from dapple_lightning.strategy import DappleStrategy
@@ -38,7 +44,6 @@ __all__ = [
     "ranked_trials",
     "resolve_plan_spec",
     "strategy_from_study",
-    "trial_plan",
 ]
 
 STUDY_SCHEME = "optuna://"
@@ -67,22 +72,6 @@ def load_search(storage: str, study_name: str) -> optuna.Study:
         raise storage_error(storage, e) from cause(e, storage)
 
 
-def _fingerprint_of(study: optuna.Study) -> Fingerprint | None:
-    data = study.user_attrs.get("fingerprint")
-    return Fingerprint.from_dict(data) if isinstance(data, Mapping) else None
-
-
-def trial_plan(trial: FrozenTrial, study: optuna.Study | None = None) -> Plan:
-    """The plan a trial measured (from its ``plan`` attribute, else decoded from its parameters)."""
-    data = trial.user_attrs.get("plan")
-    if isinstance(data, Mapping):
-        return Plan.from_dict(data)
-    fp = _fingerprint_of(study) if study is not None else None
-    if fp is None:
-        raise ValueError(f"trial {trial.number} stores no plan and the study no fingerprint to decode its parameters")
-    return plan_from_params(trial.params, num_layers=fp.num_layers, world_size=fp.world_size)
-
-
 def ranked_trials(study: optuna.Study) -> list[FrozenTrial]:
     """Completed trials, best first by the first objective (samples/s for the search's own studies);
     for a multi-objective study only the Pareto front."""
@@ -94,92 +83,55 @@ def ranked_trials(study: optuna.Study) -> list[FrozenTrial]:
     return sorted(trials, key=lambda t: sign * t.values[0])
 
 
-MIN_SPREAD = 0.03
-"""Relative measurement spread assumed for a trial that recorded none (or less)."""
-
-
-def relative_spread(step_times: Sequence[float]) -> float | None:
-    """Half the interquartile range of ``step_times`` over their median (``None`` for fewer than 4)."""
-    if len(step_times) < 4:
-        return None
-    q1, median, q3 = statistics.quantiles(step_times, n=4)
-    return (q3 - q1) / 2 / median if median > 0 else None
-
-
-def spread(trial: FrozenTrial) -> float:
-    """The trial's relative measurement spread (half the interquartile range of its step times over
-    their median), at least :data:`MIN_SPREAD`."""
-    value = trial.user_attrs.get("spread")
-    return max(float(value), MIN_SPREAD) if isinstance(value, int | float) else MIN_SPREAD
-
-
 def best_choice(study: optuna.Study) -> tuple[FrozenTrial, str | None]:
-    """The trial to train with, and a note when the fastest one could not be told apart from data parallelism.
+    """The trial to train with (the chosen plan's first measurement), and a note when the choice is not
+    simply the fastest plan: see :func:`choose_plan` for the rule and :class:`Choice` for the numbers.
 
-    The fastest completed trial, unless data parallelism was measured within the two trials'
-    spreads of it: then the difference is noise and data parallelism, the simpler plan, is chosen.
+    A study that does not maximize one throughput (a Pareto front, a minimized loss) keeps Optuna's
+    own best trial (:func:`best_trial`), without a note.
 
     Raises:
         ValueError: When no trial has completed yet.
     """
-    leader = best_trial(study)
-    if len(study.directions) > 1 or study.directions[0] != optuna.study.StudyDirection.MAXIMIZE:
-        return leader, None
-    dp = next((t for t in ranked_trials(study) if trial_plan(t, study).num_stages == 1), None)
-    if dp is None or dp.number == leader.number:
-        return leader, None
-    noise = spread(leader) + spread(dp)
-    lead = leader.values[0] / dp.values[0] - 1
-    if lead > noise:
-        return leader, None
-    note = (
-        f"trial {leader.number} ({describe_plan(trial_plan(leader, study))}, {leader.values[0]:.1f}) leads data "
-        f"parallelism (trial {dp.number}, {dp.values[0]:.1f}) by {lead:+.1%}, within the measurements' spread "
-        f"({noise:.1%}): they cannot be told apart, so the simpler plan, data parallelism, is chosen"
-    )
-    return dp, note
+    if not throughput_study(study):
+        return best_trial(study), None
+    choice = choose_plan(study)
+    return choice.trial, choice.note
 
 
 def explain_choice(spec: str, samples_per_s: float | None = None) -> str:
     """What the study named by ``spec`` (``optuna://STORAGE?study=NAME``) measured and chose, for
     printing after training with it; with this run's ``samples_per_s``, how that compares with the
-    study's data-parallel trial."""
+    study's data parallelism."""
     storage, params = _split_study_query(spec.strip()[len(STUDY_SCHEME) :])
     study = load_search(storage, params["study"])
-    chosen, note = best_choice(study)
-    ranked = ranked_trials(study)
-    lines = [f"plan search {params['study']!r}: {len(ranked)} trials measured, fastest first"]
-    for t in ranked[:6]:
-        mark = "  <- chosen" if t.number == chosen.number else ""
-        plan = describe_plan(trial_plan(t, study))
-        lines.append(f"  trial {t.number:>3}  {t.values[0]:8.1f} samples/s +-{spread(t):.0%}  {plan}{mark}")
-    if note:
-        lines.append(f"  {note}")
-    dp = next((t for t in ranked if trial_plan(t, study).num_stages == 1), None)
+    name = params["study"]
+    if not throughput_study(study):
+        best = best_trial(study)
+        return redact(f"plan search {name!r}: trial {best.number}, {describe_plan(trial_plan(best, study))}", storage)
+    choice = choose_plan(study)
+    first, *rest = choice_lines(choice)
+    lines = [f"plan search {name!r}: {first}", *rest]
+    dp = choice.data_parallel
     if samples_per_s is not None and dp is not None:
-        ratio = samples_per_s / dp.values[0]
+        runs = f"{len(dp.trials)} run{'s' if len(dp.trials) > 1 else ''}"
         lines.append(
-            f"this run: {samples_per_s:.1f} samples/s with the chosen plan, {ratio:.2f}x data parallelism's "
-            f"{dp.values[0]:.1f} samples/s (trial {dp.number})"
+            f"this run: {samples_per_s:.1f} samples/s with the chosen plan (measured {choice.chosen.figure()}), "
+            f"{samples_per_s / dp.samples_per_s:.2f}x data parallelism's {dp.figure()} (trial {dp.number}, {runs})"
         )
-    elif dp is None:
-        lines.append("  data parallelism was not measured in this study")
     return redact("\n".join(lines), storage)
 
 
 def best_trial(study: optuna.Study) -> FrozenTrial:
-    """The fastest completed trial (for a multi-objective study: the fastest of the Pareto front).
+    """The fastest completed trial, one measurement (for a multi-objective study: the fastest of the
+    Pareto front); the plan to train with is :func:`best_choice`'s.
 
     Raises:
         ValueError: When no trial has completed yet.
     """
     ranked = ranked_trials(study)
     if not ranked:
-        counts = {s.name: 0 for s in TrialState}
-        for t in study.get_trials(deepcopy=False):
-            counts[t.state.name] += 1
-        summary = ", ".join(f"{n} {k.lower()}" for k, n in counts.items() if n)
-        raise ValueError(f"study {study.study_name!r} has no completed trial yet ({summary or 'no trials'})")
+        raise no_completed_trial(study)
     return ranked[0]
 
 

@@ -9,12 +9,14 @@ A study is standard Optuna storage (SQLite by default; any Optuna storage URL wo
 - ``study.user_attrs``: ``fingerprint`` (model, ranks, device, batch: see ``_fingerprint``),
   ``space`` (the searched micro-batch counts and schedules), ``model`` (the factory),
   ``objectives`` (``["samples_per_s"]`` or ``["samples_per_s", "peak_bytes"]``),
-  ``planner_seeded``, and ``interrupted_trial_N`` for each interrupted trial ``N`` (an attribute per
-  trial: workers sharing a study never rewrite a common list); the fingerprint is written last, so a
+  ``planner_seeded``, ``interrupted_trial_N`` for each interrupted trial ``N`` (an attribute per
+  trial: workers sharing a study never rewrite a common list), and ``confirmation_after_K`` for each
+  confirmation round (its contenders; see ``_confirm``); the fingerprint is written last, so a
   study holding it holds the rest;
 - per trial: the plan (``user_attrs["plan"]``, the :meth:`Plan.to_dict` form, and ``plan_str``),
   every measurement (``samples_per_s``, ``median_step_s``, ``step_times``, ``peak_bytes``,
-  ``max_rss_bytes``, ``wall_s``), and for trials that did not complete ``fail_reason`` (``"timeout"``,
+  ``max_rss_bytes``, ``wall_s``), ``confirms`` on a confirmation trial (the trial whose plan it
+  measures again), and for trials that did not complete ``fail_reason`` (``"timeout"``,
   ``"oom"``, the failing rank's last stderr lines, or why the plan is infeasible).
 
 **Resuming.** ``n_trials`` is the number of finished trials the study should hold, so re-running
@@ -44,6 +46,7 @@ import optuna
 from optuna.trial import TrialState
 
 from dapple_lightning.search._bookkeeping import heartbeat_storage
+from dapple_lightning.search._choice import relative_spread
 from dapple_lightning.search._config import SearchConfig
 from dapple_lightning.search._loop import (
     Drawn,
@@ -57,7 +60,6 @@ from dapple_lightning.search._loop import (
 )
 from dapple_lightning.search._probe import ModelInfo, probe_model
 from dapple_lightning.search._redact import redact
-from dapple_lightning.search._results import relative_spread
 from dapple_lightning.search._seed import planner_seeds
 from dapple_lightning.search._space import PlanSpace, describe_plan
 from dapple_lightning.search._trial import TrialResult, run_trial
@@ -143,6 +145,7 @@ class PlanSearch:
             n_trials=target,
             timeout_s=cfg.timeout_s,
             seed=cfg.seed,
+            confirm_repeats=cfg.confirm_repeats,
             label="samples/s",
             say=self._say,
         )
@@ -151,13 +154,14 @@ class PlanSearch:
     # ------------------------------------------------------------------------------ measuring
 
     def _measure(self, batch: list[Drawn]) -> list[Outcome]:
-        """The loop's runner: one trial at a time, in fresh processes, pruned by the study's pruner."""
+        """The loop's runner: one trial at a time, in fresh processes, pruned by the study's pruner
+        (a confirmation trial runs to its end)."""
         return [self._measure_one(d) for d in batch]
 
     def _measure_one(self, drawn: Drawn) -> Outcome:
         cfg, trial = self.config, drawn.trial
         on_step = None
-        if not cfg.multi_objective and cfg.pruner != "none":
+        if not cfg.multi_objective and cfg.pruner != "none" and drawn.confirms is None:
 
             def on_step(step: int, samples_per_s: float) -> bool:
                 trial.report(samples_per_s, step)

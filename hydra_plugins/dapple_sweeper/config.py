@@ -64,6 +64,9 @@ class DappleSweeperConf:
     heartbeat_s: int | None = 10
     """Each running trial beats this often; a worker finding one silent for 3 beats ends it and
     queues its plan again (null: no heartbeat)."""
+    confirm_repeats: int = 1
+    """At the end, the fastest plan by median, data parallelism and the closest rival (at most 3)
+    run this many more jobs each, interleaved; the choice takes each plan's median (0: off)."""
 
 
 ConfigStore.instance().store(group="hydra/sweeper", name="dapple", node=DappleSweeperConf, provider="dapple_lightning")

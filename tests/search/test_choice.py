@@ -1,4 +1,5 @@
-"""The search's choice: data parallelism unless a plan beats it by more than the measurements' spread."""
+"""The search's choice: plans by the median of their runs, told apart only beyond their spreads; the
+simplest of those that cannot be told apart from the fastest, data parallelism first."""
 
 from __future__ import annotations
 
@@ -7,7 +8,15 @@ import pytest
 from test_results import FP, _distributions
 
 from dapple_lightning.plan import Plan
-from dapple_lightning.search import PlanSpace, best_choice, best_plan, explain_choice, params_from_plan
+from dapple_lightning.search import (
+    PlanSpace,
+    best_choice,
+    best_plan,
+    choice_lines,
+    choose_plan,
+    explain_choice,
+    params_from_plan,
+)
 from dapple_lightning.search._loop import enqueue_baselines
 from dapple_lightning.search._seed import baseline_plans
 
@@ -15,12 +24,25 @@ DP = Plan.data_parallel(6, 2, 1)
 PIPE = Plan.straight(6, 2, micro_batches=4)
 
 
-def study_of(storage: str, measured: list[tuple[Plan, float, float | None]]) -> optuna.Study:
+def stages(*spans: tuple[int, int, int], micro_batches: int = 4) -> Plan:
+    """A plan of (first layer, end layer, replicas) stages."""
+    return Plan.from_dict(
+        {"micro_batches": micro_batches, "stages": [{"layers": [a, b], "replicas": r} for a, b, r in spans]}
+    )
+
+
+DP4 = Plan.data_parallel(6, 4, 1)
+TWO = stages((0, 3, 2), (3, 6, 2))
+THREE = stages((0, 2, 2), (2, 4, 1), (4, 6, 1))
+
+
+def study_of(storage: str, measured: list[tuple[Plan, float, float | None]], extra: dict | None = None) -> optuna.Study:
+    """A study of completed trials (plan, samples/s, spread), in order; ``extra`` attributes on each."""
     study = optuna.create_study(storage=storage, study_name="s", direction="maximize")
     study.set_user_attr("fingerprint", FP.to_dict())
     for plan, speed, spread in measured:
         params = params_from_plan(plan)
-        attrs = {"plan": plan.to_dict()} | ({} if spread is None else {"spread": spread})
+        attrs = {"plan": plan.to_dict(), **(extra or {})} | ({} if spread is None else {"spread": spread})
         study.add_trial(
             optuna.trial.create_trial(
                 params=params, distributions=_distributions(params), value=speed, user_attrs=attrs
@@ -55,7 +77,57 @@ def test_a_plan_must_beat_data_parallelism_by_more_than_the_spread(storage, pipe
 def test_the_explanation_compares_this_run_with_data_parallelism(storage):
     study_of(storage, [(DP, 100.0, 0.02), (PIPE, 150.0, 0.02)])
     text = explain_choice(f"optuna://{storage}?study=s", samples_per_s=140.0)
-    assert "<- chosen" in text and "1.40x data parallelism's 100.0 samples/s" in text
+    assert "<- chosen" in text and "1.40x data parallelism's 100.0 ± 3% (trial 0, 1 run)" in text
+
+
+def test_plans_are_ranked_by_the_median_of_their_runs_and_runs_that_disagree_widen_the_spread(storage):
+    study = study_of(storage, [(DP, 100.0, 0.02), (PIPE, 140.0, 0.02), (PIPE, 100.0, 0.02), (PIPE, 104.0, 0.02)])
+    choice = choose_plan(study)
+    pipe, dp = choice.ranked
+    assert (pipe.plan, pipe.samples_per_s, len(pipe.trials), pipe.number) == (PIPE, 104.0, 3, 1)
+    assert pipe.spread == pytest.approx(20 / 104)  # half the range of its runs, over their median
+    assert (dp.samples_per_s, dp.spread) == (100.0, 0.03)  # one run: its step times' spread, at least 3%
+    assert choice.chosen is dp and "trial 1 (1:1 cuts=3 M=4 dapple, 104.0 ± 19%, 3 runs)" in choice.note
+    lines = "\n".join(choice_lines(choice))
+    assert "3 runs: 140.0 100.0 104.0" in lines and "<- chosen" in lines
+
+
+def test_a_repeated_proposal_answered_from_an_earlier_run_is_not_a_measurement(storage):
+    study = study_of(storage, [(DP, 100.0, 0.02), (PIPE, 120.0, 0.02)])
+    copy = params_from_plan(PIPE)
+    study.add_trial(
+        optuna.trial.create_trial(
+            params=copy,
+            distributions=_distributions(copy),
+            value=120.0,
+            user_attrs={"plan": PIPE.to_dict(), "duplicate_of": 1},
+        )
+    )
+    assert [len(r.trials) for r in choose_plan(study).ranked] == [1, 1]
+
+
+@pytest.mark.parametrize(
+    ("measured", "chosen", "why"),
+    [
+        # The 3-stage leader and the 2-stage plan cannot be told apart; both beat data parallelism.
+        ([(DP4, 100.0), (THREE, 120.0), (TWO, 116.0)], TWO, "the simpler: fewer stages"),
+        # The 2-stage plan cannot be told apart from the leader, nor from data parallelism: it is not
+        # a plan that beats data parallelism, and the leader, which does, is chosen.
+        ([(DP4, 110.0), (THREE, 120.0), (TWO, 114.0)], THREE, "the simpler ones do not beat data parallelism"),
+        # Two 2-stage plans that cannot be told apart: the one measured first.
+        ([(DP4, 100.0), (TWO, 118.0), (stages((0, 2, 2), (2, 6, 2)), 121.0)], TWO, "the simpler: measured first"),
+        # Data parallelism within the spreads of the leader: data parallelism.
+        ([(THREE, 104.0), (TWO, 103.0), (DP4, 100.0)], DP4, "data parallelism, the simplest"),
+    ],
+)
+def test_of_plans_that_cannot_be_told_apart_the_simplest_that_beats_data_parallelism_is_chosen(
+    storage, measured, chosen, why
+):
+    study = study_of(storage, [(plan, speed, 0.02) for plan, speed in measured])
+    choice = choose_plan(study)
+    assert choice.chosen.plan == chosen
+    assert "cannot be told apart" in choice.note and why in choice.note
+    assert best_plan(storage, "s") == chosen
 
 
 def test_baselines_are_data_parallelism_and_a_straight_pipeline_when_the_space_has_them():

@@ -28,7 +28,7 @@ TRIALS = [
     (DP, 100.0, 0.080, 0.05, None),
     (PIPE4, 312.5, 0.0256, 0.02, 0.0240),
     (PIPE2, 200.0, 0.040, None, 0.0300),
-    (PIPE4, 250.0, 0.032, 0.04, None),  # the same plan again, slower: its fastest trial counts
+    (PIPE4, 250.0, 0.032, 0.04, None),  # the same plan again, slower: the plan's median counts
 ]
 
 
@@ -94,11 +94,12 @@ def test_plot_writes_history_plans_and_predicted_as_html_and_png(tmp_path, capsy
     assert history[1]["name"] == "best so far" and history[1]["y"] == [100.0, 312.5, 312.5, 312.5]
 
     (bars,) = _figure((out / "plans.html").read_text())
-    assert bars["x"] == [PIPE4.describe(), PIPE2.describe(), DP.describe()]  # fastest first
-    assert bars["y"] == [312.5, 200.0, 100.0]
-    errors = bars["error_y"]["array"]
-    assert errors[0] == pytest.approx(312.5 * 0.02) and errors[1] is None and errors[2] == pytest.approx(5.0)
-    assert bars["customdata"][0] == [1, "1, 3"]  # its fastest trial, and every trial of the plan
+    assert bars["x"] == [PIPE4.describe(), PIPE2.describe(), DP.describe()]  # the highest median first
+    assert bars["y"] == [281.25, 200.0, 100.0]
+    # The spreads the choice tells plans apart by: how far PIPE4's two runs disagree (half their range
+    # over their median), the 3% assumed where nothing was measured, DP's step times' 5%.
+    assert bars["error_y"]["array"] == pytest.approx([31.25, 6.0, 5.0])
+    assert bars["customdata"][0] == [1, "1, 3"]  # its first trial, and every trial of the plan
 
     points, diagonal = _figure((out / "predicted.html").read_text())
     assert points["text"] == ["trial 1", "trial 2"]

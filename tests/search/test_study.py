@@ -46,6 +46,7 @@ def mlp_study(tmp_path_factory):
         planner_seeds=2,
         baselines=(),  # the planner's picks first (baselines: tests/search/test_choice.py)
         micro_batches=(1, 2, 4),
+        confirm_repeats=0,  # three trials exactly (the round: test_the_command_line_confirms_its_leader_once)
         progress=False,
     )
     study = PlanSearch(config).run()
@@ -149,6 +150,7 @@ def test_crash_hang_oom_and_infeasible_trials_end_the_trial_not_the_study(tmp_pa
         n_trials=5,
         planner_seeds=0,
         baselines=(),  # exactly these plans, in this order
+        confirm_repeats=0,
         pruner="none",
         schedules=("dapple",),
         enqueue=tuple(plans),
@@ -224,3 +226,27 @@ def test_cli_explains_what_is_missing(mlp_study, capsys):
     if not optuna.visualization.is_available():
         assert cli(["plot", "--storage", config.storage, "--study", "mlp"]) == 1
         assert "pip install plotly" in capsys.readouterr().out
+
+
+def test_the_command_line_confirms_its_leader_once(tmp_path, capsys):
+    """A real search whose plans are measured again before one is chosen; run again, it repeats nothing."""
+    storage = f"sqlite:///{tmp_path / 'confirm.db'}"
+    plans = []
+    for m in (2, 4):  # two pipelines, no data parallelism: the leader must prove itself
+        path = tmp_path / f"pipe{m}.yaml"
+        path.write_text(Plan.straight(6, 2, micro_batches=m).to_yaml())
+        plans += ["--enqueue", str(path)]
+    args = ["run", "--model", MLP, "--devices", "2", "--batch-size", "8", "--micro-batches", "1,2,4", "--trials", "2"]
+    args += ["--warmup", "1", "--steps", "2", "--planner-seeds", "0", "--baselines", "", *plans]
+    args += ["--storage", storage, "--study", "confirm"]
+    assert cli(args) == 0
+    out = capsys.readouterr().out
+    study = optuna.load_study(study_name="confirm", storage=storage)
+    again = [t for t in study.trials if "confirms" in t.user_attrs]
+    leader = max(study.trials[:2], key=lambda t: t.values[0])
+    assert again and again[0].user_attrs["confirms"] == leader.number and again[0].params == leader.params
+    assert all(t.state == TrialState.COMPLETE and not group_alive(t.user_attrs["pgid"]) for t in again)
+    assert "confirmation round: each contender to 2 runs" in out and "2 runs: " in out and "<- chosen" in out
+    assert cli(args) == 0
+    assert len(optuna.load_study(study_name="confirm", storage=storage).trials) == len(study.trials)
+    assert "confirmation round of these trials (confirmation_after_2) was measured already" in capsys.readouterr().out

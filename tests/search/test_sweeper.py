@@ -14,7 +14,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from optuna.trial import TrialState
 
 from dapple_lightning.plan import Plan
-from dapple_lightning.search import SweepSettings, plan_override
+from dapple_lightning.search import SweepSettings, finished_count, plan_override
 
 ROOT = Path(__file__).resolve().parents[2]
 APP = Path(__file__).with_name("sweep_app.py")
@@ -56,7 +56,8 @@ def test_sweeper_runs_plans_as_jobs_and_resumes(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     study = optuna.load_study(study_name="fake", storage=storage)
     trials = study.get_trials()
-    assert len(trials) == 12
+    searched = [t for t in trials if "confirms" not in t.user_attrs]
+    assert len(searched) == 12
     assert study.user_attrs["fingerprint"] == {
         "num_layers": 6,
         "architecture": "",
@@ -74,15 +75,24 @@ def test_sweeper_runs_plans_as_jobs_and_resumes(tmp_path):
             # The value Optuna holds is what the job computed from the plan the sweeper sampled.
             assert t.state == TrialState.COMPLETE
             assert t.value == pytest.approx(fake_samples_per_s(plan, 16))
+    # The confirmation round: each contender (the leader, then the plans within its spread) once more, as jobs.
+    (round_,) = [v for k, v in study.user_attrs.items() if k.startswith("confirmation_after_")]
+    again = [t for t in trials if "confirms" in t.user_attrs]
+    assert [t.user_attrs["confirms"] for t in again] == round_["contenders"] and 1 < len(again) <= 3
+    assert all(t.params == study.trials[t.user_attrs["confirms"]].params for t in again)
+    printed = done.stdout + done.stderr
+    assert "confirmation round: each contender to 2 runs" in printed and "<- chosen" in printed
+    assert "chosen: trial" in printed and "2 runs:" in printed
     completed = [t for t in trials if t.state == TrialState.COMPLETE]
     assert study.best_value == max(t.value for t in completed)
     results = list(tmp_path.glob("multirun/*/*/optimization_results.yaml"))
-    assert len(results) == 1 and "best_plan" in results[0].read_text()
+    assert len(results) == 1 and "best_plan" in results[0].read_text() and "best_runs" in results[0].read_text()
 
-    # The same command with a larger budget continues the study.
+    # The same command with a larger budget continues the study; the contenders have their runs already.
     more = sweep(tmp_path, *common, "hydra.sweeper.n_trials=15")
     assert more.returncode == 0, more.stderr[-3000:]
-    assert len(optuna.load_study(study_name="fake", storage=storage).trials) == 15
+    assert finished_count(optuna.load_study(study_name="fake", storage=storage)) == 15
+    assert "no confirmation round: the contenders have 2 runs each already" in more.stdout + more.stderr
 
     # Another world size is another setup: refused.
     other = sweep(tmp_path, *common, "hydra.sweeper.n_trials=16", "trainer.devices=2")

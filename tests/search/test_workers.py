@@ -144,6 +144,8 @@ def worker(storage: str, folder: Path, seed: int, marker: str, started_file: Pat
         **{"--model": MLP, "--model-kwargs": json.dumps(kwargs), "--devices": 2, "--batch-size": 8},
         **{"--micro-batches": "2,4", "--warmup": 1, "--steps": 2, "--planner-seeds": 0, "--pruner": "none"},
         **{"--sampler": "grid", "--trials": TRIALS, "--timeout-per-trial": 120, "--heartbeat": 1},
+        # The whole grid and nothing else: the confirmation round's workers are test_confirm.py's.
+        **{"--confirm-repeats": 0},
         **{"--seed": seed, "--storage": storage, "--study": STUDY},
     }
     command = [sys.executable, "-m", "dapple_lightning.search", "run", *(str(x) for kv in options.items() for x in kv)]

@@ -168,6 +168,8 @@ def _grid(model: Model, trial: TrialConfig, space_kw: dict[str, Any], args: argp
         n_trials=None,
         planner_seeds=0,
         pruner="none",
+        baselines=(),  # a grid measures every plan anyway
+        confirm_repeats=0,  # one measurement per plan and pass: the passes are the repeats
         seed=args.seed + i,  # each pass measures the plans in another order
         **space_kw,
     )

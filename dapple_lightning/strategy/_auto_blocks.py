@@ -92,7 +92,7 @@ def _fresh(value: Any) -> Any:
 
 @dataclass
 class BlockCall:
-    """One block's call in the user's step (tensors detached: recorded without autograd)."""
+    """One layer's call in the user's step (tensors detached: recorded without autograd)."""
 
     activation: Any
     """The first positional argument: what crosses stages."""

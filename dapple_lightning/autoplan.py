@@ -5,8 +5,8 @@ Runs inside the strategy's ``setup`` on every rank, before the model is partitio
 1. draw one global batch from the training DataLoader (the RNG states that decide the data
    order are saved and restored, so training still sees the batches it would have seen);
 2. run the user's ``training_step`` until it reaches the Sequential, to learn the
-   Sequential's input (for a ModuleList of blocks, through every block, to learn each block's
-   side inputs too);
+   Sequential's input (for a ModuleList of blocks or a chain of containers, through every
+   layer, to learn what each is called with: its activation and side inputs);
 3. time every layer's forward and backward on this rank's device, run as a chain at two batch
    sizes (so that small micro-batches are priced at what they cost), what adding into
    existing gradients costs, and the user's optimizer's step over each layer's parameters
@@ -23,10 +23,12 @@ planner's pure policy (``dapple_lightning.planner``); this module does the measu
 
 from __future__ import annotations
 
+import copy
 import inspect
 import os
 import statistics
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -58,6 +60,7 @@ __all__ = [
     "AutoPlan",
     "choose_plan",
     "draw_batch",
+    "fresh_leaves",
     "measure_cluster",
     "optimizer_factory",
     "small_batch_of",
@@ -147,41 +150,51 @@ def draw_batch(dataloader: Any) -> Any:
             del iterator
 
 
-def _fresh_leaves(value: Any) -> Any:
+def fresh_leaves(value: Any) -> Any:
+    """``value`` (a tensor or a tuple of tensors) detached, its floating tensors requiring grad:
+    what a layer is run on so that backward computes its input gradient, as every stage but the
+    first must, and goes no further."""
     if isinstance(value, torch.Tensor):
         leaf = value.detach()
         return leaf.requires_grad_(True) if leaf.is_floating_point() else leaf
     if isinstance(value, tuple | list):
-        return type(value)(_fresh_leaves(v) for v in value)
+        return type(value)(fresh_leaves(v) for v in value)
     return value
 
 
 class _Replay(nn.Module):
-    """Stands in for the container (or its last block): returns a stored output (a tensor or a
-    tuple of tensors) as fresh leaves on every call, so that the step's backward ends there."""
+    """Stands in for the container (or one of its layers): returns a stored output on every call.
 
-    def __init__(self, output: Any) -> None:
+    The last layer's output comes as fresh leaves, so that the step's backward ends there.
+    Earlier layers' outputs come as they were recorded (without autograd): the user's code between
+    layers and containers (a loop unpacking a block's tuple, pooling and flattening before the next
+    container) runs on what it had in the step, with its shapes, rather than on a stand-in value it
+    may not accept (``x.view(-1, 256 * 6 * 6)`` of the first layer's input).
+    """
+
+    def __init__(self, output: Any, *, leaves: bool = True) -> None:
         super().__init__()
         self.output = output
+        self.leaves = leaves
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return _fresh_leaves(self.output)
+        return fresh_leaves(self.output) if self.leaves else self.output
 
 
-class _PassOn(nn.Module):
-    """Stands in for a block before the last: returns its first argument, computes nothing."""
-
-    def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
-        return x
-
-
-def _replaying(container: nn.Module, output: Any) -> nn.Module:
-    """What stands in for ``container`` while the step outside it is timed: a replay of ``output``
-    for a Sequential; for a ModuleList, a list of its length that the user's loop runs through,
-    every block passing its argument on and the last replaying ``output``."""
-    if isinstance(container, nn.ModuleList):
-        return nn.ModuleList([*(_PassOn() for _ in range(len(container) - 1)), _Replay(output)])
-    return _Replay(output)
+def _replaying(containers: Sequence[nn.Module], outputs: Sequence[Any]) -> tuple[nn.Module, ...]:
+    """What stands in for each of ``containers`` while the step around them is timed: one of its
+    own class and length (the user's loop and the container's own forward run through it as they
+    would), whose layer ``i`` returns ``outputs[i]``, what layer ``i`` returned in the step."""
+    count = sum(len(c) for c in containers)
+    if len(outputs) != count:
+        raise ValueError(f"the containers hold {count} layers but {len(outputs)} outputs were recorded")
+    replays = iter(_Replay(out, leaves=index == count - 1) for index, out in enumerate(outputs))
+    stand_ins = []
+    for container in containers:
+        stand_in = copy.copy(container)
+        stand_in.__dict__["_modules"] = OrderedDict((name, next(replays)) for name, _ in container.named_children())
+        stand_ins.append(stand_in)
+    return tuple(stand_ins)
 
 
 def time_step_outside(
@@ -197,39 +210,49 @@ def time_step_outside(
     """Median forward and backward seconds of the user's step outside the Sequential (the loss,
     metrics, logging calls): the last stage runs them for every micro-batch, as if they were one
     more layer. ``step`` runs the training step on the batch whose Sequential input is
-    ``sequential_input``."""
+    ``sequential_input``; the Sequential is replaced by a replay of its output."""
     with torch.no_grad():
         output = sequential(sequential_input)
-    return time_step_around(module, set_sequential, sequential, step, output, repeats=repeats, warmup=warmup)
+    with standing_in(module, set_sequential, sequential, _Replay(output)):
+        return _time_step(module, step, repeats, warmup)
 
 
 def time_step_around(
     module: nn.Module,
-    set_container: Callable[[nn.Module], None],
-    container: nn.Module,
+    put: Callable[[Sequence[nn.Module]], None],
+    containers: Sequence[nn.Module],
     step: Callable[[], Any],
-    output: Any,
+    outputs: Sequence[Any],
     *,
     repeats: int = 3,
     warmup: int = 1,
 ) -> tuple[float, float]:
-    """:func:`time_step_outside` for any container, given what it outputs on the step's batch
-    (for a ModuleList: its last block's output); the container itself does not run."""
+    """:func:`time_step_outside` for layers that the user's code calls one by one (the blocks of a
+    ModuleList, the layers of a chain of containers), given what each layer returned in the step
+    on its batch (``outputs``, in plan order); ``put`` puts modules at the containers' paths. No
+    layer computes: each replays its output, so the step's own code (before, between and after
+    the containers) is what is timed; the forward of code between containers is counted, its
+    backward is not (it ends at the last layer's replay)."""
+    with standing_in(module, put, tuple(containers), _replaying(containers, outputs)):
+        return _time_step(module, step, repeats, warmup)
+
+
+def _time_step(module: nn.Module, step: Callable[[], Any], repeats: int, warmup: int) -> tuple[float, float]:
+    """Median forward and backward seconds of ``step`` and its loss's backward."""
     forward: list[float] = []
     backward: list[float] = []
     try:
-        with standing_in(module, set_container, container, _replaying(container, output)):
-            for run in range(warmup + repeats):
-                t0 = time.perf_counter()
-                result = step()
-                t1 = time.perf_counter()
-                loss = result.get("loss") if isinstance(result, dict) else result
-                if isinstance(loss, torch.Tensor) and loss.requires_grad:
-                    loss.backward()
-                t2 = time.perf_counter()
-                if run >= warmup:
-                    forward.append(t1 - t0)
-                    backward.append(t2 - t1)
+        for run in range(warmup + repeats):
+            t0 = time.perf_counter()
+            result = step()
+            t1 = time.perf_counter()
+            loss = result.get("loss") if isinstance(result, dict) else result
+            if isinstance(loss, torch.Tensor) and loss.requires_grad:
+                loss.backward()
+            t2 = time.perf_counter()
+            if run >= warmup:
+                forward.append(t1 - t0)
+                backward.append(t2 - t1)
     finally:
         module.zero_grad(set_to_none=True)
     return statistics.median(forward), statistics.median(backward)
@@ -407,7 +430,8 @@ def choose_plan(
     """Profile, measure and plan (collective on every rank); the plan is rank 0's choice.
 
     ``layers`` run as a chain, each on the previous one's output: a Sequential's layers, or the
-    blocks of a ModuleList wrapped to run that way (see ``strategy._auto_blocks``).
+    blocks of a ModuleList or the layers of a chain of containers, wrapped to run that way (see
+    ``strategy._auto_blocks``).
     ``sample_input``, the first layer's input, should have about as many rows as a device runs
     per micro-batch at most; the layers are timed on it and on :func:`small_batch_of` its rows
     (an eighth). ``optimizer`` (see

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -319,12 +319,16 @@ class Cut:
         self._put(self.chain.containers)
 
 
+_Placed = TypeVar("_Placed")
+
+
 @contextmanager
 def standing_in(
-    module: nn.Module, set_container: Callable[[nn.Module], None], container: nn.Module, stand_in: nn.Module
+    module: nn.Module, set_container: Callable[[_Placed], None], container: _Placed, stand_in: _Placed
 ) -> Iterator[None]:
     """Within the block, ``stand_in`` replaces the container and ``module.log`` does nothing
-    (the user's step may log); both are put back after."""
+    (the user's step may log); both are put back after. ``set_container`` may also put a
+    chain's containers and their stand-ins (sequences of modules) in their places."""
     set_container(stand_in)
     module.log = lambda *args, **kwargs: None
     try:

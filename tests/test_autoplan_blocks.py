@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 from datetime import timedelta
-from functools import partial
 from pathlib import Path
 
 import pytest
@@ -24,7 +23,7 @@ from dapple_lightning.autoplan import small_batch_of
 from dapple_lightning.microbatch import Rows, slice_batch
 from dapple_lightning.planner import profile_layers
 from dapple_lightning.strategy._auto_blocks import BlockChain
-from dapple_lightning.surgery import set_submodule, unchanged
+from dapple_lightning.surgery import Chain, unchanged
 
 from distributed import run_ranks
 from harness import assert_same, fit
@@ -42,7 +41,7 @@ MODELS = {
 def chain_of(model: LightningModule, path: str, rows: int = ROWS, loader=tokens) -> BlockChain:
     batch = next(iter(loader(rows)))
     step = lambda n: model.training_step(slice_batch(batch, Rows(0, n)), 0)  # noqa: E731
-    return BlockChain(model, partial(set_submodule, model, path), model.get_submodule(path), step, rows)
+    return BlockChain(model, Chain.of(path, model.get_submodule(path)), step, rows)
 
 
 def hooks(blocks: nn.ModuleList) -> int:
@@ -105,9 +104,11 @@ def test_the_chain_follows_what_the_loop_passes_on_to_the_next_block():
     with unchanged(model):
         chain = chain_of(model, "blocks")
         profile = profile_layers(chain.layers, chain.sample_input, repeats=1, warmup=0)
+        outside = chain.step_outside(ROWS)  # the loop unpacks each replayed block's pair as it did the block's
     assert chain.picks == [0, 0, 0, None]  # the last block's whole output goes on to the step
     hidden = ROWS * T * D * 4
     assert [layer.activation_bytes for layer in profile.layers] == [hidden] * 3 + [hidden + ROWS * T * 4]
+    assert outside[0] > 0 and outside[1] > 0
 
 
 def test_side_inputs_are_the_steps_own_at_each_batch_size():
@@ -145,9 +146,8 @@ def trials_of_blocks(rank: int, world_size: int) -> dict:
     pipe = Plan(stages=[{"layers": [0, 2], "replicas": 1}, {"layers": [2, 4], "replicas": 1}], micro_batches=2)
     dp = Plan.data_parallel(BLOCKS, world_size)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    set_blocks = partial(set_submodule, model, "blocks")
     with unchanged(model):
-        trials = Trials(setting, next(iter(tokens(12))), blocks, set_blocks, optimizer_factory(model))
+        trials = Trials(setting, next(iter(tokens(12))), Chain.of("blocks", blocks), optimizer_factory(model))
         try:
             measured = [trials(plan) for plan in (pipe, dp, pipe)]
             held = [type(b).__name__ for b in model.blocks]  # the 2-stage plan's stand-in, last in turn

@@ -26,11 +26,11 @@ from dapple_lightning.autoplan import AutoPlan, choose_plan, draw_batch, optimiz
 from dapple_lightning.microbatch import Rows, batch_size_of, slice_batch
 from dapple_lightning.plan import Plan
 from dapple_lightning.planner import SETTLE_STEPS, Measured
-from dapple_lightning.runtime import Pipeline, StageModule, Timeline, stand_in_blocks
-from dapple_lightning.strategy._auto_blocks import BlockChain
+from dapple_lightning.runtime import Pipeline, StageModule, Timeline, stand_in_layers
+from dapple_lightning.strategy._auto_blocks import BlockChain, put_in_place
 from dapple_lightning.strategy._pipelines import Pipelines
 from dapple_lightning.strategy._step import MicroBatches
-from dapple_lightning.surgery import Container, capture_input, partition, set_submodule, unchanged
+from dapple_lightning.surgery import Chain, capture_input, partition, set_submodule, unchanged
 
 __all__ = ["AutoSetting", "Trials", "choose_automatically", "draw_global_batch"]
 
@@ -50,12 +50,13 @@ class AutoSetting:
     """The precision plugin's training-step context."""
 
 
-def choose_automatically(setting: AutoSetting, batch: Any, path: str, container: Container) -> AutoPlan:
-    """Profile ``container`` on a slice of ``batch`` (a global batch on the device), measure close
-    plans in real steps, and return the choice (collective on every rank).
+def choose_automatically(setting: AutoSetting, batch: Any, chain: Chain) -> AutoPlan:
+    """Profile the layers of ``chain`` on a slice of ``batch`` (a global batch on the device),
+    measure close plans in real steps, and return the choice (collective on every rank).
 
-    A Sequential's layers are profiled as they are; a ModuleList's blocks as the chain that the
-    user's loop makes of them (see :class:`~dapple_lightning.strategy._auto_blocks.BlockChain`).
+    One Sequential's layers are profiled as they are; the blocks of a ModuleList, or the layers of
+    several containers with the user's code between them, as the chain that the user's step makes
+    of them (see :class:`~dapple_lightning.strategy._auto_blocks.BlockChain`).
     """
     module = setting.module
     rows = batch_size_of(batch)
@@ -63,7 +64,6 @@ def choose_automatically(setting: AutoSetting, batch: Any, path: str, container:
     # cost model scales times with the micro-batch size.
     sample = slice_batch(batch, Rows(0, max(1, rows // max(dist.get_world_size(), 2))))
     sample_rows = batch_size_of(sample)
-    set_container = partial(set_submodule, module, path)
 
     def step_on(n: int) -> Any:
         return module.training_step(slice_batch(sample, Rows(0, n)), 0)
@@ -76,11 +76,10 @@ def choose_automatically(setting: AutoSetting, batch: Any, path: str, container:
     # Learning the container's input runs the user's step too: what it draws from the RNG or moves
     # in buffers (a batch norm before the container) is put back with the rest.
     with unchanged(module):
-        chain: BlockChain | None = None
-        if isinstance(container, nn.ModuleList):
-            chain = BlockChain(module, set_container, container, step_on, sample_rows)
-            layers, sample_input, step_outside = chain.layers, chain.sample_input, chain.step_outside
-        else:
+        blocks: BlockChain | None = None
+        if chain.called_whole:
+            path, container = chain.single()
+            set_container = partial(set_submodule, module, path)
             layers = list(container)
             sample_input = capture_input(module, set_container, container, lambda: step_on(sample_rows))
 
@@ -88,7 +87,10 @@ def choose_automatically(setting: AutoSetting, batch: Any, path: str, container:
                 part_input = slice_batch(sample_input, Rows(0, n))
                 return time_step_outside(module, set_container, container, lambda: step_on(n), part_input)
 
-        trials = Trials(setting, batch, container, set_container, optimizer)
+        else:
+            blocks = BlockChain(module, chain, step_on, sample_rows)
+            layers, sample_input, step_outside = blocks.layers, blocks.sample_input, blocks.step_outside
+        trials = Trials(setting, batch, chain, optimizer)
         try:
             chosen = choose_plan(
                 layers,
@@ -102,7 +104,7 @@ def choose_automatically(setting: AutoSetting, batch: Any, path: str, container:
             )
         finally:
             trials.close()
-    return chosen if chain is None else replace(chosen, profile=chain.named(chosen.profile))
+    return chosen if blocks is None else replace(chosen, profile=blocks.named(chosen.profile))
 
 
 def draw_global_batch(trainer: Any, to_device: Callable[[Any], Any]) -> Any:
@@ -119,24 +121,24 @@ class Trials:
     (``surgery.unchanged``); :meth:`close` detaches the pipelines and puts the container back.
 
     Every rank holds every layer throughout (nothing moves to the meta device): a plan's stage
-    stands in for the container while that plan runs, for a ModuleList as the list of the stage's
-    blocks among placeholders (``runtime.stand_in_blocks``), whose hooks come off when another
-    plan takes its turn.
+    stands in for the containers while that plan runs, built as training's cut builds it
+    (``surgery.Cut``): for one Sequential the stage itself; for a ModuleList, or a chain of
+    several containers, one stand-in per container holding the stage's layers among placeholders
+    (``runtime.stand_in_layers``), whose hooks come off when another plan takes its turn.
     """
 
     def __init__(
         self,
         setting: AutoSetting,
         batch: Any,
-        container: Container,
-        set_container: Callable[[nn.Module], None],
+        chain: Chain,
         optimizer: Callable[[list[nn.Parameter]], Optimizer] | None,
         *,
         steps: int = 2,
         budget_s: float = 0.25,
     ) -> None:
         self._setting, self._batch = setting, batch
-        self._container, self._set_container = container, set_container
+        self._chain, self._put = chain, put_in_place(setting.module, chain)
         self._unhook: Callable[[], None] = lambda: None  # the hooks of the stage standing in now
         self._make_optimizer = optimizer
         self._steps, self._budget_s = steps, budget_s
@@ -177,7 +179,7 @@ class Trials:
         tells how many steps a turn takes (collective)."""
         setting = self._setting
         rank = setting.rank
-        stage = partition(self._container, plan, rank)
+        stage = _stage_of(self._chain, plan, rank)
         self._stand_in(plan, stage)
         params = [p for p in setting.module.parameters() if p.requires_grad]
         self._cover(params)
@@ -236,15 +238,30 @@ class Trials:
         self._step = lambda: None  # and the optimizer's state with it
         self._unhook()
         self._unhook = lambda: None
-        self._set_container(self._container)
+        self._put(self._chain.containers)
 
     def _stand_in(self, plan: Plan, stage: StageModule) -> None:
-        """Put ``plan``'s stage of this rank where the container is."""
+        """Put ``plan``'s stage of this rank where the containers are."""
         self._unhook()
         self._unhook = lambda: None
-        if isinstance(self._container, nn.ModuleList):
-            layers = plan.stages[plan.stage_of(self._setting.rank)]
-            blocks, self._unhook = stand_in_blocks(self._container, stage, layers.start, layers.end)
-            self._set_container(blocks)
-        else:
-            self._set_container(stage)
+        if self._chain.called_whole:
+            self._put((stage,))
+            return
+        layers = plan.stages[plan.stage_of(self._setting.rank)]
+        stand_ins, self._unhook = stand_in_layers(self._chain.containers, stage, layers.start, layers.end)
+        self._put(stand_ins)
+
+
+def _stage_of(chain: Chain, plan: Plan, rank: int) -> StageModule:
+    """``rank``'s stage of ``plan``, as ``surgery.Cut.apply`` builds it for training: a chain of
+    several containers has its children named by their index in the chain and its messages name
+    their paths."""
+    if len(chain.containers) == 1:
+        return partition(chain.containers[0], plan, rank)
+    layers = plan.stages[plan.stage_of(rank)]
+    named = chain.named_layers()
+    return StageModule(
+        [(str(i), named[i][1]) for i in range(layers.start, layers.end)],
+        blocks=len(chain),
+        names=[name for name, _ in named],
+    )

@@ -7,7 +7,7 @@ from typing import Any
 
 from dapple_lightning.plan import Plan
 from dapple_lightning.strategy._materialize import on_meta
-from dapple_lightning.surgery import Chain, find_chain, find_container
+from dapple_lightning.surgery import Chain, find_chain
 
 __all__ = ["SUPPORTED_PRECISION", "check_before_start"]
 
@@ -17,7 +17,11 @@ SUPPORTED_PRECISION = frozenset({"32-true", "32", "64-true", "64", "bf16-mixed",
 def check_before_start(
     module: Any, precision: str, sequential_name: str | Sequence[str] | None, plan: Plan | str, world_size: int
 ) -> Chain:
-    """The containers to pipeline, once the module and an explicit plan pass."""
+    """The containers to pipeline, once the module and an explicit plan pass.
+
+    The containers are those named (one path, or a list in the order forward runs them), or the
+    module's only one; with several and none named, the message lists them for ``sequential=``.
+    """
     if not module.automatic_optimization:
         raise ValueError(
             "dapple supports automatic optimization only: the pipeline schedule runs each micro-batch's "
@@ -34,16 +38,7 @@ def check_before_start(
             "plan='auto' profiles the whole model on every rank, and this one was built on the meta device "
             "(to be materialised stage by stage): give DappleStrategy an explicit plan"
         )
-    if not isinstance(plan, Plan):  # plan="auto" profiles the layers of one container as a chain
-        if sequential_name is not None and not isinstance(sequential_name, str):
-            names = [str(n) for n in sequential_name]
-            if len(names) != 1:
-                raise ValueError(
-                    f"sequential={names!r}: plan='auto' profiles the layers of one container; give an explicit "
-                    "plan to pipeline a chain of several (DappleStrategy({'stages': [...], 'micro_batches': ...}))"
-                )
-            sequential_name = names[0]
-        return Chain.of(*find_container(module, sequential_name))
     chain = find_chain(module, sequential_name)
-    plan.check(num_layers=len(chain), world_size=world_size)
+    if isinstance(plan, Plan):  # plan="auto" profiles the chain's layers and makes a plan that fits them
+        plan.check(num_layers=len(chain), world_size=world_size)
     return chain

@@ -304,7 +304,7 @@ class DappleStrategy(ParallelStrategy):
             self.precision_plugin.train_step_context,
         )
         batch = draw_global_batch(trainer, self.batch_to_device)
-        chosen = choose_automatically(setting, batch, *chain.single())
+        chosen = choose_automatically(setting, batch, chain)
         rank_zero_info(chosen.report())
         self.auto_plan = chosen
         return chosen.plan

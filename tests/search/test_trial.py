@@ -70,7 +70,18 @@ def test_a_search_runs_in_a_directory_whose_path_holds_spaces(tmp_path):
     temp = cwd / "temp files"
     temp.mkdir(parents=True)
     (cwd / "my_model.py").write_text("from dapple_lightning.search.testing import mlp  # noqa: F401\n")
-    command = search("--model", "my_model:mlp", "--trials", "2", "--steps", "1", "--storage", "sqlite:///my search.db")
+    command = search(
+        "--model",
+        "my_model:mlp",
+        "--trials",
+        "2",
+        "--steps",
+        "1",
+        "--storage",
+        "sqlite:///my search.db",
+        "--confirm-repeats",
+        "0",
+    )
     done = subprocess.run(
         [*command, "--study", "spaces"],
         cwd=cwd,

@@ -227,11 +227,22 @@ def set_submodule(root: nn.Module, path: str, new: nn.Module) -> None:
     setattr(parent, leaf, new)
 
 
-def partition(container: Container, plan: Plan, rank: int) -> StageModule:
-    """This rank's :class:`StageModule`: the container's layers of its stage, under their own names."""
+def partition(layers: Container | Chain, plan: Plan, rank: int) -> StageModule:
+    """This rank's :class:`StageModule` of ``plan``: its stage's layers of one container, under their
+    own names, or of a chain of several, named by their index in the chain (messages then name
+    their paths)."""
     stage = plan.stages[plan.stage_of(rank)]
-    named = list(container.named_children())
-    blocks = len(container) if isinstance(container, nn.ModuleList) else None
+    if isinstance(layers, Chain) and len(layers.containers) == 1:
+        layers = layers.containers[0]
+    if isinstance(layers, Chain):
+        named = layers.named_layers()
+        return StageModule(
+            [(str(i), named[i][1]) for i in range(stage.start, stage.end)],
+            blocks=len(layers),
+            names=[name for name, _ in named],
+        )
+    named = list(layers.named_children())
+    blocks = len(layers) if isinstance(layers, nn.ModuleList) else None
     return StageModule(named[stage.start : stage.end], blocks=blocks)
 
 
@@ -268,15 +279,7 @@ class Cut:
             )
         retie = _retie(module, ties)
         layers = plan.stages[plan.stage_of(rank)]
-        if len(chain.containers) == 1:
-            stage = partition(chain.containers[0], plan, rank)
-        else:  # children named by their index in the chain; messages name their paths
-            named = chain.named_layers()
-            stage = StageModule(
-                [(str(i), named[i][1]) for i in range(layers.start, layers.end)],
-                blocks=len(chain),
-                names=[name for name, _ in named],
-            )
+        stage = partition(chain, plan, rank)
         unhook: Callable[[], None] = lambda: None  # noqa: E731
         stand_ins: tuple[nn.Module, ...] = (stage,)
         if not chain.called_whole:

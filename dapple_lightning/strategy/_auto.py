@@ -30,7 +30,7 @@ from dapple_lightning.runtime import Pipeline, StageModule, Timeline, stand_in_l
 from dapple_lightning.strategy._auto_blocks import BlockChain, put_in_place
 from dapple_lightning.strategy._pipelines import Pipelines
 from dapple_lightning.strategy._step import MicroBatches
-from dapple_lightning.surgery import Chain, capture_input, partition, set_submodule, unchanged
+from dapple_lightning.surgery import Chain, capture_input, partition, set_submodule, split_ties, unchanged
 
 __all__ = ["AutoSetting", "Trials", "choose_automatically", "draw_global_batch"]
 
@@ -179,7 +179,8 @@ class Trials:
         tells how many steps a turn takes (collective)."""
         setting = self._setting
         rank = setting.rank
-        stage = _stage_of(self._chain, plan, rank)
+        stage = partition(self._chain, plan, rank)
+        stage.shared = tuple(split_ties(setting.module, self._chain, plan))  # summed over every rank, as in training
         self._stand_in(plan, stage)
         params = [p for p in setting.module.parameters() if p.requires_grad]
         self._cover(params)
@@ -250,18 +251,3 @@ class Trials:
         layers = plan.stages[plan.stage_of(self._setting.rank)]
         stand_ins, self._unhook = stand_in_layers(self._chain.containers, stage, layers.start, layers.end)
         self._put(stand_ins)
-
-
-def _stage_of(chain: Chain, plan: Plan, rank: int) -> StageModule:
-    """``rank``'s stage of ``plan``, as ``surgery.Cut.apply`` builds it for training: a chain of
-    several containers has its children named by their index in the chain and its messages name
-    their paths."""
-    if len(chain.containers) == 1:
-        return partition(chain.containers[0], plan, rank)
-    layers = plan.stages[plan.stage_of(rank)]
-    named = chain.named_layers()
-    return StageModule(
-        [(str(i), named[i][1]) for i in range(layers.start, layers.end)],
-        blocks=len(chain),
-        names=[name for name, _ in named],
-    )

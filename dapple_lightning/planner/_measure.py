@@ -52,6 +52,34 @@ def _leaf(value: Any) -> Any:
     return value
 
 
+_IN_PLACE = "leaf Variable that requires grad is being used in an in-place operation"
+
+
+def _copy(value: Any) -> Any:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, tuple | list):
+        return type(value)(_copy(v) for v in value)
+    return value
+
+
+def _forward(module: Any, inputs: Any, index: int, on_copy: set[int]) -> Any:
+    """``module(inputs)``, or on a copy of ``inputs`` for a layer that changes its input in place
+    (``ReLU(inplace=True)``), which a leaf that requires grad refuses: a stage that begins with
+    such a layer runs it on a copy too (``runtime.StageModule``), so the copy is timed with it."""
+    if index in on_copy:
+        return module(_copy(inputs))
+    try:
+        return module(inputs)
+    except RuntimeError as err:
+        if _IN_PLACE not in str(err):
+            raise
+        on_copy.add(index)
+        return module(_copy(inputs))
+
+
 def _sync(device: torch.device) -> None:
     import torch
 
@@ -191,19 +219,20 @@ def _time_layers(
 
     count = len(modules)
     generator = torch.Generator(device=device).manual_seed(0)
+    on_copy: set[int] = set()  # layers that change their input in place (see _forward)
 
     def chain() -> tuple[list[float], list[float], list[int]]:
         """One pass: every forward in order, then every backward in reverse; seconds and output bytes."""
         forward_s: list[float] = []
         outputs: list[Any] = []
         value = sample_input
-        for module in modules:
+        for index, module in enumerate(modules):
             # A fresh leaf per layer: its backward computes the input gradient too, as every stage
             # but the first must, and goes no further.
             inputs = _leaf(value)
             _sync(device)
             start = time.perf_counter()
-            output = module(inputs)
+            output = _forward(module, inputs, index, on_copy)
             _sync(device)
             forward_s.append(time.perf_counter() - start)
             outputs.append(output)

@@ -96,3 +96,12 @@ def test_optimizer_step_is_timed_and_leaves_weights_and_gradients_alone():
     for key, value in layers.state_dict().items():
         assert torch.equal(value, before[key]), key
     assert all(p.grad is None for p in layers.parameters())  # cleared, as documented
+
+
+def test_a_layer_that_changes_its_input_in_place_is_profiled_on_a_copy():
+    # A leaf that requires grad refuses in-place changes; torchvision puts ReLU(inplace=True) everywhere.
+    torch.manual_seed(0)
+    layers = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2), nn.ReLU(inplace=True))
+    profile = profile_layers(layers, torch.randn(4, 3, 8, 8), repeats=2, warmup=1, small_batch=2)
+    assert [x.name for x in profile.layers] == ["0:Conv2d", "1:ReLU", "2:MaxPool2d", "3:ReLU"]
+    assert all(x.forward_s > 0 for x in profile.layers) and profile.layers[1].backward_s > 0

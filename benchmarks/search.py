@@ -260,7 +260,7 @@ def run_model(model: Model, args: argparse.Namespace, db: str) -> dict[str, Any]
     pick_rank = ranking.index(picks[0].plan) + 1 if picks and picks[0].plan in table else None
 
     # The default search queues the baselines (what a found plan must beat) and then the planner's picks.
-    default_seeds = [plan for _, plan in baseline_plans(space)] + [p.plan for p in picks]
+    default_seeds = list(dict.fromkeys([plan for _, plan in baseline_plans(space)] + [p.plan for p in picks]))
     tolerance = noise_tolerance(noise["median_rel_diff"]) if noise else 1 - WITHIN
     results: dict[str, list[int | None]] = {}
     at_noise: dict[str, list[int | None]] = {}

@@ -48,6 +48,7 @@ from dapple_lightning.planner import (
     Trial,
     estimate,
     fixed_part,
+    fresh_leaves,
     measure_in_turns,
     profile_layers,
     refine,
@@ -148,18 +149,6 @@ def draw_batch(dataloader: Any) -> Any:
             return next(iterator)
         finally:
             del iterator
-
-
-def fresh_leaves(value: Any) -> Any:
-    """``value`` (a tensor or a tuple of tensors) detached, its floating tensors requiring grad:
-    what a layer is run on so that backward computes its input gradient, as every stage but the
-    first must, and goes no further."""
-    if isinstance(value, torch.Tensor):
-        leaf = value.detach()
-        return leaf.requires_grad_(True) if leaf.is_floating_point() else leaf
-    if isinstance(value, tuple | list):
-        return type(value)(fresh_leaves(v) for v in value)
-    return value
 
 
 class _Replay(nn.Module):

@@ -18,7 +18,7 @@ from dapple_lightning.planner._dp import (
     plan_dapple,
     replica_candidates,
 )
-from dapple_lightning.planner._measure import SETTLE_STEPS, fixed_part, profile_layers
+from dapple_lightning.planner._measure import SETTLE_STEPS, fixed_part, fresh_leaves, map_tensors, profile_layers
 from dapple_lightning.planner._placement import PLACEMENTS, allocate, place
 from dapple_lightning.planner._profile import (
     REFERENCE_PROFILES,
@@ -67,8 +67,10 @@ __all__ = [
     "data_parallel_plan",
     "estimate",
     "fixed_part",
+    "fresh_leaves",
     "least_memory",
     "load_profile",
+    "map_tensors",
     "measure_in_turns",
     "micro_batch_candidates",
     "pipedream_plan",

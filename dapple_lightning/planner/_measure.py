@@ -16,7 +16,7 @@ from dapple_lightning.planner._profile import LayerProfile, ModelProfile
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["SETTLE_STEPS", "fixed_part", "profile_layers"]
+__all__ = ["SETTLE_STEPS", "fixed_part", "fresh_leaves", "map_tensors", "profile_layers"]
 
 SETTLE_STEPS = 3
 """Optimizer steps before one is timed: the first creates its state, the next still fault its
@@ -40,29 +40,31 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     )
 
 
-def _leaf(value: Any) -> Any:
-    # A detached copy that requires grad: a layer's backward then ends at the layer.
+def map_tensors(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
+    """``value`` with ``fn`` applied to each tensor in it (a tensor, or tuples and lists of them,
+    nested); anything else is returned as it is."""
     import torch
 
     if isinstance(value, torch.Tensor):
-        leaf = value.detach()
-        return leaf.requires_grad_(True) if leaf.is_floating_point() else leaf
+        return fn(value)
     if isinstance(value, tuple | list):
-        return type(value)(_leaf(v) for v in value)
+        return type(value)(map_tensors(fn, v) for v in value)
     return value
+
+
+def fresh_leaves(value: Any) -> Any:
+    """``value``'s tensors detached, the floating ones requiring grad: what a layer is run on so
+    that its backward computes its input gradient, as every stage but the first must, and goes no
+    further."""
+
+    def leaf(t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        return t.requires_grad_(True) if t.is_floating_point() else t
+
+    return map_tensors(leaf, value)
 
 
 _IN_PLACE = "leaf Variable that requires grad is being used in an in-place operation"
-
-
-def _copy(value: Any) -> Any:
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return value.clone()
-    if isinstance(value, tuple | list):
-        return type(value)(_copy(v) for v in value)
-    return value
 
 
 def _forward(module: Any, inputs: Any, index: int, on_copy: set[int]) -> Any:
@@ -70,14 +72,14 @@ def _forward(module: Any, inputs: Any, index: int, on_copy: set[int]) -> Any:
     (``ReLU(inplace=True)``), which a leaf that requires grad refuses: a stage that begins with
     such a layer runs it on a copy too (``runtime.StageModule``), so the copy is timed with it."""
     if index in on_copy:
-        return module(_copy(inputs))
+        return module(map_tensors(lambda t: t.clone(), inputs))
     try:
         return module(inputs)
     except RuntimeError as err:
         if _IN_PLACE not in str(err):
             raise
         on_copy.add(index)
-        return module(_copy(inputs))
+        return module(map_tensors(lambda t: t.clone(), inputs))
 
 
 def _sync(device: torch.device) -> None:
@@ -229,7 +231,7 @@ def _time_layers(
         for index, module in enumerate(modules):
             # A fresh leaf per layer: its backward computes the input gradient too, as every stage
             # but the first must, and goes no further.
-            inputs = _leaf(value)
+            inputs = fresh_leaves(value)
             _sync(device)
             start = time.perf_counter()
             output = _forward(module, inputs, index, on_copy)
@@ -319,23 +321,11 @@ def _time_update(
 
 def _rows(value: Any, rows: int) -> Any:
     """The first ``rows`` rows of every tensor in ``value`` (the batch is dim 0)."""
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return value[:rows]
-    if isinstance(value, tuple | list):
-        return type(value)(_rows(v, rows) for v in value)
-    return value
+    return map_tensors(lambda t: t[:rows], value)
 
 
 def _detached(value: Any) -> Any:
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return value.detach()
-    if isinstance(value, tuple | list):
-        return type(value)(_detached(v) for v in value)
-    return value
+    return map_tensors(lambda t: t.detach(), value)
 
 
 def _device_name(device: torch.device) -> str:

@@ -48,7 +48,7 @@ from torch import nn
 
 from dapple_lightning.autoplan import fresh_leaves, small_batch_of, time_step_around
 from dapple_lightning.microbatch import batch_size_of
-from dapple_lightning.planner import ModelProfile
+from dapple_lightning.planner import ModelProfile, map_tensors
 from dapple_lightning.runtime import StageExit
 from dapple_lightning.surgery import Chain, set_submodule, standing_in
 
@@ -218,11 +218,7 @@ def _alike(value: Any, recorded: Any) -> bool:
 
 
 def _copied(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.clone()
-    if isinstance(value, tuple | list):
-        return type(value)(_copied(v) for v in value)
-    return value
+    return map_tensors(torch.clone, value)
 
 
 _IN_PLACE = "leaf Variable that requires grad is being used in an in-place operation"

@@ -8,7 +8,6 @@ import uuid
 from collections.abc import Sequence
 
 import optuna
-import postgres_server
 import pytest
 from optuna.trial import TrialState
 
@@ -184,15 +183,6 @@ def test_without_repeats_there_is_no_round(storage):
 
 
 # ------------------------------------------------------------------------- several workers
-
-
-@pytest.fixture(scope="module")
-def postgres_url():
-    reason = postgres_server.unavailable()
-    if reason is not None:
-        pytest.skip(reason)
-    with postgres_server.server() as url:
-        yield url
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

@@ -29,7 +29,6 @@ from collections import Counter
 from pathlib import Path
 
 import optuna
-import postgres_server
 import pytest
 import sqlalchemy
 from optuna.trial import FrozenTrial, TrialState
@@ -42,15 +41,6 @@ pytestmark = pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalW
 
 STUDY = "workers"
 TRIALS = 16
-
-
-@pytest.fixture(scope="module")
-def postgres_url():
-    reason = postgres_server.unavailable()
-    if reason is not None:
-        pytest.skip(reason)
-    with postgres_server.server() as url:
-        yield url
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

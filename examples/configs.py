@@ -75,7 +75,8 @@ class StrategyConfig:
     """Write a Chrome trace of every rank's schedule to this path when training ends."""
     sequential: str | None = None
     """Attribute path of the container a plan indexes (``DappleStrategy(sequential=...)``); ``None``:
-    the module's only ``nn.Sequential`` (the GPT's and the CNN's ``layers``)."""
+    found as the strategy finds it, the module's only ``nn.Sequential`` or ``nn.ModuleList`` (the
+    GPT's and the CNN's ``layers``; a wrapped Hugging Face model's block list)."""
 
 
 @dataclass

@@ -13,7 +13,8 @@ For each model, on ``--devices`` CPU processes (4 by default, one thread each):
    best plans within the space are looked up in the grid: the rank of its first pick.
 3. **Replay.** Each sampler runs against the ground truth, once per seed (``--seeds``), in
    ``PlanSearch``'s loop: ``tpe+planner`` (the default: TPE with the planner's top 3 plans queued
-   first, after the baselines the real search queues), ``tpe`` alone, and ``random``. Counted:
+   first, after the baselines the real search queues; the planner's cluster shares this
+   machine's cores, ``search.compute_units``), ``tpe`` alone, and ``random``. Counted:
    distinct plans measured before one is within 3% of the grid's best (a repeated proposal reuses
    the earlier result at no cost), and again within the tolerance the grid's noise supports (the
    standard error of a plan's ground truth, see :func:`noise_tolerance`). Random order
@@ -57,6 +58,7 @@ from dapple_lightning.search import (
     SearchConfig,
     TrialConfig,
     baseline_plans,
+    compute_units,
     create_sampler,
     describe_plan,
     planner_seeds,
@@ -256,7 +258,7 @@ def run_model(model: Model, args: argparse.Namespace, db: str) -> dict[str, Any]
         }
 
     info = probe_model(trial, profile=True)
-    picks = planner_seeds(info.profile, space, 3) if info.profile else []
+    picks = planner_seeds(info.profile, space, 3, compute_units(trial)) if info.profile else []
     pick_rank = ranking.index(picks[0].plan) + 1 if picks and picks[0].plan in table else None
 
     # The default search queues the baselines (what a found plan must beat) and then the planner's picks.
@@ -413,10 +415,12 @@ def markdown(report: list[dict[str, Any]], args: argparse.Namespace, command: st
     lines += [
         "Reading it: the replay separates the sampler from measurement noise, the live search shows the loop "
         "with it. Where run-to-run noise is as large as the differences between plans, no sampler can do much "
-        'better than random order and "within 3%" is partly luck. The planner\'s picks can rank low here for a '
-        "structural reason: its cost model assumes independent devices and time linear in the micro-batch size, "
-        "while these processes share 2 cores and small micro-batches run less efficiently on CPU. Measurements "
-        "vary from run to run on this shared machine, so the numbers move between runs of this command.",
+        'better than random order and "within 3%" is partly luck. The planner ranks the space with its cost '
+        "model on a cluster whose devices share the machine's cores (`Cluster.compute_units`: cores over a "
+        "rank's threads): no step is shorter than all ranks' work over the cores, which is why plans that keep "
+        "only two of the four processes busy (one micro-batch through two stages) can beat data parallelism "
+        "here. Measurements vary from run to run on this shared machine, so the numbers move between runs of "
+        "this command.",
         "",
     ]
     return "\n".join(lines)

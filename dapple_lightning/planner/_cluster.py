@@ -53,6 +53,11 @@ class Cluster:
     """Fixed cost of one message, seconds."""
     memory_bytes: float = 16 * GB
     """Memory of one device, bytes."""
+    compute_units: int | None = None
+    """How many of a server's devices can compute at once; ``None``: every device computes on its
+    own (GPUs). CPU processes that share a machine's cores have ``cores // threads per process``
+    of them, and a plan that keeps more processes busy than that waits for the cores: the cost
+    model then bounds a step below by the busiest server's work over its units."""
 
     def __post_init__(self) -> None:
         for name in ("nodes", "devices_per_node"):
@@ -79,6 +84,11 @@ class Cluster:
         if not (self.latency_s >= 0 and math.isfinite(self.latency_s)):
             raise ValueError(f"cluster latency_s must be a finite number >= 0, got {self.latency_s!r}")
         object.__setattr__(self, "latency_s", float(self.latency_s))
+        units = self.compute_units
+        if units is not None and (isinstance(units, bool) or not isinstance(units, int)):
+            raise TypeError(f"cluster compute_units must be an integer or None (independent devices), got {units!r}")
+        if units is not None and units < 1:
+            raise ValueError(f"cluster compute_units must be >= 1 or None (independent devices), got {units}")
 
     # ------------------------------------------------------------------------ factories
 
@@ -188,9 +198,15 @@ class Cluster:
             counts[self.node_of(r)] += 1
         return tuple(counts)
 
+    @property
+    def shares_compute(self) -> bool:
+        """Whether a server's devices compete for fewer compute units than there are devices."""
+        return self.compute_units is not None and self.compute_units < self.devices_per_node
+
     def describe(self) -> str:
+        shared = f"; {self.compute_units} compute units per node" if self.shares_compute else ""
         return (
             f"{self.name} ({self.world_size} devices, {self.memory_bytes / GB:g} GB each; p2p "
             f"{self.intra_p2p_bw / GB:g}/{self.inter_p2p_bw / GB:g} GB/s, all-reduce "
-            f"{self.intra_allreduce_bw / GB:g}/{self.inter_allreduce_bw / GB:g} GB/s intra/inter-node)"
+            f"{self.intra_allreduce_bw / GB:g}/{self.inter_allreduce_bw / GB:g} GB/s intra/inter-node{shared})"
         )

@@ -53,6 +53,12 @@ The same maximum is computed from the back in five numbers per suffix (``_recurr
 :meth:`CostModel.estimate` folds over a plan's stages and the planner's dynamic program
 carries); :func:`chains` writes every chain out, as a check and to name the pivot.
 
+**Shared compute.** Devices are independent unless ``Cluster.compute_units`` says a server's
+devices share fewer compute units (CPU processes on one machine's cores). Then no step is
+shorter than the busiest server's compute (every device's ``M (F + B)``, all-reduce and update)
+over its units: a plan that keeps every process busy, like data parallelism, waits for the
+cores, and one that keeps only as many busy as there are units does not.
+
 **Memory** per device of stage ``s``: parameters + gradients (same size) + optimizer state
 (``optimizer_factor`` x parameters unless the profile gives bytes; Adam keeps 2) + ``K_s``
 micro-batches of the stage's layer outputs at ``n_s`` samples, ``K_s = min(S - s, M)`` for
@@ -110,7 +116,8 @@ class Estimate:
     steady_s: float
     """``T_s = (M - 1) (F_Q + B_Q)``: the pivot's other passes."""
     ending_s: float
-    """``T_e = step - T_w - T_s``: the drain after the pivot and the all-reduces."""
+    """``T_e = step - T_w - T_s``: the drain after the pivot and the all-reduces (and, when
+    shared compute units bound the step, the wait for them)."""
     micro_batch_size: int
     """Samples in the largest micro-batch, ``ceil(G / M)``."""
     samples: tuple[int, ...]
@@ -127,6 +134,11 @@ class Estimate:
     memory_bytes: tuple[float, ...]
     """Peak bytes on one device of each stage."""
     memory_limit: float
+    pipeline_s: float = 0.0
+    """The longest chain of actions that must run one after another (the paper's latency)."""
+    shared_compute_s: float = 0.0
+    """The busiest server's compute seconds over its compute units when its devices share them
+    (``Cluster.compute_units``), else 0. ``step_s`` is the larger of this and ``pipeline_s``."""
 
     @property
     def fits(self) -> bool:
@@ -346,7 +358,9 @@ class CostModel:
             sf = send[k] if k < count - 1 else 0.0
             after = depth[k + 1] if k < count - 1 else 0
             tail = combine(fwd[k], bwd[k], closing[k], sf, sf, m, depth[k], tail, after, plan.schedule == "gpipe")
-        step = tail[1] if tail is not None else 0.0
+        pipeline = tail[1] if tail is not None else 0.0
+        shared = self._shared_compute(plan, fwd, bwd, closing)
+        step = max(pipeline, shared)
         pivot, warm_s, steady_s = _pivot(fwd, bwd, closing, send, depth, m, plan.schedule == "gpipe")
         ending_s = step - warm_s - steady_s
         return Estimate(
@@ -366,7 +380,28 @@ class CostModel:
             send_backward_s=send,
             memory_bytes=memory,
             memory_limit=self.cluster.memory_bytes,
+            pipeline_s=pipeline,
+            shared_compute_s=shared,
         )
+
+    def _shared_compute(
+        self, plan: Plan, fwd: Sequence[float], bwd: Sequence[float], closing: Sequence[float]
+    ) -> float:
+        """The step's lower bound from compute units the devices share (0 when they do not).
+
+        Each device of stage ``s`` computes ``M (F_s + B_s)`` plus its all-reduce and update
+        (on CPUs the all-reduce's arithmetic and copies use the same cores); a server's units
+        can do at most ``compute_units`` devices' worth of that at once.
+        """
+        cluster = self.cluster
+        if not cluster.shares_compute:
+            return 0.0
+        work = [0.0] * cluster.nodes
+        for k in range(plan.num_stages):
+            per_device = plan.micro_batches * (fwd[k] + bwd[k]) + closing[k]
+            for rank in plan.stage_ranks(k):
+                work[cluster.node_of(rank)] += per_device
+        return max(work) / cluster.compute_units  # type: ignore[operator]
 
 
 def chains(

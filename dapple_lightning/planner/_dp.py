@@ -78,7 +78,8 @@ class PlannedPlan:
     estimate: Estimate | None = field(default=None, repr=False, compare=False)
     """The full prediction (phases, per-stage times)."""
     simulated_step_s: float | None = None
-    """The step as the discrete-event simulator replays it (at least the predicted step)."""
+    """The step as the discrete-event simulator replays it (at least the predicted pipeline
+    latency, ``estimate.pipeline_s``; the replay does not model shared compute units)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.plan, Plan):
@@ -120,6 +121,7 @@ class PlannedPlan:
                 ending_s=est.ending_s,
                 micro_batch_size=est.micro_batch_size,
                 bubble_fraction=est.bubble_fraction,
+                shared_compute_s=est.shared_compute_s,
             )
         return out
 
@@ -255,10 +257,14 @@ def plan_dapple(
     if exact is None:
         exact = cluster.world_size <= 16
     runs = [(m, policy) for m in candidates for policy in placements]
-    search = _search(model, runs, cuts, counts, schedule, top, beam=None if exact else _BEAM)
+    # The dynamic program minimises the pipeline's latency; where devices share compute units the
+    # cost model's step also has a bound from total work, so more plans are kept and re-ranked.
+    wide = 4 * top + 16 if cluster.shares_compute else top
+    search = _search(model, runs, cuts, counts, schedule, wide, beam=None if exact else _BEAM)
     if not search.top.items:
         raise ValueError(_no_fit_message(model, candidates, counts, schedule, cuts))
-    return _planned(model, search, _data_parallel_step(model, candidates), schedule)
+    planned = _planned(model, search, _data_parallel_step(model, candidates), schedule)
+    return sorted(planned, key=lambda p: p.predicted_step_s)[:top]
 
 
 def _search(
@@ -318,8 +324,8 @@ def _planned(model: CostModel, search: _Search, dp_step: float | None, schedule:
     for z, _, (policy, m, spec, ranks) in search.top.items:
         plan = _build(spec, ranks, m, schedule)
         est = model.estimate(plan)
-        if not math.isclose(est.step_s, z, rel_tol=_AGREE, abs_tol=1e-15):
-            raise RuntimeError(f"planner and cost model disagree on {plan.to_dict()}: {z} vs {est.step_s}")
+        if not math.isclose(est.pipeline_s, z, rel_tol=_AGREE, abs_tol=1e-15):
+            raise RuntimeError(f"planner and cost model disagree on {plan.to_dict()}: {z} vs {est.pipeline_s}")
         # Consecutive ranks are what "append" gives, whichever policy found the plan first.
         label = policy if plan.stages[0].ranks is not None else "append"
         simulated = simulate_plan(model, plan).step_s

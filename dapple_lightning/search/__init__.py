@@ -44,7 +44,7 @@ import importlib
 from typing import Any
 
 from dapple_lightning.search._fingerprint import Fingerprint, FingerprintMismatch, check_fingerprint
-from dapple_lightning.search._seed import SeedPlan, baseline_plans, local_cluster, planner_seeds
+from dapple_lightning.search._seed import SeedPlan, baseline_plans, compute_units, local_cluster, planner_seeds
 from dapple_lightning.search._space import (
     DEFAULT_MAX_PLANS,
     PlanSpace,
@@ -118,6 +118,7 @@ __all__ = [
     "check_fingerprint",
     "choice_lines",
     "choose_plan",
+    "compute_units",
     "count_plans",
     "create_sampler",
     "describe_plan",

@@ -5,7 +5,9 @@ milliseconds; the search measures plans in seconds each. Measuring the planner's
 gives the sampler good points to start from and tells the user how far the cost model is from
 the machine. The profile comes from the search's probe (``_probe``); the cluster is a single
 node of ``world_size`` devices with rough loopback figures (:func:`local_cluster`), which is what
-CPU processes on one machine are.
+CPU processes on one machine are, sharing the machine's cores (:func:`compute_units`): with
+more ranks busy than cores, data parallelism waits for the cores, and a pipeline that keeps
+only some ranks busy at a time may beat it.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from typing import Any
 
 from dapple_lightning.plan import Plan
 from dapple_lightning.search._space import PlanSpace
+from dapple_lightning.search._trial import TrialConfig
 
-__all__ = ["BASELINES", "SeedPlan", "baseline_plans", "local_cluster", "planner_seeds"]
+__all__ = ["BASELINES", "SeedPlan", "baseline_plans", "compute_units", "local_cluster", "planner_seeds"]
 
 BASELINES = ("data_parallel", "straight")
 """Plans every search measures first, by name: the simplest alternatives a found plan must beat."""
@@ -40,10 +43,26 @@ def _memory_bytes() -> float:
         return 16e9
 
 
-def local_cluster(world_size: int) -> Any:
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def compute_units(trial: TrialConfig) -> int | None:
+    """How many of a trial's ranks can compute at once on this host: ``None`` for ranks on GPUs
+    (each has its own), else the cores this process may use over the threads of one rank."""
+    if trial.leases_devices:
+        return None
+    return max(1, _cores() // trial.threads)
+
+
+def local_cluster(world_size: int, units: int | None = None) -> Any:
     """One node of ``world_size`` devices joined by loopback: ~2 GB/s point to point, ~1 GB/s
     all-reduce links, 50 us per message, the machine's memory shared evenly (rough figures: the
-    planner's ranking matters here, not its absolute times)."""
+    planner's ranking matters here, not its absolute times), ``units`` compute units shared by
+    the devices (``None``: independent devices, see :func:`compute_units`)."""
     from dapple_lightning.planner import Cluster
 
     return Cluster(
@@ -55,25 +74,44 @@ def local_cluster(world_size: int) -> Any:
         inter_allreduce_bw=1e9,
         latency_s=50e-6,
         memory_bytes=_memory_bytes() / world_size,
+        compute_units=units,
     )
 
 
-def planner_seeds(profile: dict[str, Any], space: PlanSpace, top: int) -> list[SeedPlan]:
-    """The planner's best ``top`` plans that belong to ``space``, best first.
+EXHAUSTIVE = 20_000
+"""Spaces of at most this many plans are ranked plan by plan with the cost model; larger ones by
+the planner's dynamic program."""
 
-    The planner knows nothing of the space's stage limit, so it is asked for more plans than
-    needed and those outside the space are skipped.
+
+def planner_seeds(profile: dict[str, Any], space: PlanSpace, top: int, units: int | None = None) -> list[SeedPlan]:
+    """The cost model's best ``top`` plans of ``space``, best first, on :func:`local_cluster`.
+
+    A space of up to :data:`EXHAUSTIVE` plans is ranked whole (each estimate takes microseconds);
+    a larger one is searched by :func:`~dapple_lightning.planner.plan_dapple`, which knows nothing
+    of the space's stage limit, so it is asked for more plans and those outside are skipped.
 
     Raises:
         ImportError: When the planner is not available.
-        ValueError: When the planner finds no plan (its message says why).
+        ValueError: When no plan of the space fits in memory (the planner's message says why).
     """
-    from dapple_lightning.planner import ModelProfile, plan_dapple
+    from dapple_lightning.planner import CostModel, ModelProfile, plan_dapple
 
     model_profile = ModelProfile.from_dict(profile)
+    cluster = local_cluster(space.world_size, units)
+    if space.size <= EXHAUSTIVE:
+        model = CostModel(model_profile, cluster, space.global_batch)
+        estimates = [model.estimate(plan) for plan in space.plans()]
+        ranked = sorted((e for e in estimates if e.fits), key=lambda e: e.step_s)
+        if not ranked:
+            least = min(max(e.memory_bytes) for e in estimates)
+            raise ValueError(
+                f"no plan of the space fits in {cluster.memory_bytes / 1e9:.3g} GB per rank; the "
+                f"smallest needs {least / 1e9:.3g} GB"
+            )
+        return [SeedPlan(e.plan, rank, e.step_s) for rank, e in enumerate(ranked[:top])]
     planned = plan_dapple(
         model_profile,
-        local_cluster(space.world_size),
+        cluster,
         space.global_batch,
         top=max(5 * top, 20),
         micro_batches=list(space.micro_batches or ()),

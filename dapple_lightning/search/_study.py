@@ -60,7 +60,7 @@ from dapple_lightning.search._loop import (
 )
 from dapple_lightning.search._probe import ModelInfo, probe_model
 from dapple_lightning.search._redact import redact
-from dapple_lightning.search._seed import planner_seeds
+from dapple_lightning.search._seed import compute_units, planner_seeds
 from dapple_lightning.search._space import PlanSpace, describe_plan
 from dapple_lightning.search._trial import TrialResult, run_trial
 
@@ -184,7 +184,8 @@ class PlanSearch:
             reason = f"no profile ({info.profile_error})"
         else:
             try:
-                seeds = planner_seeds(info.profile, space, self.config.planner_seeds)
+                units = compute_units(self.config.trial)
+                seeds = planner_seeds(info.profile, space, self.config.planner_seeds, units)
             except ImportError as e:
                 reason = f"planner not available ({e})"
             except ValueError as e:

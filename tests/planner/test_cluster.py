@@ -45,6 +45,8 @@ def test_parse_rejects_other_text(text):
         ("inter_p2p_bw", 0, ValueError),
         ("memory_bytes", float("inf"), ValueError),
         ("latency_s", -1.0, ValueError),
+        ("compute_units", 0, ValueError),
+        ("compute_units", True, TypeError),
     ],
 )
 def test_validation(field, value, error):

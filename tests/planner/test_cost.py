@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from dapple_lightning.plan import Plan, Stage
@@ -127,3 +129,28 @@ def test_adding_into_gradients_costs_every_micro_batch_after_the_first():
 def test_fixed_part_cannot_exceed_the_time():
     with pytest.raises(ValueError, match=r"forward_fixed_s .* exceeds forward_s"):
         LayerProfile("a", 1.0, 1.0, 0, 0, forward_fixed_s=2.0)
+
+
+def test_devices_sharing_compute_units_wait_for_them():
+    # Four CPU processes on two cores: no step is shorter than all their work over two.
+    shared = dataclasses.replace(SLOW, compute_units=2)
+    dp, pipe = Plan.data_parallel(4, 4, 1), Plan(TWO_BY_TWO, 1)
+    # Data parallelism, 2 samples per replica: F 2.5, B 3.5, all-reduce of 2 GB over 4: 3.
+    # Each device works 9 s; independent devices take 9 s, two shared cores 4 * 9 / 2 = 18 s.
+    alone, crowded = estimate(dp, PROFILE, SLOW, 8), estimate(dp, PROFILE, shared, 8)
+    assert (alone.step_s, alone.shared_compute_s) == (9.0, 0.0)
+    assert (crowded.pipeline_s, crowded.shared_compute_s, crowded.step_s) == (9.0, 18.0, 18.0)
+    # 2:2 with one micro-batch keeps two devices busy at a time: work (2 + 4 + 1) * 2 +
+    # (3 + 3 + 1) * 2 = 28 s over 2 cores is 14 s, under its 15 s chain, which stands.
+    two = estimate(pipe, PROFILE, shared, 8)
+    assert (two.pipeline_s, two.shared_compute_s, two.step_s) == (15.0, 14.0, 15.0)
+    assert alone.step_s < estimate(pipe, PROFILE, SLOW, 8).step_s  # independent devices: DP wins
+    assert two.step_s < crowded.step_s  # shared cores: the pipeline wins
+    assert crowded.warmup_s + crowded.steady_s + crowded.ending_s == pytest.approx(crowded.step_s)
+
+
+def test_enough_compute_units_change_nothing():
+    roomy = dataclasses.replace(SLOW, compute_units=4)
+    assert not roomy.shares_compute
+    for plan in (Plan.data_parallel(4, 4, 2), Plan(TWO_BY_TWO, 2)):
+        assert estimate(plan, PROFILE, roomy, 8) == estimate(plan, PROFILE, SLOW, 8)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -228,3 +229,21 @@ def test_speedup_is_data_parallel_over_plan():
     )
     assert best.speedup_vs_dp == pytest.approx(dp / best.predicted_step_s)
     assert math.isfinite(best.predicted_step_s)
+
+
+def test_shared_compute_units_rerank_the_plans():
+    # Four processes on two cores. Alone, data parallelism's 6 s of compute + 0.6 s all-reduce
+    # beats a 4-stage pipeline's 8.25 s; sharing the cores, every plan does the same 24 s of
+    # compute over 2 cores, and data parallelism's all-reduces on top make it the slowest.
+    layers = tuple(LayerProfile(f"l{i}", 1.0, 2.0, 100, 10**8) for i in range(4))
+    profile = ModelProfile(layers, 4)
+    alone = Cluster(1, 4, 1e3, 1e3, 1e9, 1e9, latency_s=0.0, memory_bytes=1e12)
+    shared = dataclasses.replace(alone, compute_units=2)
+    assert plan_dapple(profile, alone, 8)[0].plan.num_stages == 1
+    got = plan_dapple(profile, shared, 8, top=5)
+    model = CostModel(profile, shared, 8)
+    assert [p.predicted_step_s for p in got] == sorted(p.predicted_step_s for p in got)
+    assert all(p.predicted_step_s == model.estimate(p.plan).step_s for p in got)
+    dp = model.estimate(Plan.data_parallel(4, 4, 1)).step_s
+    assert got[0].predicted_step_s < dp
+    assert got[0].plan.num_stages > 1

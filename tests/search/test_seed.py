@@ -1,0 +1,43 @@
+"""The planner's seeds: ranked by the cost model on the machine the trials share."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from dapple_lightning.plan import Plan
+from dapple_lightning.planner import CostModel, LayerProfile, ModelProfile
+from dapple_lightning.search import PlanSpace, TrialConfig, compute_units, local_cluster, planner_seeds
+
+# Four layers of equal cost with 0.1 GB of weights each: data parallelism's all-reduces are its
+# only extra work, so it is the fastest plan on independent devices and the slowest on shared cores.
+PROFILE = ModelProfile(tuple(LayerProfile(f"l{i}", 1.0, 2.0, 100, 10**8) for i in range(4)), 4).to_dict()
+SPACE = PlanSpace(num_layers=4, world_size=4, global_batch=8, micro_batches=(1, 2, 4, 8), max_stages=4)
+
+
+def test_seeds_are_the_cost_models_best_plans_of_the_space():
+    for units in (None, 2):
+        model = CostModel(ModelProfile.from_dict(PROFILE), local_cluster(4, units), 8)
+        best = sorted(model.estimate(p).step_s for p in SPACE.plans())[:4]
+        seeds = planner_seeds(PROFILE, SPACE, 4, units)
+        assert [s.rank for s in seeds] == [0, 1, 2, 3]
+        assert [s.predicted_step_s for s in seeds] == pytest.approx(best)
+        assert all(SPACE.contains(s.plan) for s in seeds)
+
+
+def test_shared_cores_put_data_parallelism_behind_the_pipelines():
+    dp = Plan.data_parallel(4, 4)
+    assert planner_seeds(PROFILE, SPACE, 1)[0].plan == dp
+    shared = [s.plan for s in planner_seeds(PROFILE, SPACE, 10, units=2)]
+    assert dp not in shared
+    assert all(p.num_stages > 1 for p in shared)
+
+
+def test_compute_units_are_the_cores_over_a_ranks_threads():
+    cores = len(os.sched_getaffinity(0))
+    cpu = TrialConfig("m:f", world_size=4, global_batch=8, threads_per_rank=1)
+    assert compute_units(cpu) == cores
+    wide = TrialConfig("m:f", world_size=4, global_batch=8, threads_per_rank=cores + 1)
+    assert compute_units(wide) == 1
+    assert compute_units(TrialConfig("m:f", world_size=2, global_batch=8, accelerator="cuda")) is None

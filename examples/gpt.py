@@ -18,19 +18,17 @@ from __future__ import annotations
 import hydra
 from common import fit, job_result, output_dir
 from configs import register
-from gpt_model import CharGPT, char_data, print_sample
+from gpt_model import CharData, CharGPT, char_data, print_sample
 from lightning.pytorch import seed_everything
 from omegaconf import DictConfig
+from torch.utils.data import DataLoader
 
 register()
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="gpt")
-def main(cfg: DictConfig) -> dict[str, float] | None:
-    seed_everything(cfg.seed, workers=True)
-    data = char_data(cfg)
+def build(cfg: DictConfig, data: CharData) -> CharGPT:
     m = cfg.model
-    model = CharGPT(
+    return CharGPT(
         vocab_size=len(data.vocab),
         context=m.context,
         n_blocks=m.n_blocks,
@@ -40,6 +38,22 @@ def main(cfg: DictConfig) -> dict[str, float] | None:
         lr=m.lr,
         weight_decay=m.weight_decay,
     )
+
+
+def search_model(cfg: DictConfig) -> tuple[CharGPT, DataLoader]:
+    """A job's model and training batches, for the plan search's profile
+    (``hydra.sweeper.model=gpt:search_model``; the planner seeds the study with its picks)."""
+    seed_everything(cfg.seed, workers=True, verbose=False)
+    data = char_data(cfg)
+    data.setup("fit")
+    return build(cfg, data), data.train_dataloader()
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="gpt")
+def main(cfg: DictConfig) -> dict[str, float] | None:
+    seed_everything(cfg.seed, workers=True)
+    data = char_data(cfg)
+    model = build(cfg, data)
     trainer = fit(cfg, model, data)
     print_sample(cfg, trainer, model, data)
     return job_result(output_dir())  # what a sweep over plans compares

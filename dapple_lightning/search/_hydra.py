@@ -38,6 +38,7 @@ from optuna.trial import TrialState
 from dapple_lightning.plan import SCHEDULES, Plan
 from dapple_lightning.search._bookkeeping import heartbeat_storage
 from dapple_lightning.search._choice import choice_lines, choose_plan, throughput_study
+from dapple_lightning.search._factory import check_factory_spec, load_factory
 from dapple_lightning.search._files import write_atomic
 from dapple_lightning.search._fingerprint import Fingerprint
 from dapple_lightning.search._loop import (
@@ -50,10 +51,12 @@ from dapple_lightning.search._loop import (
     open_study,
     optimize,
 )
+from dapple_lightning.search._probe import probe_model
 from dapple_lightning.search._redact import redact, spells_secret
 from dapple_lightning.search._results import best_choice, trial_plan
-from dapple_lightning.search._seed import BASELINES
+from dapple_lightning.search._seed import BASELINES, compute_units, enqueue_planner_seeds
 from dapple_lightning.search._space import PlanSpace, describe_plan
+from dapple_lightning.search._trial import TrialConfig
 
 __all__ = ["SweepSettings", "plan_override", "run_sweep"]
 
@@ -83,6 +86,10 @@ class SweepSettings:
     baselines: tuple[str, ...] = BASELINES
     heartbeat_s: int | None = 10
     confirm_repeats: int = 1
+    model: str | None = None
+    """``"module:function"`` called with a job's config, returning ``(LightningModule, train
+    DataLoader)``: the model the planner profiles (in a child process) to seed the study."""
+    planner_seeds: int = 3
 
     def __post_init__(self) -> None:
         if self.sampler not in ("tpe", "random"):
@@ -105,6 +112,11 @@ class SweepSettings:
         repeats = self.confirm_repeats
         if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 0:
             raise ValueError(f"hydra.sweeper.confirm_repeats must be an integer >= 0 (0: no round), got {repeats!r}")
+        seeds = self.planner_seeds
+        if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 0:
+            raise ValueError(f"hydra.sweeper.planner_seeds must be an integer >= 0, got {seeds!r}")
+        if self.model is not None:
+            check_factory_spec(self.model)
         if not self.plan_key or not isinstance(self.plan_key, str):
             raise ValueError(f"hydra.sweeper.plan_key must name a config key, got {self.plan_key!r}")
 
@@ -223,6 +235,8 @@ def run_sweep(sweeper: Any, settings: SweepSettings, arguments: list[str]) -> li
     )
     enqueue_baselines(study, space, settings.baselines)  # measured first: what a found plan must beat
     enqueue_plans(study, space, settings.enqueue)
+    if settings.planner_seeds and study.user_attrs.get("planner_seeded") is None:
+        _seed_from_planner(study, space, settings, _job_config(sweeper, fixed), say)
     sweep_dir = Path(str(config.hydra.sweep.dir))
     sweep_dir.mkdir(parents=True, exist_ok=True)
     write_atomic(sweep_dir / "multirun.yaml", OmegaConf.to_yaml(config))  # unresolved, as Hydra saves
@@ -239,6 +253,69 @@ def run_sweep(sweeper: Any, settings: SweepSettings, arguments: list[str]) -> li
     )
     _write_results(study, sweep_dir, say)
     return jobs.returns
+
+
+def _job_config(sweeper: Any, fixed: list[str]) -> dict[str, Any] | None:
+    """A job's config (the command line's overrides applied) as plain data, without Hydra's own
+    node; ``None`` when it cannot be composed or resolved outside a job."""
+    from omegaconf import OmegaConf
+
+    try:
+        config = sweeper.hydra_context.config_loader.load_sweep_config(sweeper.config, list(fixed))
+        plain = OmegaConf.to_container(config, resolve=False)
+        plain.pop("hydra", None)
+        return OmegaConf.to_container(OmegaConf.create(plain), resolve=True)  # type: ignore[return-value]
+    except Exception:  # e.g. an interpolation that only a running job resolves
+        return None
+
+
+def job_model(batch_size: int, *, target: str, app_dir: str, config: dict[str, Any]) -> Any:
+    """The factory the planner's probe calls (``TrialConfig.model``): imports the app's
+    ``target`` from its directory and calls it with the job's config (``batch_size`` is the
+    config's own)."""
+    import sys
+
+    from omegaconf import OmegaConf
+
+    if app_dir not in sys.path:
+        sys.path.insert(0, app_dir)  # the app's modules import each other from there
+    return load_factory(target)(OmegaConf.create(config))
+
+
+def _seed_from_planner(
+    study: optuna.Study, space: PlanSpace, settings: SweepSettings, config: dict[str, Any] | None, say: Any
+) -> None:
+    """Profile the app's model (``hydra.sweeper.model``) in a child process and queue the
+    planner's picks after the baselines, as the search command does."""
+    if settings.model is None:
+        reason = "set hydra.sweeper.model to a 'module:function' that builds the job's model to seed with the planner"
+        enqueue_planner_seeds(study, space, None, settings.planner_seeds, None, say, reason)
+        return
+    if config is None:
+        enqueue_planner_seeds(study, space, None, settings.planner_seeds, None, say, "the job's config did not resolve")
+        return
+    import sys
+
+    app_dir = str(Path(sys.argv[0]).resolve().parent)
+    kwargs = {"target": settings.model, "app_dir": app_dir, "config": config}
+    trial = TrialConfig(
+        "dapple_lightning.search._hydra:job_model",
+        world_size=space.world_size,
+        global_batch=space.global_batch,
+        model_kwargs=kwargs,
+        accelerator=settings.device,
+    )
+    say(f"profiling {settings.model} for the planner ...")
+    try:
+        info = probe_model(trial, profile=True)
+    except RuntimeError as e:
+        enqueue_planner_seeds(study, space, None, settings.planner_seeds, None, say, f"the probe failed ({e})")
+        return
+    missing = f"no profile ({info.profile_error})"
+    if info.num_layers != space.num_layers:
+        info, missing = None, f"the model has {info.num_layers} layers, the space {space.num_layers}"
+    profile = info.profile if info is not None else None
+    enqueue_planner_seeds(study, space, profile, settings.planner_seeds, compute_units(trial), say, missing)
 
 
 def _refuse_spelled_password(config: Any) -> None:

@@ -13,14 +13,25 @@ only some ranks busy at a time may beat it.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+import optuna
+
 from dapple_lightning.plan import Plan
-from dapple_lightning.search._space import PlanSpace
+from dapple_lightning.search._space import PlanSpace, describe_plan
 from dapple_lightning.search._trial import TrialConfig
 
-__all__ = ["BASELINES", "SeedPlan", "baseline_plans", "compute_units", "local_cluster", "planner_seeds"]
+__all__ = [
+    "BASELINES",
+    "SeedPlan",
+    "baseline_plans",
+    "compute_units",
+    "enqueue_planner_seeds",
+    "local_cluster",
+    "planner_seeds",
+]
 
 BASELINES = ("data_parallel", "straight")
 """Plans every search measures first, by name: the simplest alternatives a found plan must beat."""
@@ -83,6 +94,13 @@ EXHAUSTIVE = 20_000
 the planner's dynamic program."""
 
 
+def _runs_as(plan: Plan) -> tuple[Any, ...]:
+    """What tells plans apart when they run: one stage or one micro-batch runs alike under every
+    schedule, so such plans are measured once (as the space's first schedule that ranks best)."""
+    alike = plan.num_stages == 1 or plan.micro_batches == 1
+    return (plan.stages, plan.micro_batches, None if alike else plan.schedule)
+
+
 def planner_seeds(profile: dict[str, Any], space: PlanSpace, top: int, units: int | None = None) -> list[SeedPlan]:
     """The cost model's best ``top`` plans of ``space``, best first, on :func:`local_cluster`.
 
@@ -108,7 +126,12 @@ def planner_seeds(profile: dict[str, Any], space: PlanSpace, top: int, units: in
                 f"no plan of the space fits in {cluster.memory_bytes / 1e9:.3g} GB per rank; the "
                 f"smallest needs {least / 1e9:.3g} GB"
             )
-        return [SeedPlan(e.plan, rank, e.step_s) for rank, e in enumerate(ranked[:top])]
+        out, seen = [], set()
+        for rank, e in enumerate(ranked):
+            if (key := _runs_as(e.plan)) not in seen:
+                seen.add(key)
+                out.append(SeedPlan(e.plan, rank, e.step_s))
+        return out[:top]
     planned = plan_dapple(
         model_profile,
         cluster,
@@ -124,6 +147,38 @@ def planner_seeds(profile: dict[str, Any], space: PlanSpace, top: int, units: in
         if space.contains(plan) and plan not in (s.plan for s in out):
             out.append(SeedPlan(plan, rank, p.predicted_step_s))
     return out[:top]
+
+
+def enqueue_planner_seeds(
+    study: optuna.Study,
+    space: PlanSpace,
+    profile: dict[str, Any] | None,
+    top: int,
+    units: int | None,
+    say: Callable[[str], None],
+    missing: str = "no profile",
+) -> None:
+    """Queue the planner's ``top`` picks (:func:`planner_seeds`) with their predictions as trial
+    attributes, and record in the study what was seeded, or why nothing was (``missing``: why
+    there is no ``profile``), so that a resumed study does not profile again."""
+    if profile is None:
+        reason = missing
+    else:
+        try:
+            seeds = planner_seeds(profile, space, top, units)
+        except ImportError as e:
+            reason = f"planner not available ({e})"
+        except ValueError as e:
+            reason = f"planner found no plan ({e})"
+        else:
+            for s in seeds:
+                attrs = {"source": "planner", "planner_rank": s.rank, "predicted_step_s": s.predicted_step_s}
+                study.enqueue_trial(space.params(s.plan), user_attrs=attrs, skip_if_exists=True)
+                say(f"planner pick #{s.rank}: {describe_plan(s.plan)} (predicted {s.predicted_step_s:.3g} s/step)")
+            study.set_user_attr("planner_seeded", [describe_plan(s.plan) for s in seeds])
+            return
+    say(f"not seeding with the planner: {reason}")
+    study.set_user_attr("planner_seeded", reason)
 
 
 def baseline_plans(space: PlanSpace, names: tuple[str, ...] = BASELINES) -> list[tuple[str, Plan]]:

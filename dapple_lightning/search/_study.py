@@ -60,8 +60,8 @@ from dapple_lightning.search._loop import (
 )
 from dapple_lightning.search._probe import ModelInfo, probe_model
 from dapple_lightning.search._redact import redact
-from dapple_lightning.search._seed import compute_units, planner_seeds
-from dapple_lightning.search._space import PlanSpace, describe_plan
+from dapple_lightning.search._seed import compute_units, enqueue_planner_seeds
+from dapple_lightning.search._space import PlanSpace
 from dapple_lightning.search._trial import TrialResult, run_trial
 
 __all__ = ["PlanSearch", "run_search"]
@@ -119,7 +119,9 @@ class PlanSearch:
         enqueue_baselines(study, space, cfg.baselines)  # measured first: what a found plan must beat
         enqueue_plans(study, space, cfg.enqueue)
         if want_profile:
-            self._enqueue_planner(study, space, info)
+            missing = f"no profile ({info.profile_error})"
+            units = compute_units(cfg.trial)
+            enqueue_planner_seeds(study, space, info.profile, cfg.planner_seeds, units, self._say, missing)
         if cfg.sampler == "grid":
             self._enqueue_grid(study, space)
         return study
@@ -178,29 +180,6 @@ class PlanSearch:
         return optuna.pruners.MedianPruner(n_startup_trials=3, n_warmup_steps=cfg.trial.warmup)
 
     # ------------------------------------------------------------------------------- seeding
-
-    def _enqueue_planner(self, study: optuna.Study, space: PlanSpace, info: ModelInfo) -> None:
-        if info.profile is None:
-            reason = f"no profile ({info.profile_error})"
-        else:
-            try:
-                units = compute_units(self.config.trial)
-                seeds = planner_seeds(info.profile, space, self.config.planner_seeds, units)
-            except ImportError as e:
-                reason = f"planner not available ({e})"
-            except ValueError as e:
-                reason = f"planner found no plan ({e})"
-            else:
-                for s in seeds:
-                    attrs = {"source": "planner", "planner_rank": s.rank, "predicted_step_s": s.predicted_step_s}
-                    study.enqueue_trial(space.params(s.plan), user_attrs=attrs, skip_if_exists=True)
-                    self._say(
-                        f"planner pick #{s.rank}: {describe_plan(s.plan)} (predicted {s.predicted_step_s:.3g} s/step)"
-                    )
-                study.set_user_attr("planner_seeded", [describe_plan(s.plan) for s in seeds])
-                return
-        self._say(f"not seeding with the planner: {reason}")
-        study.set_user_attr("planner_seeded", reason)
 
     def _enqueue_grid(self, study: optuna.Study, space: PlanSpace) -> None:
         if study.user_attrs.get("grid_enqueued"):

@@ -67,6 +67,12 @@ class DappleSweeperConf:
     confirm_repeats: int = 1
     """At the end, the fastest plan by median, data parallelism and the closest rival (at most 3)
     run this many more jobs each, interleaved; the choice takes each plan's median (0: off)."""
+    model: str | None = None
+    """``module:function`` (importable from the app's directory) that takes a job's config and
+    returns ``(LightningModule, train DataLoader)``: the planner profiles it in a child process and
+    its top picks run after the baselines (null: no planner seeds; the examples name theirs)."""
+    planner_seeds: int = 3
+    """How many of the planner's picks to queue when ``model`` is set."""
 
 
 ConfigStore.instance().store(group="hydra/sweeper", name="dapple", node=DappleSweeperConf, provider="dapple_lightning")

@@ -40,5 +40,13 @@ def main(cfg: DictConfig) -> float:
     return fake_samples_per_s(plan, cfg.data.batch_size)
 
 
+def search_model(cfg: DictConfig) -> Any:
+    """What the planner profiles for this app (``hydra.sweeper.model=sweep_app:search_model``): an
+    MLP with as many layers as the config says."""
+    from dapple_lightning.search.testing import mlp
+
+    return mlp(batch_size=cfg.data.batch_size, layers=cfg.model.num_layers // 2)
+
+
 if __name__ == "__main__":
     main()

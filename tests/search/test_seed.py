@@ -13,7 +13,7 @@ from dapple_lightning.search import PlanSpace, TrialConfig, compute_units, local
 # Four layers of equal cost with 0.1 GB of weights each: data parallelism's all-reduces are its
 # only extra work, so it is the fastest plan on independent devices and the slowest on shared cores.
 PROFILE = ModelProfile(tuple(LayerProfile(f"l{i}", 1.0, 2.0, 100, 10**8) for i in range(4)), 4).to_dict()
-SPACE = PlanSpace(num_layers=4, world_size=4, global_batch=8, micro_batches=(1, 2, 4, 8), max_stages=4)
+SPACE = PlanSpace(4, 4, 8, micro_batches=(1, 2, 4, 8), schedules=("dapple",), max_stages=4)
 
 
 def test_seeds_are_the_cost_models_best_plans_of_the_space():
@@ -41,3 +41,13 @@ def test_compute_units_are_the_cores_over_a_ranks_threads():
     wide = TrialConfig("m:f", world_size=4, global_batch=8, threads_per_rank=cores + 1)
     assert compute_units(wide) == 1
     assert compute_units(TrialConfig("m:f", world_size=2, global_batch=8, accelerator="cuda")) is None
+
+
+def test_plans_that_run_alike_under_every_schedule_are_seeded_once():
+    space = PlanSpace(num_layers=4, world_size=2, global_batch=8, micro_batches=(1, 2), schedules=("dapple", "gpipe"))
+    seeds = [s.plan for s in planner_seeds(PROFILE, space, 20)]
+    alike = [(p.stages, p.micro_batches) for p in seeds if p.num_stages == 1 or p.micro_batches == 1]
+    assert len(alike) == len(set(alike)) > 0
+    assert all(p.schedule == "dapple" for p in seeds if p.num_stages == 1 or p.micro_batches == 1)
+    # With two stages and two micro-batches the schedules differ: both may be seeded.
+    assert {p.schedule for p in seeds if p.num_stages == 2 and p.micro_batches == 2} == {"dapple", "gpipe"}

@@ -100,6 +100,34 @@ def test_sweeper_runs_plans_as_jobs_and_resumes(tmp_path):
     assert "world_size: 4 != 2" in other.stderr
 
 
+def test_the_planner_seeds_the_sweep_after_the_baselines(tmp_path):
+    storage = f"sqlite:///{tmp_path / 'sweep.db'}"
+    common = (f"hydra.sweeper.storage={storage}", "hydra.sweeper.confirm_repeats=0")
+    seeded = ("hydra.sweeper.study_name=seeded", "hydra.sweeper.model=sweep_app:search_model")
+    done = sweep(tmp_path, *common, *seeded, "hydra.sweeper.n_trials=5", "hydra.sweeper.space.micro_batches=[1,2,4]")
+    assert done.returncode == 0, done.stderr[-3000:]
+    study = optuna.load_study(study_name="seeded", storage=storage)
+    sources = [t.user_attrs.get("source") for t in study.get_trials()]
+    assert study.user_attrs["baselines_enqueued"] == ["data_parallel"]  # no straight pipeline with M <= 4
+    assert len(study.user_attrs["planner_seeded"]) == 3
+    picks = sources.count("planner")  # the picks that are not data parallelism, measured next
+    assert 2 <= picks <= 3 and sources[: 1 + picks] == ["data_parallel"] + ["planner"] * picks
+    assert all(t.user_attrs["predicted_step_s"] > 0 for t in study.get_trials() if "predicted_step_s" in t.user_attrs)
+    assert "planner pick #0" in done.stdout + done.stderr
+    # Resumed, the study is not profiled again.
+    again = sweep(tmp_path, *common, *seeded, "hydra.sweeper.n_trials=6", "hydra.sweeper.space.micro_batches=[1,2,4]")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "profiling" not in again.stdout + again.stderr
+
+    # A model that does not match the space is not used; the sweep says why and goes on.
+    wrong = ("hydra.sweeper.study_name=wrong", "hydra.sweeper.model=sweep_app:search_model", "model.num_layers=4")
+    other = sweep(tmp_path, *common, *wrong, "hydra.sweeper.n_trials=2", "hydra.sweeper.space.num_layers=6")
+    assert other.returncode == 0, other.stderr[-3000:]
+    reason = optuna.load_study(study_name="wrong", storage=storage).user_attrs["planner_seeded"]
+    assert reason == "the model has 4 layers, the space 6"
+    assert "not seeding with the planner: the model has 4 layers" in other.stdout + other.stderr
+
+
 def test_job_results_become_objective_values():
     from dapple_lightning.search._hydra import _objective
 

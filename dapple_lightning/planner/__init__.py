@@ -20,14 +20,9 @@ from dapple_lightning.planner._dp import (
 )
 from dapple_lightning.planner._links import MEMORY_MARGIN, compute_units, device_memory, measure_cluster, node_ranks
 from dapple_lightning.planner._measure import SETTLE_STEPS, fixed_part, fresh_leaves, map_tensors, profile_layers
+from dapple_lightning.planner._pipedream import REFERENCE_PROFILES, load_profile, read_pipedream
 from dapple_lightning.planner._placement import PLACEMENTS, allocate, place
-from dapple_lightning.planner._profile import (
-    REFERENCE_PROFILES,
-    LayerProfile,
-    ModelProfile,
-    load_profile,
-    read_pipedream,
-)
+from dapple_lightning.planner._profile import LayerProfile, ModelProfile
 from dapple_lightning.planner._select import (
     TRIAL_DROP,
     TRIAL_LIMIT,

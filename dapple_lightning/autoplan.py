@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import os
 import statistics
 import time
 from collections import OrderedDict
@@ -49,6 +48,7 @@ from dapple_lightning.planner import (
     estimate,
     fixed_part,
     fresh_leaves,
+    measure_cluster,
     measure_in_turns,
     profile_layers,
     refine,
@@ -90,8 +90,9 @@ class AutoPlan:
             f"dapple plan='auto': profiled {self.profile.num_layers} layers and the process group"
             + (f", measured {len(self.trials)} close plans," if self.trials else "")
             + f" in {self.profiling_s:.1f} s",
-            f"cluster: {self.cluster.nodes} node(s) x {self.cluster.devices_per_node} device(s), point-to-point "
-            f"{self.cluster.intra_p2p_bw / GB:.2f} GB/s, all-reduce {self.cluster.intra_allreduce_bw / GB:.2f} GB/s "
+            f"cluster: {self.cluster.nodes} node(s) x {self.cluster.devices_per_node} device(s); point-to-point "
+            f"{self.cluster.intra_p2p_bw / GB:.2f} GB/s within a node, {self.cluster.inter_p2p_bw / GB:.2f} across; "
+            f"all-reduce {self.cluster.intra_allreduce_bw / GB:.2f} / {self.cluster.inter_allreduce_bw / GB:.2f} GB/s "
             "per link",
             self.plan.table(),
         ]
@@ -260,87 +261,6 @@ def _with_step_outside(
         last["forward_fixed_s"] += fixed_part(fwd, small[1], big[0], small[0])
         last["backward_fixed_s"] += fixed_part(bwd, small[2], big[0], small[0])
     return ModelProfile.from_dict(data)
-
-
-def _timed(fn: Callable[[], Any], repeats: int) -> float:
-    # The median, not the fastest: the spread is the link's own, not the machine's noise, and
-    # training's gradient all-reduces take the median's time, well above the best one's
-    # (docs/benchmarks.md, "Links at their median").
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def _bandwidth(nbytes: int, seconds: float, latency: float) -> float:
-    """Bytes per second from one timed transfer; the latency is left out only while it is the smaller part."""
-    payload = seconds - latency if seconds > 2 * latency else seconds
-    return nbytes / max(payload, 1e-9)
-
-
-def measure_cluster(device: torch.device, *, nodes: int = 1, repeats: int = 9) -> Cluster:
-    """Point-to-point and all-reduce speed of the current process group (collective on every rank)."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    per_node = max(world // nodes, 1)
-    if device.type == "cuda":
-        memory = float(torch.cuda.get_device_properties(device).total_memory)
-    else:
-        memory = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / per_node
-    if world == 1:
-        return Cluster(1, 1, 1e12, 1e12, 1e12, 1e12, latency_s=0.0, memory_bytes=memory)
-
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    def ping(nbytes: int, peer: int) -> float:
-        buf = torch.zeros(max(nbytes // 4, 1), dtype=torch.float32, device=device)
-
-        def once() -> None:
-            if rank == 0:
-                dist.send(buf, peer)
-                dist.recv(buf, peer)
-            elif rank == peer:
-                dist.recv(buf, 0)
-                dist.send(buf, 0)
-            sync()
-
-        once()  # connect
-        return _timed(once, repeats) / 2
-
-    def allreduce(nbytes: int) -> float:
-        buf = torch.zeros(max(nbytes // 4, 1), dtype=torch.float32, device=device)
-
-        def once() -> None:
-            dist.all_reduce(buf)
-            sync()
-
-        once()
-        return _timed(once, repeats)
-
-    big = 8 * 2**20
-    latency = ping(8, 1)
-    p2p = _bandwidth(big, ping(big, 1), latency)
-    ring = allreduce(big)
-    allreduce_bw = _bandwidth(int(2 * (world - 1) / world * big), ring, 2 * (world - 1) * latency)
-    inter_p2p, inter_ar = p2p, allreduce_bw
-    if nodes > 1:  # the world ring crosses servers; a pair on one server shows the fast links
-        inter_p2p = _bandwidth(big, ping(big, per_node), latency)
-    numbers = torch.tensor([latency, p2p, allreduce_bw, inter_p2p, inter_ar], dtype=torch.float64)
-    dist.broadcast(numbers, 0)  # every rank plans from rank 0's figures
-    latency, p2p, allreduce_bw, inter_p2p, inter_ar = numbers.tolist()
-    return Cluster(
-        nodes,
-        per_node,
-        intra_p2p_bw=p2p,
-        inter_p2p_bw=inter_p2p,
-        intra_allreduce_bw=allreduce_bw,
-        inter_allreduce_bw=inter_ar,
-        latency_s=latency,
-        memory_bytes=memory,
-    )
 
 
 _TIMES = ("forward_s", "backward_s", "forward_fixed_s", "backward_fixed_s", "update_s", "accumulate_s")

@@ -3,8 +3,8 @@ policy that chooses among plans the model cannot tell apart (:func:`shortlist`,
 :func:`measure_in_turns`, :func:`refine`).
 
 Pure Python: nothing here starts a process group or needs a device, except
-:func:`profile_layers`, which times layers on the current device (and imports torch only
-when called).
+:func:`profile_layers`, which times layers on the current device, and :func:`measure_cluster`,
+which times the process group's links (both import torch only when called).
 """
 
 from dapple_lightning.planner._baselines import baselines, data_parallel_plan, pipedream_plan, straight_plan
@@ -18,15 +18,11 @@ from dapple_lightning.planner._dp import (
     plan_dapple,
     replica_candidates,
 )
+from dapple_lightning.planner._links import MEMORY_MARGIN, compute_units, device_memory, measure_cluster, node_ranks
 from dapple_lightning.planner._measure import SETTLE_STEPS, fixed_part, fresh_leaves, map_tensors, profile_layers
+from dapple_lightning.planner._pipedream import REFERENCE_PROFILES, load_profile, read_pipedream
 from dapple_lightning.planner._placement import PLACEMENTS, allocate, place
-from dapple_lightning.planner._profile import (
-    REFERENCE_PROFILES,
-    LayerProfile,
-    ModelProfile,
-    load_profile,
-    read_pipedream,
-)
+from dapple_lightning.planner._profile import LayerProfile, ModelProfile
 from dapple_lightning.planner._select import (
     TRIAL_DROP,
     TRIAL_LIMIT,
@@ -43,6 +39,7 @@ from dapple_lightning.planner._simulator import Event, Simulation, simulate_plan
 
 __all__ = [
     "GB",
+    "MEMORY_MARGIN",
     "PLACEMENTS",
     "REFERENCE_PROFILES",
     "SETTLE_STEPS",
@@ -64,15 +61,19 @@ __all__ = [
     "allocate",
     "baselines",
     "best_over_micro_batches",
+    "compute_units",
     "data_parallel_plan",
+    "device_memory",
     "estimate",
     "fixed_part",
     "fresh_leaves",
     "least_memory",
     "load_profile",
     "map_tensors",
+    "measure_cluster",
     "measure_in_turns",
     "micro_batch_candidates",
+    "node_ranks",
     "pipedream_plan",
     "place",
     "plan_dapple",

@@ -23,8 +23,8 @@ from dapple_lightning.plan import SCHEDULES
 from dapple_lightning.planner._baselines import baselines
 from dapple_lightning.planner._cluster import GB, Cluster
 from dapple_lightning.planner._dp import PlannedPlan, plan_dapple
+from dapple_lightning.planner._pipedream import load_profile
 from dapple_lightning.planner._placement import PLACEMENTS
-from dapple_lightning.planner._profile import load_profile
 
 
 def _ints(text: str) -> list[int]:

@@ -61,8 +61,10 @@ cores, and one that keeps only as many busy as there are units does not.
 
 **Memory** per device of stage ``s``: parameters + gradients (same size) + optimizer state
 (``optimizer_factor`` x parameters unless the profile gives bytes; Adam keeps 2) + ``K_s``
-micro-batches of the stage's layer outputs at ``n_s`` samples, ``K_s = min(S - s, M)`` for
-DAPPLE and ``M`` for GPipe.
+micro-batches of the stage's activations at ``n_s`` samples, ``K_s = min(S - s, M)`` for
+DAPPLE and ``M`` for GPipe. A layer's activations are its measured peak (``peak_bytes``, on
+CUDA: what it saved plus its passes' workspace, counted for every live micro-batch, which errs
+on the side that fits) or else its output.
 """
 
 from __future__ import annotations
@@ -201,7 +203,7 @@ class CostModel:
         layers = self.profile.layers
         object.__setattr__(self, "_forward", prefix([x.forward_s for x in layers]))
         object.__setattr__(self, "_backward", prefix([x.backward_s for x in layers]))
-        object.__setattr__(self, "_activation", prefix([float(x.activation_bytes) for x in layers]))
+        object.__setattr__(self, "_activation", prefix([float(x.activation_memory) for x in layers]))
         object.__setattr__(self, "_params", prefix([float(x.param_bytes) for x in layers]))
         object.__setattr__(self, "_static", prefix([2.0 * x.param_bytes + x.optimizer_bytes(factor) for x in layers]))
         object.__setattr__(self, "_forward_fixed", prefix([x.forward_fixed_s for x in layers]))
@@ -220,7 +222,8 @@ class CostModel:
     def prefix_sums(
         self,
     ) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
-        """Prefix sums over layers of forward s, backward s, activation bytes, parameter bytes and
+        """Prefix sums over layers of forward s, backward s, activation memory (see
+        ``LayerProfile.activation_memory``), parameter bytes and
         static bytes (parameters + gradients + optimizer state), at the profile batch."""
         return self._forward, self._backward, self._activation, self._params, self._static
 

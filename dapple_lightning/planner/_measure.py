@@ -110,9 +110,8 @@ def profile_layers(
     ``warmup`` untimed runs, each layer's median over ``repeats`` timed runs is kept. Each run
     (on ``small_batch`` rows when given) is followed by a second that adds into the gradients
     the first created; for layers with parameters, the median difference of their backwards is
-    their ``accumulate_s``. Output bytes and parameter bytes are counted. The
-    profile batch size is ``sample_input``'s first dimension. Parameter gradients are cleared
-    (set to ``None``) afterwards.
+    their ``accumulate_s``. Output and parameter bytes are counted, on CUDA each layer's peak memory too
+    (:class:`_Peaks`). The profile batch is ``sample_input``'s first dimension; gradients are cleared after.
 
     Args:
         layers: The modules, e.g. an ``nn.Sequential``.
@@ -139,12 +138,12 @@ def profile_layers(
     modules = list(layers)
     batch, device = _checked(modules, sample_input, repeats, warmup, small_batch)
     # Adding into gradients costs the same at any batch: it is timed on the cheaper pass.
-    timed, output_bytes, accumulate = _time_layers(
+    timed, output_bytes, accumulate, peaks = _time_layers(
         modules, sample_input, repeats, warmup, device, accumulate=small_batch is None
     )
     fixed = [(0.0, 0.0)] * len(modules)
     if small_batch is not None:
-        small, _, accumulate = _time_layers(
+        small, _, accumulate, _ = _time_layers(
             modules, _rows(sample_input, small_batch), repeats, warmup, device, accumulate=True
         )
         fixed = [
@@ -152,8 +151,8 @@ def profile_layers(
             for (big_f, big_b), (small_f, small_b) in zip(timed, small)
         ]
     profiles: list[LayerProfile] = []
-    for index, (module, (fwd, bwd), (fwd_fixed, bwd_fixed), nbytes, added) in enumerate(
-        zip(modules, timed, fixed, output_bytes, accumulate)
+    for index, (module, (fwd, bwd), (fwd_fixed, bwd_fixed), nbytes, added, peak) in enumerate(
+        zip(modules, timed, fixed, output_bytes, accumulate, peaks)
     ):
         params = [p for p in module.parameters() if p.requires_grad]
         update = _time_update(params, optimizer, repeats, warmup, device, in_step) if optimizer and params else 0.0
@@ -168,6 +167,7 @@ def profile_layers(
                 backward_fixed_s=bwd_fixed,
                 update_s=update,
                 accumulate_s=added,
+                peak_bytes=peak,
             )
         )
     return ModelProfile(layers=tuple(profiles), profile_batch_size=int(batch), device=_device_name(device))
@@ -207,10 +207,9 @@ def _time_layers(
     device: torch.device,
     *,
     accumulate: bool = False,
-) -> tuple[list[tuple[float, float]], list[int], list[float]]:
-    """Median forward and backward seconds of each layer, the bytes of each layer's output and,
-    with ``accumulate``, what a backward costs more when it adds into existing gradients (0
-    otherwise).
+) -> tuple[list[tuple[float, float]], list[int], list[float], list[int | None]]:
+    """Median forward and backward seconds of each layer, the bytes of each layer's output, with ``accumulate``
+    what a backward costs more when it adds into existing gradients (0 otherwise), and (:class:`_Peaks`) its peak.
 
     Each run goes through the chain as training does: every layer's forward in order, then every
     layer's backward in reverse. Timing one layer many times in a row instead finds its weights
@@ -219,11 +218,11 @@ def _time_layers(
     """
     import torch
 
-    count = len(modules)
-    generator = torch.Generator(device=device).manual_seed(0)
+    count, generator = len(modules), torch.Generator(device=device).manual_seed(0)
     on_copy: set[int] = set()  # layers that change their input in place (see _forward)
+    peaks, idle = _Peaks(modules, device), _Peaks(modules, device, measure=False)
 
-    def chain() -> tuple[list[float], list[float], list[int]]:
+    def chain(memory: _Peaks) -> tuple[list[float], list[float], list[int]]:
         """One pass: every forward in order, then every backward in reverse; seconds and output bytes."""
         forward_s: list[float] = []
         outputs: list[Any] = []
@@ -233,10 +232,12 @@ def _time_layers(
             # but the first must, and goes no further.
             inputs = fresh_leaves(value)
             _sync(device)
+            base = memory.begin()
             start = time.perf_counter()
             output = _forward(module, inputs, index, on_copy)
             _sync(device)
             forward_s.append(time.perf_counter() - start)
+            memory.forward_done(index, base)
             outputs.append(output)
             value = _detached(output)
         backward_s = [0.0] * count
@@ -245,10 +246,12 @@ def _time_layers(
             if outs:
                 grads = [torch.randn(t.shape, generator=generator, device=t.device, dtype=t.dtype) for t in outs]
                 _sync(device)
+                base = memory.begin()
                 start = time.perf_counter()
                 torch.autograd.backward(outs, grads)
                 _sync(device)
                 backward_s[k] = time.perf_counter() - start
+                memory.backward_done(k, base)
             outputs[k] = _detached(outputs[k])  # frees the layer's graph
         return forward_s, backward_s, [sum(t.numel() * t.element_size() for t in _tensors(o)) for o in outputs]
 
@@ -257,11 +260,12 @@ def _time_layers(
     added: list[list[float]] = [[] for _ in modules]
     output_bytes: list[int] = []
     for run in range(warmup + repeats):
-        forward_s, backward_s, output_bytes = chain()  # the gradients are created
+        # The gradients are created; the last run reads the peaks.
+        forward_s, backward_s, output_bytes = chain(peaks if run == warmup + repeats - 1 else idle)
         if accumulate:
             # A second pass adds into them, its layers apart from one another as in training
             # (back to back, a layer finds its gradients in cache and adds for nearly nothing).
-            _, again, _ = chain()
+            _, again, _ = chain(idle)
         for module in modules:
             module.zero_grad(set_to_none=True)
         if run < warmup:
@@ -274,7 +278,52 @@ def _time_layers(
     has_params = [any(p.requires_grad for p in m.parameters()) for m in modules]
     times = [(statistics.median(f), statistics.median(b)) for f, b in zip(forward_times, backward_times)]
     extra = [max(statistics.median(a), 0.0) if a and params else 0.0 for a, params in zip(added, has_params)]
-    return times, output_bytes, extra
+    return times, output_bytes, extra, peaks.result()
+
+
+class _Peaks:
+    """Each layer's peak memory on CUDA, from the caching allocator's counters.
+
+    Around a layer's forward: the peak above what was allocated before it, and what stays
+    allocated after it (its output and what autograd saved for its backward). Around its
+    backward (the saved tensors still allocated): the peak above what was allocated before. The
+    layer's ``peak_bytes`` is the larger of the forward's peak and what it kept plus the
+    backward's peak, less its parameters' gradients, which the backward creates and the planner
+    counts with the parameters. Elsewhere there are no such counters: nothing is measured.
+    """
+
+    def __init__(self, modules: list[torch.nn.Module], device: torch.device, *, measure: bool = True) -> None:
+        self.device, self.on = device, measure and device.type == "cuda"
+        count = len(modules)
+        self.forward, self.kept, self.backward = [0] * count, [0] * count, [0] * count
+        self.grads = [sum(p.numel() * p.element_size() for p in m.parameters() if p.requires_grad) for m in modules]
+
+    def begin(self) -> int:
+        """Reset the peak; what is allocated now."""
+        import torch
+
+        if not self.on:
+            return 0
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return torch.cuda.memory_allocated(self.device)
+
+    def forward_done(self, index: int, base: int) -> None:
+        import torch
+
+        if self.on:
+            self.forward[index] = torch.cuda.max_memory_allocated(self.device) - base
+            self.kept[index] = torch.cuda.memory_allocated(self.device) - base
+
+    def backward_done(self, index: int, base: int) -> None:
+        import torch
+
+        if self.on:
+            self.backward[index] = torch.cuda.max_memory_allocated(self.device) - base
+
+    def result(self) -> list[int | None]:
+        if self.device.type != "cuda":
+            return [None] * len(self.forward)
+        return [max(f, k + b - g, 0) for f, k, b, g in zip(self.forward, self.kept, self.backward, self.grads)]
 
 
 def fixed_part(big: float, small: float, big_rows: int, small_rows: int) -> float:

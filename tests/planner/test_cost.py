@@ -154,3 +154,15 @@ def test_enough_compute_units_change_nothing():
     assert not roomy.shares_compute
     for plan in (Plan.data_parallel(4, 4, 2), Plan(TWO_BY_TWO, 2)):
         assert estimate(plan, PROFILE, roomy, 8) == estimate(plan, PROFILE, SLOW, 8)
+
+
+def test_measured_peaks_replace_the_outputs_in_memory():
+    peaks = ModelProfile(
+        tuple(dataclasses.replace(x, peak_bytes=300) for x in PROFILE.layers[:2]) + PROFILE.layers[2:],
+        profile_batch_size=4,
+    )
+    est = estimate(Plan(TWO_BY_TWO, 2), peaks, SLOW, 8)
+    # stage 0 keeps K = 2 micro-batches of two layers at half the profile batch, now 300 bytes each
+    assert est.memory_bytes == (4e9 + 2 * 300, 4e9 + 1 * 100)
+    # time does not change, nor do the bytes that cross the cut
+    assert est.step_s == estimate(Plan(TWO_BY_TWO, 2), PROFILE, SLOW, 8).step_s

@@ -105,3 +105,29 @@ def test_a_layer_that_changes_its_input_in_place_is_profiled_on_a_copy():
     profile = profile_layers(layers, torch.randn(4, 3, 8, 8), repeats=2, warmup=1, small_batch=2)
     assert [x.name for x in profile.layers] == ["0:Conv2d", "1:ReLU", "2:MaxPool2d", "3:ReLU"]
     assert all(x.forward_s > 0 for x in profile.layers) and profile.layers[1].backward_s > 0
+
+
+def test_cpu_profiles_measure_no_peaks():
+    profile = profile_layers(nn.Sequential(nn.Linear(4, 8), nn.Tanh()), torch.randn(8, 4), repeats=1, warmup=0)
+    assert [x.peak_bytes for x in profile.layers] == [None, None]
+
+
+class Saves(nn.Module):
+    """Saves four times its output for the backward (the intermediate of each of four tanh)."""
+
+    def forward(self, x):
+        for _ in range(4):
+            x = torch.tanh(x)
+        return x
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_peaks_count_what_a_layer_saves_not_only_its_output():
+    device = torch.device("cuda", 0)
+    layers = nn.Sequential(nn.Linear(256, 256), Saves()).to(device)
+    profile = profile_layers(layers, torch.randn(512, 256, device=device), repeats=2, warmup=1)
+    linear, saves = profile.layers
+    assert saves.peak_bytes >= 4 * saves.activation_bytes
+    # the linear layer keeps its output and makes its input's gradient (as large); its parameters'
+    # gradients are counted with the parameters, not here
+    assert linear.activation_bytes <= linear.peak_bytes <= 2 * linear.activation_bytes + 4096

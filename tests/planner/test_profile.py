@@ -175,3 +175,24 @@ layers = st.builds(
 def test_dict_round_trip(items, pbs):
     profile = ModelProfile(tuple(items), pbs, "cpu")
     assert ModelProfile.from_dict(json.loads(json.dumps(profile.to_dict()))) == profile
+
+
+def test_peak_bytes_round_trip_and_old_profiles_still_load(tmp_path):
+    old = {"name": "a", "forward_s": 1.0, "backward_s": 2.0, "activation_bytes": 100, "param_bytes": 8}
+    assert LayerProfile.from_dict(old).peak_bytes is None
+    assert "peak_bytes" not in LayerProfile.from_dict(old).to_dict()  # a CPU profile is written as before
+    measured = LayerProfile("b", 1.0, 2.0, 100, 8, peak_bytes=350.0)
+    assert measured.peak_bytes == 350 and isinstance(measured.peak_bytes, int)
+    assert LayerProfile.from_dict(measured.to_dict()) == measured
+    profile = ModelProfile((LayerProfile.from_dict(old), measured), profile_batch_size=4)
+    profile.save(tmp_path / "p.json")
+    assert ModelProfile.load(tmp_path / "p.json") == profile
+    # the planner counts the peak where measured, the output elsewhere; cuts stay the outputs
+    assert [x.activation_memory for x in profile.layers] == [100, 350]
+    assert profile.cut_bytes == (0, 100, 0)
+
+
+@pytest.mark.parametrize(("value", "error"), [(-1, ValueError), (True, TypeError), ("9", TypeError)])
+def test_bad_peak_bytes_are_refused(value, error):
+    with pytest.raises(error, match="peak_bytes"):
+        LayerProfile("a", 1.0, 2.0, 100, 8, peak_bytes=value)

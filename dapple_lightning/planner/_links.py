@@ -1,0 +1,216 @@
+"""Measure what the planner needs to know of the machines: links within and across nodes, memory, cores.
+
+Ranks are numbered node-major, as Lightning and torchrun number them: rank ``r`` runs on node
+``r // per_node``. A ring over the whole world crosses servers, so its all-reduce shows the
+network's speed and not NVLink's; the figures within a node therefore come from ranks of one node
+only (a pair for point-to-point, a node's own group for the all-reduce), those across nodes from a
+pair on two nodes and from the world ring. Like :func:`profile_layers`, this imports torch only
+when called.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from dapple_lightning.planner._cluster import Cluster
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["MEMORY_MARGIN", "compute_units", "device_memory", "measure_cluster", "node_ranks"]
+
+MEMORY_MARGIN = 0.1
+"""Share of a GPU's total memory a plan leaves unused: what comes onto the device after planning
+(the stages' NCCL communicators and their buffers, kernels loaded on first use) and the caching
+allocator's fragmentation."""
+
+_MESSAGE = 8 * 2**20
+"""Bytes of the messages that measure bandwidth: large enough that latency is the smaller part."""
+
+
+def node_ranks(world: int, nodes: int) -> list[list[int]]:
+    """The ranks of each node, node-major: ``node_ranks(4, 2) == [[0, 1], [2, 3]]``."""
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
+        raise ValueError(f"nodes must be an integer >= 1, got {nodes!r}")
+    if world % nodes:
+        raise ValueError(
+            f"{world} ranks do not split evenly over {nodes} nodes; start as many processes on every node "
+            "(Trainer(num_nodes=..., devices=...))"
+        )
+    per_node = world // nodes
+    return [list(range(n * per_node, (n + 1) * per_node)) for n in range(nodes)]
+
+
+def compute_units(device: torch.device) -> int | None:
+    """How many of a node's ranks can compute at once: ``None`` on GPUs (each has its own), else
+    the cores this process may use over its threads (CPU ranks on one machine share its cores)."""
+    import torch
+
+    if device.type == "cuda":
+        return None
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, cores // torch.get_num_threads())
+
+
+def device_memory(device: torch.device, per_node: int) -> float:
+    """Bytes a plan may use on ``device``.
+
+    On a GPU: what is free now plus what this process's caching allocator already holds (the
+    model being planned is in it, and the plan counts it), less :data:`MEMORY_MARGIN` of the total;
+    not the total memory, of which other processes and the CUDA context hold part. On CPU: the
+    machine's memory shared evenly by the node's ranks.
+    """
+    import torch
+
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return max(float(free + torch.cuda.memory_reserved(device)) - MEMORY_MARGIN * total, 1.0)
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / per_node
+
+
+def _timed(fn: Callable[[], Any], repeats: int) -> float:
+    # The median, not the fastest: the spread is the link's own, not the machine's noise, and
+    # training's gradient all-reduces take the median's time, well above the best one's
+    # (docs/benchmarks.md, "Links at their median").
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _bandwidth(nbytes: int, seconds: float, latency: float) -> float:
+    """Bytes per second from one timed transfer; the latency is left out only while it is the smaller part."""
+    payload = seconds - latency if seconds > 2 * latency else seconds
+    return nbytes / max(payload, 1e-9)
+
+
+class _Meter:
+    """Times messages from this rank; rank 0's times are the ones every rank plans from.
+
+    Each timed call ends with the device synchronised, so that a GPU's time is counted and not
+    only the launch's.
+    """
+
+    def __init__(self, device: torch.device, repeats: int) -> None:
+        import torch.distributed as dist
+
+        self.device, self.repeats, self.rank = device, repeats, dist.get_rank()
+
+    def _sync(self) -> None:
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _buffer(self, nbytes: int) -> torch.Tensor:
+        import torch
+
+        return torch.zeros(max(nbytes // 4, 1), dtype=torch.float32, device=self.device)
+
+    def ping(self, nbytes: int, peer: int) -> float:
+        """One-way seconds of ``nbytes`` between rank 0 and ``peer`` (half a round trip)."""
+        import torch.distributed as dist
+
+        buf = self._buffer(nbytes)
+
+        def once() -> None:
+            if self.rank == 0:
+                dist.send(buf, peer)
+                dist.recv(buf, peer)
+            elif self.rank == peer:
+                dist.recv(buf, 0)
+                dist.send(buf, 0)
+            self._sync()
+
+        once()  # connects the pair
+        return _timed(once, self.repeats) / 2
+
+    def ring(self, nbytes: int, group: Any, replicas: int, latency: float) -> float:
+        """Per-link bytes/s of a ring all-reduce of ``nbytes`` over ``group`` (``replicas`` ranks)."""
+        import torch.distributed as dist
+
+        buf = self._buffer(nbytes)
+
+        def once() -> None:
+            dist.all_reduce(buf, group=group)
+            self._sync()
+
+        once()
+        seconds = _timed(once, self.repeats)
+        return _bandwidth(int(2 * (replicas - 1) / replicas * nbytes), seconds, 2 * (replicas - 1) * latency)
+
+
+def measure_cluster(device: torch.device, *, nodes: int = 1, repeats: int = 9) -> Cluster:
+    """The links, memory and compute units of the current process group, ``nodes`` nodes of
+    ranks numbered node-major (collective on every rank; every rank returns rank 0's figures).
+
+    Within a node: point-to-point between ranks 0 and 1, all-reduce over each node's own ranks
+    (every node at once, as stages on different nodes reduce at once). Across nodes:
+    point-to-point between rank 0 and the first rank of node 1, all-reduce over the world. A
+    cluster of one rank per node has no link within a node, one node none across: the missing
+    figures are the measured ones. The memory is the least any rank may use
+    (:func:`device_memory`).
+    """
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    members = node_ranks(world, nodes)
+    per_node = len(members[0])
+    memory = device_memory(device, per_node)
+    units = compute_units(device)
+    if world == 1:
+        return Cluster(1, 1, 1e12, 1e12, 1e12, 1e12, latency_s=0.0, memory_bytes=memory, compute_units=units)
+    # new_group is collective over the world: every rank creates every node's group, in node order.
+    groups = [dist.new_group(ranks) for ranks in members] if per_node > 1 and nodes > 1 else []
+    try:
+        figures = _measure_links(_Meter(device, repeats), nodes, per_node, groups)
+    finally:
+        for ranks, group in zip(members, groups):
+            if dist.get_rank() in ranks:
+                dist.destroy_process_group(group)
+    numbers = torch.tensor([*figures, memory], dtype=torch.float64, device=device)
+    least = numbers[-1:].clone()
+    dist.all_reduce(least, op=dist.ReduceOp.MIN)  # the plan must fit the tightest rank
+    dist.broadcast(numbers, 0)  # every rank plans from rank 0's figures
+    latency, intra_p2p, inter_p2p, intra_ar, inter_ar, _ = numbers.tolist()
+    return Cluster(
+        nodes,
+        per_node,
+        intra_p2p_bw=intra_p2p,
+        inter_p2p_bw=inter_p2p,
+        intra_allreduce_bw=intra_ar,
+        inter_allreduce_bw=inter_ar,
+        latency_s=latency,
+        memory_bytes=float(least.item()),
+        compute_units=units,
+    )
+
+
+def _measure_links(meter: _Meter, nodes: int, per_node: int, groups: list[Any]) -> tuple[float, ...]:
+    """``(latency, intra p2p, inter p2p, intra all-reduce, inter all-reduce)`` as rank 0 times them."""
+    near = 1 if per_node > 1 else None  # rank 0's neighbour on its own node
+    far = per_node if nodes > 1 else None  # the first rank of node 1
+    latency = meter.ping(8, near if near is not None else far)
+    intra_p2p = _bandwidth(_MESSAGE, meter.ping(_MESSAGE, near), latency) if near is not None else None
+    inter_p2p = _bandwidth(_MESSAGE, meter.ping(_MESSAGE, far), latency) if far is not None else None
+    intra_ar = inter_ar = None
+    if per_node > 1:
+        own = groups[meter.rank // per_node] if groups else None  # one node: the world is the node
+        intra_ar = meter.ring(_MESSAGE, own, per_node, latency)
+    if nodes > 1:
+        inter_ar = meter.ring(_MESSAGE, None, nodes * per_node, latency)
+    intra_p2p = intra_p2p if intra_p2p is not None else inter_p2p
+    inter_p2p = inter_p2p if inter_p2p is not None else intra_p2p
+    intra_ar = intra_ar if intra_ar is not None else inter_ar
+    inter_ar = inter_ar if inter_ar is not None else intra_ar
+    return latency, intra_p2p, inter_p2p, intra_ar, inter_ar  # type: ignore[return-value]

@@ -328,9 +328,9 @@ def measure_cluster(device: torch.device, *, nodes: int = 1, repeats: int = 9) -
     inter_p2p, inter_ar = p2p, allreduce_bw
     if nodes > 1:  # the world ring crosses servers; a pair on one server shows the fast links
         inter_p2p = _bandwidth(big, ping(big, per_node), latency)
-    numbers = torch.tensor([latency, p2p, allreduce_bw, inter_p2p, inter_ar], dtype=torch.float64)
+    numbers = torch.tensor([latency, p2p, allreduce_bw, inter_p2p, inter_ar], dtype=torch.float64, device=device)
     dist.broadcast(numbers, 0)  # every rank plans from rank 0's figures
-    latency, p2p, allreduce_bw, inter_p2p, inter_ar = numbers.tolist()
+    latency, p2p, allreduce_bw, inter_p2p, inter_ar = numbers.cpu().tolist()
     return Cluster(
         nodes,
         per_node,
@@ -346,15 +346,16 @@ def measure_cluster(device: torch.device, *, nodes: int = 1, repeats: int = 9) -
 _TIMES = ("forward_s", "backward_s", "forward_fixed_s", "backward_fixed_s", "update_s", "accumulate_s")
 
 
-def _averaged(profile: ModelProfile) -> ModelProfile:
-    """The ranks' mean times, so that every rank plans from the same numbers."""
+def _averaged(profile: ModelProfile, device: torch.device) -> ModelProfile:
+    """The ranks' mean times, so that every rank plans from the same numbers (reduced on ``device``,
+    the process group's)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return profile
     times = torch.tensor(
-        [[getattr(layer, key) for key in _TIMES] for layer in profile.layers], dtype=torch.float64
+        [[getattr(layer, key) for key in _TIMES] for layer in profile.layers], dtype=torch.float64, device=device
     ).reshape(-1)
     dist.all_reduce(times)
-    times = (times / dist.get_world_size()).reshape(-1, len(_TIMES)).tolist()
+    times = (times / dist.get_world_size()).reshape(-1, len(_TIMES)).cpu().tolist()
     data = profile.to_dict()
     for layer, values in zip(data["layers"], times):
         layer.update(zip(_TIMES, values))
@@ -447,7 +448,7 @@ def choose_plan(
     if step_outside is not None:
         big = (rows, *step_outside(rows))
         profile = _with_step_outside(profile, big, (small, *step_outside(small)) if small else None)
-    profile = _averaged(profile)
+    profile = _averaged(profile, device)
     cluster = measure_cluster(device, nodes=nodes)
     world = dist.get_world_size() if dist.is_initialized() else 1
     box: list[Any] = [None]

@@ -266,15 +266,16 @@ def _with_step_outside(
 _TIMES = ("forward_s", "backward_s", "forward_fixed_s", "backward_fixed_s", "update_s", "accumulate_s")
 
 
-def _averaged(profile: ModelProfile) -> ModelProfile:
-    """The ranks' mean times, so that every rank plans from the same numbers."""
+def _averaged(profile: ModelProfile, device: torch.device) -> ModelProfile:
+    """The ranks' mean times, so that every rank plans from the same numbers (reduced on ``device``,
+    the process group's)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return profile
     times = torch.tensor(
-        [[getattr(layer, key) for key in _TIMES] for layer in profile.layers], dtype=torch.float64
+        [[getattr(layer, key) for key in _TIMES] for layer in profile.layers], dtype=torch.float64, device=device
     ).reshape(-1)
     dist.all_reduce(times)
-    times = (times / dist.get_world_size()).reshape(-1, len(_TIMES)).tolist()
+    times = (times / dist.get_world_size()).reshape(-1, len(_TIMES)).cpu().tolist()
     data = profile.to_dict()
     for layer, values in zip(data["layers"], times):
         layer.update(zip(_TIMES, values))
@@ -367,7 +368,7 @@ def choose_plan(
     if step_outside is not None:
         big = (rows, *step_outside(rows))
         profile = _with_step_outside(profile, big, (small, *step_outside(small)) if small else None)
-    profile = _averaged(profile)
+    profile = _averaged(profile, device)
     cluster = measure_cluster(device, nodes=nodes)
     world = dist.get_world_size() if dist.is_initialized() else 1
     box: list[Any] = [None]

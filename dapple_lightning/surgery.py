@@ -370,9 +370,10 @@ def capture_input(
 def unchanged(module: nn.Module) -> Iterator[None]:
     """Within the block, profiling and trial steps may train: afterwards the module's parameters
     and buffers, its gradients (none) and the RNG states are as before, so that training with
-    the chosen plan starts exactly where training with that plan given by hand would."""
+    the chosen plan starts exactly where training with that plan given by hand would. The saved
+    copy is on the CPU: on a GPU a second copy of the whole model would halve what fits."""
     tensors = [*module.parameters(), *module.buffers()]
-    saved = [t.detach().clone() for t in tensors]
+    saved = [t.detach().to("cpu", copy=True) for t in tensors]
     cpu = torch.get_rng_state()
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     try:

@@ -51,8 +51,8 @@ class AutoSetting:
 
 
 def choose_automatically(setting: AutoSetting, batch: Any, chain: Chain) -> AutoPlan:
-    """Profile the layers of ``chain`` on a slice of ``batch`` (a global batch on the device),
-    measure close plans in real steps, and return the choice (collective on every rank).
+    """Profile the layers of ``chain`` on a slice of ``batch`` (a global batch on the device, as is
+    the module), measure close plans in real steps, and return the choice (collective on every rank).
 
     One Sequential's layers are profiled as they are; the blocks of a ModuleList, or the layers of
     several containers with the user's code between them, as the chain that the user's step makes
@@ -120,7 +120,8 @@ class Trials:
     once and never counted. The steps train: the caller puts the weights back
     (``surgery.unchanged``); :meth:`close` detaches the pipelines and puts the container back.
 
-    Every rank holds every layer throughout (nothing moves to the meta device): a plan's stage
+    Every rank holds every layer throughout, on its device (nothing moves to the meta device); the
+    copy that puts the weights back (``surgery.unchanged``) is kept on the CPU. A plan's stage
     stands in for the containers while that plan runs, built as training's cut builds it
     (``surgery.Cut``): for one Sequential the stage itself; for a ModuleList, or a chain of
     several containers, one stand-in per container holding the stage's layers among placeholders
@@ -190,7 +191,9 @@ class Trials:
         start = time.perf_counter()
         self._train_step(pipeline, params)  # connects the plan's process groups: not counted
         # Cheap steps are noisy: as many as fit the budget (every rank the same number).
-        wanted = torch.tensor([math.ceil(self._budget_s / (time.perf_counter() - start))], dtype=torch.int64)
+        wanted = torch.tensor(
+            [math.ceil(self._budget_s / (time.perf_counter() - start))], dtype=torch.int64, device=setting.device
+        )
         dist.all_reduce(wanted, op=dist.ReduceOp.MAX)
         return stage, pipeline, params, min(max(int(wanted), self._steps), 10 * self._steps)
 
@@ -220,10 +223,10 @@ class Trials:
         ]
         # Every rank's step time and passes; a step lasts until its slowest rank is done, and a
         # stage's pass until its slowest replica's.
-        mine = torch.tensor([[plan.stage_of(rank), seconds, *passes]], dtype=torch.float64)
+        mine = torch.tensor([[plan.stage_of(rank), seconds, *passes]], dtype=torch.float64, device=setting.device)
         everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(everyone, mine)
-        table = torch.cat(everyone)
+        table = torch.cat(everyone).cpu()  # one copy to the host, read below
         stages = range(plan.num_stages)
         return Measured(
             step_s=float(table[:, 1].max()),

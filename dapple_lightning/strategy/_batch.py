@@ -23,8 +23,9 @@ import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
+from torch.utils.data import DataLoader, RandomSampler
 
-__all__ = ["SameBatch"]
+__all__ = ["SameBatch", "same_order"]
 
 _PERIOD = 8191  # position weights (1 to 8191): a reordering of rows changes the weighted sum
 
@@ -54,6 +55,16 @@ class SameBatch:
         box = [move_data_to_device(batch, "cpu") if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(box, 0)
         return move_data_to_device(box[0], device)
+
+
+def same_order(dataloader: object, seed: int) -> object:
+    """``dataloader``, drawing the same order on every rank. A RandomSampler without a generator
+    draws its order from each process's global RNG, which the ranks consume differently (dropout in
+    different layers), so it gets a generator seeded identically on every rank."""
+    sampler = getattr(dataloader, "sampler", None)
+    if isinstance(dataloader, DataLoader) and isinstance(sampler, RandomSampler) and sampler.generator is None:
+        sampler.generator = torch.Generator().manual_seed(seed)
+    return dataloader
 
 
 def fingerprint(batch: Any, device: torch.device) -> Tensor:

@@ -17,7 +17,10 @@ values other ranks own. Saving fills them in without a full copy anywhere:
 
 Both write under a temporary name and rename, so a crash leaves the previous checkpoint
 whole; with ``async_save`` the writing runs in a background thread on a process group of its
-own after the values are copied (the only time training waits).
+own after the values are copied (the only time training waits). Under NCCL a synchronous save
+talks on the strategy's gloo group for waits on the host too: an owner's send to rank 0 (or a
+sharded save's gather) lasts as long as rank 0's writing, and in an NCCL collective that would
+trip the watchdog's timeout.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from torch.optim import Optimizer
 from dapple_lightning.checkpoint import by_name, to_local, to_single_device
 from dapple_lightning.plan import Plan
 from dapple_lightning.strategy import _sharded
+from dapple_lightning.strategy._failures import HOST_WAIT
 from dapple_lightning.strategy._stream import StreamingFile, write_atomically
 from dapple_lightning.surgery import Cut
 
@@ -71,8 +75,11 @@ class Checkpoints:
 
     # ------------------------------------------------------------------ who owns what
 
-    def attach(self, module: nn.Module, cut: Cut, plan: Plan, rank: int, device: torch.device, keys: list[str]) -> None:
-        """Take the module as cut for ``rank`` (collective when saving asynchronously)."""
+    def attach(
+        self, module: nn.Module, cut: Cut, plan: Plan, rank: int, device: torch.device, keys: list[str], host: Any
+    ) -> None:
+        """Take the module as cut for ``rank`` (collective when saving asynchronously). ``host``: the
+        strategy's gloo group for waits on the host when the world's backend is not gloo, else ``None``."""
         self.module, self.cut, self.rank, self.device, self.full_state_keys = module, cut, rank, device, keys
         named = cut.chain.named_layers()
         self._everywhere = plan.num_stages == 1
@@ -85,7 +92,9 @@ class Checkpoints:
         self._tie_names(module, cut)
         if self.async_save and self._group is None and _distributed():
             # Background writes talk on their own group, so they never interleave with training's.
-            self._group = dist.new_group(backend="gloo", timeout=self.timeout)
+            self._group = dist.new_group(backend="gloo", timeout=max(self.timeout, HOST_WAIT))
+        elif not self.async_save:
+            self._group = host
 
     def _tie_names(self, module: nn.Module, cut: Cut) -> None:
         """A tied parameter has the name one device gives it (its first) on every rank, and all its
@@ -135,7 +144,8 @@ class Checkpoints:
                 else torch.empty(value.shape, dtype=value.dtype, device=self.device)
             )
             dist.broadcast(tensor, src)
-            whole[key] = tensor
+            # Others' entries to the CPU, one at a time: the whole model never sits on this rank's device.
+            whole[key] = tensor if src == self.rank else tensor.cpu()
         return whole
 
     def detach(self) -> None:
@@ -247,12 +257,12 @@ class Checkpoints:
         return out
 
     def _save_streaming(self, checkpoint: dict[str, Any], path: Path, requests: dict[int, list[Path_]]) -> None:
-        mine = self._lookup(requests.get(self.rank, []), copy=self.async_save) if self.rank != 0 else []
+        group = self._group  # gloo (CPU tensors) when saving in the background or under NCCL
+        mine = self._lookup(requests.get(self.rank, []), copy=group is not None) if self.rank != 0 else []
         stand_ins = dict(self._stand_ins)
         if self.rank == 0 and self.async_save:
             checkpoint = _copy_to_cpu(checkpoint, keep=stand_ins)
-        group = self._group if self.async_save else None
-        device = torch.device("cpu") if self.async_save else self.device
+        device = torch.device("cpu") if group is not None else self.device
 
         def write() -> None:
             if self.rank != 0:
@@ -287,9 +297,9 @@ class Checkpoints:
             values.update(_sharded.rank_zero_values(checkpoint, self._stand_ins, self.full_optimizer_names))
             if self.async_save:
                 values = _copy_to_cpu(values, keep={})
+        group = self._group
         if _distributed():
-            dist.barrier()
-        group = self._group if self.async_save else None
+            dist.barrier(group=group)
 
         def write() -> None:
             _sharded.save(values, tmp, group)

@@ -3,6 +3,7 @@ and the start every rank shares (rank 0's weights)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -21,7 +22,10 @@ from dapple_lightning.runtime import (
     synchronize_batch_norms,
 )
 
-__all__ = ["Buffers", "Pipelines", "broadcast_module"]
+__all__ = ["BUCKET_BYTES", "Buffers", "Pipelines", "Staged", "broadcast_module"]
+
+BUCKET_BYTES = 64 * 2**20
+"""The most bytes of the module that :func:`broadcast_module` holds on the device at once."""
 
 
 class Pipelines:
@@ -62,6 +66,25 @@ class Pipelines:
             p2p_groups=self._p2p if plan.num_stages > 1 else (None, None),
         )
 
+    def keep_only(self, plan: Plan) -> None:
+        """Destroy the groups that only other plans (``plan="auto"``'s trials) used (collective on
+        every rank, in the same order everywhere). An NCCL communicator holds device memory and
+        its connections for as long as its group lives, and training uses ``plan``'s alone."""
+        for other in [p for p in self._stage_groups if p != plan]:
+            group = self._stage_groups.pop(other)
+            if group is not None:
+                dist.destroy_process_group(group)
+        if plan.num_stages == 1 and self._p2p is not None:
+            for group in self._p2p:
+                dist.destroy_process_group(group)
+            self._p2p = None
+
+    @property
+    def groups(self) -> list[dist.ProcessGroup]:
+        """The groups alive now: the point-to-point pair and the plans' stage groups."""
+        stage = [g for g in self._stage_groups.values() if g is not None]
+        return [*(self._p2p or ()), *stage]
+
 
 class Buffers:
     """Buffers (batch norm's running statistics) that stay equal where ranks share them.
@@ -93,20 +116,85 @@ class Buffers:
             self._undo = None
 
 
+@dataclass(frozen=True)
+class Staged:
+    """What :func:`broadcast_module` sent: through which device, in how many buckets, the largest's bytes."""
+
+    device: torch.device
+    buckets: int
+    largest_bytes: int
+
+
 @torch.no_grad()
-def broadcast_module(module: nn.Module) -> None:
-    """Give every rank rank 0's parameters and buffers."""
+def broadcast_module(module: nn.Module, device: torch.device, *, bucket_bytes: int = BUCKET_BYTES) -> Staged:
+    """Give every rank rank 0's parameters and buffers, wherever they live (the CPU, before the cut).
+
+    The values travel through a staging buffer on ``device``, the process group's device (NCCL
+    takes CUDA tensors only), at most ``bucket_bytes`` at a time, and are copied back into the
+    module where it is: moving the whole model to the device first would need a device that holds
+    all of it, which a model cut into a pipeline for memory does not have. A tensor larger than a
+    bucket travels in bucket-sized pieces.
+    """
     if not _distributed_is_initialized() or dist.get_world_size() == 1:
-        return
-    tensors = [t for t in module.state_dict(keep_vars=True).values() if isinstance(t, Tensor)]
+        return Staged(device, 0, 0)
     by_dtype: dict[torch.dtype, list[Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    for same in by_dtype.values():
-        flat = torch.cat([t.detach().reshape(-1) for t in same])
-        dist.broadcast(flat, 0)
-        offset = 0
+    for t in module.state_dict(keep_vars=True).values():
+        if isinstance(t, Tensor):
+            by_dtype.setdefault(t.dtype, []).append(t)
+    buckets = largest = 0
+    for dtype, same in by_dtype.items():
+        capacity = max(bucket_bytes // same[0].element_size(), 1)
+        bucket = _Bucket(min(capacity, sum(t.numel() for t in same)), dtype, device)
+        # A strided tensor (a transposed view) goes through a contiguous copy of its own.
+        strided = [(t, t.data.contiguous()) for t in same if not t.is_contiguous()]
+        flats = {id(t): values.view(-1) for t, values in strided}
         for t in same:
-            n = t.numel()
-            t.data.copy_(flat[offset : offset + n].view_as(t))
-            offset += n
+            flat = flats[id(t)] if id(t) in flats else t.data.view(-1)
+            start = 0
+            while start < flat.numel():
+                start += bucket.add(flat, start)
+                if bucket.full:
+                    largest = max(largest, bucket.broadcast())
+                    buckets += 1
+        if bucket.filled:
+            largest = max(largest, bucket.broadcast())
+            buckets += 1
+        for t, values in strided:
+            t.data.copy_(values)
+        del bucket  # before the next dtype's: one bucket on the device at a time
+    return Staged(device, buckets, largest)
+
+
+class _Bucket:
+    """A staging buffer on the device and the pieces of flat tensors it holds."""
+
+    def __init__(self, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.staging = torch.empty(capacity, dtype=dtype, device=device)
+        self.pieces: list[tuple[Tensor, int, int]] = []  # (flat values, start, length)
+        self.filled = 0
+        self.receives = dist.get_rank() != 0
+
+    @property
+    def full(self) -> bool:
+        return self.filled == self.staging.numel()
+
+    def add(self, flat: Tensor, start: int) -> int:
+        """Copy in as many of ``flat``'s values from ``start`` as fit; how many that was."""
+        length = min(flat.numel() - start, self.staging.numel() - self.filled)
+        self.staging[self.filled : self.filled + length].copy_(flat[start : start + length])
+        self.pieces.append((flat, start, length))
+        self.filled += length
+        return length
+
+    def broadcast(self) -> int:
+        """Send rank 0's bucket, copy it back where its values came from; its bytes."""
+        dist.broadcast(self.staging[: self.filled], 0)
+        at = 0
+        for flat, start, length in self.pieces:
+            if self.receives:
+                flat[start : start + length].copy_(self.staging[at : at + length])
+            at += length
+        sent = self.filled * self.staging.element_size()
+        self.pieces.clear()
+        self.filled = 0
+        return sent

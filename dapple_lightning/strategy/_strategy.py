@@ -48,14 +48,14 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
-from torch.utils.data import DataLoader, RandomSampler
 from typing_extensions import override
 
 from dapple_lightning.plan import Plan
 from dapple_lightning.runtime import Pipeline, StepStats, Timeline, write_chrome_trace
 from dapple_lightning.strategy._auto import AutoSetting, choose_automatically, draw_global_batch
-from dapple_lightning.strategy._batch import SameBatch
+from dapple_lightning.strategy._batch import SameBatch, same_order
 from dapple_lightning.strategy._checkpoint import Checkpoints, gather_on_zero, group_names, keep_local
+from dapple_lightning.strategy._failures import PEER_LOST, host_group, peer_lost_message, prepare_backend
 from dapple_lightning.strategy._finetuning import adapt_finetuning
 from dapple_lightning.strategy._launcher import STATE_LEFT_IN_SPAWNED_RANKS, SpawnLauncher
 from dapple_lightning.strategy._materialize import STAYS_CUT, materialize, meta_context, on_meta, unmoved_on_meta
@@ -81,7 +81,8 @@ class DappleStrategy(ParallelStrategy):
             ``"layers"``, ``"model.transformer.h"``), or a list of them that forward runs in turn
             (``["features", "classifier"]``); found automatically when the module has exactly one.
         timeout: how long a rank waits on a peer before giving up; a dead or stuck peer ends
-            the job after at most this long.
+            the job after at most this long. Under NCCL it is the watchdog's limit for each
+            collective; barriers wait on the host, for at least 30 minutes (a checkpoint write).
         start_method: ``"popen"`` re-launches the script once per rank (Lightning's default for
             scripts); ``"spawn"`` starts ranks with multiprocessing (notebooks, pytest).
         trace: write a Chrome trace (Perfetto) of every rank's forwards, backwards, sends,
@@ -157,6 +158,9 @@ class DappleStrategy(ParallelStrategy):
         self._materialized = False  # built on the meta device: each rank holds its part only, even after fit
         self._failed = False
         self._shuffle_seed = 0
+        self._host_group: Any = None  # gloo, for barriers, when the world's backend is not gloo
+        self.staged: Any = None
+        """How rank 0's initial weights reached this rank (see ``_pipelines.Staged``)."""
 
     # ------------------------------------------------------------------ Lightning plumbing
 
@@ -208,7 +212,10 @@ class DappleStrategy(ParallelStrategy):
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         self._process_group_backend = backend
         assert self.cluster_environment is not None
+        prepare_backend(backend)
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+        if self._host_group is None:
+            self._host_group = host_group(backend, self._timeout)
         if not self._leaves_at_exit:
             atexit.register(self._leave)
             self._leaves_at_exit = True
@@ -252,9 +259,9 @@ class DappleStrategy(ParallelStrategy):
         chain = self._validate()
         self.precision_plugin.convert_module(module)
         self._materialized = on_meta(module)
-        if not self._materialized:
-            broadcast_module(module)  # same initial weights on every rank, as DDP does
-        seed = torch.tensor([torch.initial_seed() % 2**62], dtype=torch.int64)
+        if not self._materialized:  # same initial weights on every rank, as DDP does, before any moves
+            self.staged = broadcast_module(module, self.root_device)
+        seed = torch.tensor([torch.initial_seed() % 2**62], dtype=torch.int64, device=self.root_device)
         dist.broadcast(seed, 0)
         self._shuffle_seed = int(seed)
         self._full_state_keys = list(module.state_dict().keys())
@@ -262,6 +269,7 @@ class DappleStrategy(ParallelStrategy):
         pipelines = Pipelines(module, self.global_rank, self.root_device, self._timeout)
         self._steps = MicroBatches(module, self.root_device)
         self.plan = self._resolve_plan(trainer, chain, pipelines)
+        pipelines.keep_only(self.plan)
         self._cut = Cut.apply(module, chain, self.plan, rank := self.global_rank)
         if self._materialized:  # this rank's part only, the same values under any plan
             materialize(module, self.root_device, self._shuffle_seed)
@@ -269,7 +277,9 @@ class DappleStrategy(ParallelStrategy):
         timeline = Timeline(rank, self.plan.stage_of(rank), enabled=self._trace_path is not None)
         self._pipeline = pipelines.build(self.plan, self._cut.stage, timeline, track_memory=self._track_memory)
         self._buffers = Buffers(module, self._pipeline, self.plan, fitting and self._layer_sync is not None)
-        self._checkpoints.attach(module, self._cut, self.plan, rank, self.root_device, self._full_state_keys)
+        self._checkpoints.attach(
+            module, self._cut, self.plan, rank, self.root_device, self._full_state_keys, self._host_group
+        )
         if self.auto_plan is None:
             rank_zero_info(f"dapple plan:\n{self.plan.table()}")
         if fitting:
@@ -304,6 +314,7 @@ class DappleStrategy(ParallelStrategy):
             self.precision_plugin.train_step_context,
         )
         batch = draw_global_batch(trainer, self.batch_to_device)
+        self.model_to_device()  # profiled and tried where it trains; the cut then frees what others hold
         chosen = choose_automatically(setting, batch, chain)
         rank_zero_info(chosen.report())
         self.auto_plan = chosen
@@ -328,13 +339,7 @@ class DappleStrategy(ParallelStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        # Every rank must draw the same order. A RandomSampler without a generator draws its
-        # order from each process's global RNG, which the ranks consume differently (dropout in
-        # different layers), so give it a generator seeded identically on every rank.
-        sampler = getattr(dataloader, "sampler", None)
-        if isinstance(dataloader, DataLoader) and isinstance(sampler, RandomSampler) and sampler.generator is None:
-            sampler.generator = torch.Generator().manual_seed(self._shuffle_seed)
-        return dataloader
+        return same_order(dataloader, self._shuffle_seed)
 
     # ---------------------------------------------------------------------- the steps
 
@@ -382,7 +387,7 @@ class DappleStrategy(ParallelStrategy):
     @override
     def barrier(self, name: str | None = None) -> None:
         if _distributed_is_initialized():
-            dist.barrier()
+            dist.barrier(group=self._host_group)
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
@@ -459,15 +464,7 @@ class DappleStrategy(ParallelStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True
-        _augment_message(
-            exception,
-            pattern=r"(?s).*(Connection closed by peer|Connection reset by peer|Broken pipe|Timed out).*",
-            new_message=(
-                f"dapple: rank {self.global_rank} lost a peer. Another rank failed or was killed; its own "
-                "error is reported by that rank. (If no rank reports an error, a peer stalled for longer "
-                f"than DappleStrategy(timeout={self._timeout.total_seconds():.0f} s).)"
-            ),
-        )
+        _augment_message(exception, pattern=PEER_LOST, new_message=peer_lost_message(self.global_rank, self._timeout))
 
     @override
     def teardown(self) -> None:
@@ -482,8 +479,9 @@ class DappleStrategy(ParallelStrategy):
         if not self._failed:
             self._checkpoints.wait()
             if self._cut is not None and _distributed_is_initialized() and not self._materialized:
-                # The whole containers back on every rank, with the trained weights of every stage.
-                self._cut.restore(self._checkpoints.whole_chain(), self.root_device)
+                # The whole containers back on every rank, with the trained weights of every stage; other
+                # stages' layers on the CPU, where Lightning's teardown puts the model (no whole model on a GPU).
+                self._cut.restore(self._checkpoints.whole_chain(), torch.device("cpu"))
                 self._cut = None
                 self._checkpoints.detach()
         with unmoved_on_meta(self.lightning_module):

@@ -1,0 +1,65 @@
+"""How a rank learns that a peer is gone, on gloo and on NCCL, and what it tells the user.
+
+Gloo reports a dead peer as a Python exception from the collective that waited on it
+("Connection closed by peer", a timeout). NCCL does not: its collectives run on the GPU, and a
+watchdog thread in each process checks them against the process group's timeout. What it does
+then is set by ``TORCH_NCCL_ASYNC_ERROR_HANDLING``; torch's default tears the process down from
+that thread, so Lightning never sees an exception, never runs ``on_exception`` or teardown, and
+the job ends with an abort trace instead of the rank's own error. With ``2`` the watchdog aborts
+the communicators only: the collective in flight (or the next one) raises
+``DistBackendError`` in Python ("NCCL communicator was aborted ... Watchdog caught collective
+operation timeout"), and the failure path is the one gloo takes.
+
+The timeout is then the watchdog's limit for any one collective, so a wait that is not GPU work
+(other ranks waiting while rank 0 writes a checkpoint file) must not sit in an NCCL collective:
+:func:`host_group` gives those waits a gloo group with a limit of their own.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch.distributed as dist
+
+__all__ = ["ASYNC_ERROR_HANDLING", "HOST_WAIT", "PEER_LOST", "host_group", "peer_lost_message", "prepare_backend"]
+
+ASYNC_ERROR_HANDLING = "2"
+"""``TORCH_NCCL_ASYNC_ERROR_HANDLING`` unless the user set it: abort the communicators, keep the process."""
+
+HOST_WAIT = timedelta(minutes=30)
+"""The least a rank waits at a barrier on the host (for rank 0's checkpoint write, say) under NCCL."""
+
+PEER_LOST = (
+    r"(?s).*("
+    # gloo
+    r"Connection closed by peer|Connection reset by peer|Broken pipe|Timed out"
+    # NCCL: the watchdog's timeout, an aborted communicator, NCCL's own errors and its socket transport
+    r"|Watchdog caught collective operation timeout|NCCL communicator was aborted|NCCL error"
+    r"|Some NCCL operations have failed or timed out|Connection closed by remote peer"
+    r"|remote process exited or there was a network error"
+    r").*"
+)
+"""What the error of a collective whose peer failed, was killed or stalled says."""
+
+
+def prepare_backend(backend: str) -> None:
+    """Before the process group exists: with NCCL, failed collectives raise (see the module docstring)."""
+    if backend == "nccl":
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", ASYNC_ERROR_HANDLING)
+
+
+def host_group(backend: str, timeout: timedelta) -> dist.ProcessGroup | None:
+    """A gloo group over every rank for waits on the host, when the world's backend is not gloo
+    (collective); ``None`` under gloo, whose own group already waits on the host."""
+    if backend == "gloo":
+        return None
+    return dist.new_group(backend="gloo", timeout=max(timeout, HOST_WAIT))
+
+
+def peer_lost_message(rank: int, timeout: timedelta) -> str:
+    return (
+        f"dapple: rank {rank} lost a peer. Another rank failed or was killed; its own error is reported by "
+        "that rank. (If no rank reports an error, a peer stalled for longer than "
+        f"DappleStrategy(timeout={timeout.total_seconds():.0f} s).)"
+    )

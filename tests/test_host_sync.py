@@ -17,10 +17,11 @@ from contextlib import nullcontext
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from dapple_lightning.plan import Plan
-from dapple_lightning.runtime import Pipeline, p2p_groups, stage_group
+from dapple_lightning.runtime import P2PGroups, Pipeline, p2p_groups, stage_group
 from dapple_lightning.strategy._step import MicroBatches
 from dapple_lightning.surgery import partition
 
@@ -87,16 +88,14 @@ class _Reads:
         return counted
 
 
-def train(rank: int, world_size: int, plan: Plan) -> tuple[list[list[str]], list[float]]:
+def train(rank: int, world_size: int, plan: Plan, host_groups: bool) -> tuple[list[list[str]], list[float]]:
     model = Regression()
     model.layers = partition(model.layers, plan, rank)
+    groups = p2p_groups()
+    if host_groups:  # as p2p_groups makes them for NCCL: headers and shared values on groups of their own
+        groups = P2PGroups(groups.activations, groups.gradients, dist.new_group(), dist.new_group(), dist.new_group())
     pipeline = Pipeline(
-        plan,
-        rank,
-        model.layers,
-        device=torch.device("cpu"),
-        stage_group=stage_group(plan, rank),
-        p2p_groups=p2p_groups(),
+        plan, rank, model.layers, device=torch.device("cpu"), stage_group=stage_group(plan, rank), p2p_groups=groups
     )
     steps = MicroBatches(model, torch.device("cpu"))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -132,10 +131,11 @@ PLANS = {
 }
 
 
+@pytest.mark.parametrize("host_groups", [False, True], ids=["gloo-groups", "host-groups-as-on-nccl"])
 @pytest.mark.parametrize("shape", sorted(PLANS))
-def test_a_pipelined_step_reads_the_device_once(shape: str) -> None:
+def test_a_pipelined_step_reads_the_device_once(shape: str, host_groups: bool) -> None:
     plan = Plan(stages=[{"layers": list(layers), "replicas": r} for layers, r in PLANS[shape]], micro_batches=4)
-    results = run_ranks(train, plan.world_size, plan)
+    results = run_ranks(train, plan.world_size, plan, host_groups)
     last = set(plan.stage_ranks(plan.num_stages - 1))
     for rank, (reads, losses) in enumerate(results):
         for step, seen in enumerate(reads):

@@ -205,10 +205,11 @@ class Link:
         expected = self.sent.get(key)
         status = AS_EXPECTED if signature == expected else NEW_SIGNATURE
         head = signature.encode(status)
-        if self.header_group is None:
+        on_host = self.header_group is not None
+        if not on_host:
             head = head.to(device)
         pending.tensors.append(head)
-        pending.works.append(dist.isend(head, dst, group=self.header_group or self.group))
+        pending.works.append(dist.isend(head, dst, group=self.header_group if on_host else self.group))
         outgoing = expected.empty(device) if status == NEW_SIGNATURE and expected is not None else []
         outgoing += payload  # after the placeholders that fill the buffers the receiver posted
         for t in outgoing:

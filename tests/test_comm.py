@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
+import torch.distributed as dist
 
 from dapple_lightning import runtime as comm
 from dapple_lightning.runtime._comm import NEW_SIGNATURE
@@ -29,8 +31,9 @@ def messages() -> list[tuple[list[torch.Tensor], bool]]:
     ]
 
 
-def exchange(rank: int, world_size: int) -> list[tuple[list[torch.Tensor], bool, bool]]:
-    link = comm.Link(torch.device("cpu"))
+def exchange(rank: int, world_size: int, headers_apart: bool) -> list[tuple[list[torch.Tensor], bool, bool]]:
+    # Apart: the headers on a group of their own, in host memory, as with an NCCL payload group.
+    link = comm.Link(torch.device("cpu"), dist.new_group(), dist.new_group() if headers_apart else None)
     sequence = messages()
     rows = [len(t[0]) if t else 4 for t, _ in sequence]
     if rank == 0:
@@ -50,8 +53,9 @@ def exchange(rank: int, world_size: int) -> list[tuple[list[torch.Tensor], bool,
     return received
 
 
-def test_every_message_arrives_intact_with_receives_posted_ahead() -> None:
-    _, received = run_ranks(exchange, 2)
+@pytest.mark.parametrize("headers_apart", [False, True], ids=["headers-with-payload", "headers-apart"])
+def test_every_message_arrives_intact_with_receives_posted_ahead(headers_apart: bool) -> None:
+    _, received = run_ranks(exchange, 2, headers_apart)
     sequence = messages()
     assert len(received) == len(sequence)
     for i, ((sent, sent_tuple), (got, got_tuple, _)) in enumerate(zip(sequence, received)):

@@ -8,7 +8,8 @@
   (the blocks of an ``nn.ModuleList`` it loops over, a chain of containers; other stages' layers
   become :class:`Placeholder` modules);
 - :class:`GradientReducer` sums gradients over a group while backward still runs;
-- :class:`Link` and :func:`share` move tensors and values between ranks;
+- :class:`Link` and :func:`share` move tensors and values between ranks, on the groups of
+  :class:`P2PGroups`;
 - :class:`Timeline` records spans for a Chrome trace;
 - :func:`synchronize_batch_norms` and :func:`agree_buffers` keep a stage's replicas' batch
   statistics and buffers together.
@@ -18,16 +19,18 @@ No Lightning and no Optuna here.
 
 from dapple_lightning.runtime._batchnorm import agree_buffers, synchronize_batch_norms
 from dapple_lightning.runtime._blocks import Placeholder, stand_in_blocks, stand_in_layers
-from dapple_lightning.runtime._comm import Link, Pending, Signature, p2p_groups, share, stage_group
+from dapple_lightning.runtime._comm import Link, P2PGroups, Pending, Signature, p2p_groups, share, stage_group
 from dapple_lightning.runtime._executor import Pipeline, StepStats
 from dapple_lightning.runtime._reducer import GradientReducer
 from dapple_lightning.runtime._stage import StageCall, StageExit, StageModule
-from dapple_lightning.runtime._timeline import Event, Timeline, bubble_fractions, write_chrome_trace
+from dapple_lightning.runtime._timeline import DeviceEvent, Event, Timeline, bubble_fractions, write_chrome_trace
 
 __all__ = [
+    "DeviceEvent",
     "Event",
     "GradientReducer",
     "Link",
+    "P2PGroups",
     "Pending",
     "Pipeline",
     "Placeholder",

@@ -22,20 +22,41 @@ Both ends update the remembered signature from the same messages, so the sender 
 what the receiver posted. Messages on a pair are matched in posting order (gloo per tag, NCCL
 per pair), so a receiver posts one message per peer ahead at most: the next is posted only
 after the current one has been fully received.
+
+The header is host metadata: the sender builds it from shapes it knows on the host, the receiver
+reads it on the host to learn what to allocate. With gloo the payload lives in host memory too,
+and header and payload share a group. With NCCL a header on the device would cost the host a
+wait for the device at every message (a copy there on the sending side, a read back on the
+receiving one), so headers stay in host memory and travel on gloo groups of their own
+(:class:`P2PGroups`); the payload alone goes through NCCL, and the host runs ahead of the device.
 """
 
 from __future__ import annotations
 
 import pickle
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from dapple_lightning.plan import Plan
 
-__all__ = ["MAX_DIMS", "MAX_TENSORS", "Incoming", "Link", "Pending", "Signature", "p2p_groups", "share", "stage_group"]
+__all__ = [
+    "HEADER_SIZE",
+    "MAX_DIMS",
+    "MAX_TENSORS",
+    "Incoming",
+    "Link",
+    "P2PGroups",
+    "Pending",
+    "Signature",
+    "connect_pairs",
+    "p2p_groups",
+    "share",
+    "stage_group",
+]
 
 MAX_TENSORS = 16
 MAX_DIMS = 8
@@ -56,6 +77,8 @@ _CODE = {d: i for i, d in enumerate(_DTYPES)}
 AS_EXPECTED, NEW_SIGNATURE = 0, 1
 # [status, is_tuple, count, (dtype, ndim, dim_0 .. dim_{MAX_DIMS-1}) * MAX_TENSORS]
 _HEADER = 3 + MAX_TENSORS * (2 + MAX_DIMS)
+HEADER_SIZE = _HEADER
+_HOST = torch.device("cpu")
 
 
 @dataclass(frozen=True)
@@ -132,7 +155,7 @@ class Incoming:
         for work in self.works:
             work.wait()
         self.works = []
-        status, signature = Signature.decode(self.head.cpu().tolist())
+        status, signature = Signature.decode(self.head.tolist())  # host memory unless the link has no header group
         if status == AS_EXPECTED:
             assert self.expected is not None, "the sender claimed a signature this receiver never saw"
             tensors = self.buffers
@@ -153,11 +176,20 @@ class Link:
     Args:
         device: where received tensors are allocated.
         group: process group the ranks belong to (global ranks are used either way).
+        header_group: a gloo group for the headers, kept in host memory (for a ``group`` whose
+            backend moves device memory only, such as NCCL); ``None``: headers go with the payload,
+            on its device.
     """
 
-    def __init__(self, device: torch.device, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        group: dist.ProcessGroup | None = None,
+        header_group: dist.ProcessGroup | None = None,
+    ) -> None:
         self.device = device
         self.group = group
+        self.header_group = header_group
         self.sent: dict[tuple[int, int], Signature] = {}
         self.received: dict[tuple[int, int], Signature] = {}
 
@@ -172,10 +204,14 @@ class Link:
         key = (dst, rows)
         expected = self.sent.get(key)
         status = AS_EXPECTED if signature == expected else NEW_SIGNATURE
-        outgoing = [signature.encode(status).to(device)]
-        if status == NEW_SIGNATURE and expected is not None:
-            outgoing += expected.empty(device)  # fill the buffers the receiver posted
-        outgoing += payload
+        head = signature.encode(status)
+        on_host = self.header_group is not None
+        if not on_host:
+            head = head.to(device)
+        pending.tensors.append(head)
+        pending.works.append(dist.isend(head, dst, group=self.header_group if on_host else self.group))
+        outgoing = expected.empty(device) if status == NEW_SIGNATURE and expected is not None else []
+        outgoing += payload  # after the placeholders that fill the buffers the receiver posted
         for t in outgoing:
             pending.tensors.append(t)
             pending.works.append(dist.isend(t, dst, group=self.group))
@@ -183,10 +219,12 @@ class Link:
 
     def post(self, src: int, rows: int) -> Incoming:
         """Post the receive of the next message from global rank ``src``, expected to have ``rows`` rows."""
-        head = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
+        on_host = self.header_group is not None
+        head = torch.empty(_HEADER, dtype=torch.int64, device=_HOST if on_host else self.device)
         expected = self.received.get((src, rows))
         buffers = expected.empty(self.device) if expected is not None else []
-        works = [dist.irecv(t, src, group=self.group) for t in (head, *buffers)]
+        works = [dist.irecv(head, src, group=self.header_group if on_host else self.group)]
+        works += [dist.irecv(t, src, group=self.group) for t in buffers]
         return Incoming(self, src, rows, head, expected, buffers, works)
 
     def recv(self, src: int, rows: int) -> tuple[list[torch.Tensor], bool]:
@@ -194,37 +232,90 @@ class Link:
         return self.post(src, rows).wait()
 
 
-def share(value: Any, src: int, device: torch.device, pending: Pending) -> Any:
-    """``value`` of rank ``src`` on every rank of the default group (collective).
+def share(
+    value: Any, src: int, device: torch.device, pending: Pending, *, group: dist.ProcessGroup | None = None
+) -> Any:
+    """``value`` of rank ``src`` on every rank of ``group`` (collective; the default group when ``None``).
 
     Unlike ``broadcast_object_list``, ``src`` does not wait: its broadcasts go into ``pending``
     (wait on it before the tensors may be reused, e.g. at the next call). A pipeline's last
     stage shares its loss this way and goes on to its optimizer step while the first stages
     still drain their last backwards.
+
+    ``group``, when given, is a gloo group over every rank (:attr:`P2PGroups.host`): the pickled
+    bytes and their size then stay in host memory, where the receivers read them, instead of
+    going through the device (on NCCL, a wait for the device on every rank).
     """
+    if group is not None:
+        device = _HOST
     if dist.get_rank() == src:
         payload = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8).to(device)
         size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
         for tensor in (size, payload):
-            pending.works.append(dist.broadcast(tensor, src, async_op=True))
+            pending.works.append(dist.broadcast(tensor, src, group=group, async_op=True))
             pending.tensors.append(tensor)
         return value
     size = torch.empty(1, dtype=torch.int64, device=device)
-    dist.broadcast(size, src)
+    dist.broadcast(size, src, group=group)
     payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-    dist.broadcast(payload, src)
+    dist.broadcast(payload, src, group=group)
     return pickle.loads(payload.cpu().numpy().tobytes())
 
 
-def p2p_groups(**kwargs: Any) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """Two process groups over all ranks: one for activations, one for gradients (collective).
+class P2PGroups(NamedTuple):
+    """The process groups (each over all ranks) a pipeline's messages travel on.
+
+    ``activations`` and ``gradients`` carry the payloads. The other three exist only where those
+    two move device memory alone (NCCL): gloo groups for what the host must read, the headers of
+    each direction and the values :func:`share` hands out. ``None`` for those: headers go with
+    the payloads and :func:`share` uses the default group.
+    """
+
+    activations: dist.ProcessGroup | None = None
+    gradients: dist.ProcessGroup | None = None
+    activation_headers: dist.ProcessGroup | None = None
+    gradient_headers: dist.ProcessGroup | None = None
+    host: dist.ProcessGroup | None = None
+
+
+def p2p_groups(**kwargs: Any) -> P2PGroups:
+    """The groups of :class:`P2PGroups`: two for the payloads, and on NCCL three gloo ones (collective).
 
     Gloo keeps one connection per pair of ranks and group. With both directions of a pipeline
     on one connection, a posted receive waits behind the other direction's traffic (measured in
     docs/benchmarks.md, "Runtime"). Activations flow only downstream and gradients only
-    upstream, so one group per kind gives each direction its own connection.
+    upstream, so one group per kind gives each direction its own connection; the header groups
+    of NCCL payload groups follow the same rule.
     """
-    return dist.new_group(**kwargs), dist.new_group(**kwargs)
+    activations, gradients = dist.new_group(**kwargs), dist.new_group(**kwargs)
+    if dist.get_backend(activations) == dist.Backend.GLOO:
+        return P2PGroups(activations, gradients)
+    host = {**kwargs, "backend": dist.Backend.GLOO}
+    return P2PGroups(activations, gradients, dist.new_group(**host), dist.new_group(**host), dist.new_group(**host))
+
+
+def connect_pairs(pairs: Iterable[tuple[str, int, int]], links: Mapping[str, Link], rank: int) -> None:
+    """Open the point-to-point pairs ``(link, low rank, high rank)`` in sorted order: one small
+    message from the low rank to the high one, on the link's group (collective over the pairs' ranks).
+
+    NCCL creates a pair's communicator when the pair first communicates on a group (unless the
+    group was created with ``device_id``), and both ranks block until the other joins. A
+    pipeline's first messages go wherever its schedule leads each rank: rank 0 of two stages
+    posts its first gradient receive while rank 1 posts its first activation receive, and each
+    waits in a creation the other never joins. Opening every pair first, in one order that every
+    rank follows, cannot deadlock: the smallest pair not yet open always has both its ranks
+    waiting on it. Batching each action's messages (``batch_isend_irecv``) would not do: on NCCL
+    its first call on a group must include every rank of the group, and with gloo it only loops
+    over the messages, while receives here are posted ahead, outside any action. Gloo connects
+    every pair when the group is made, so there this costs one small message per pair, once.
+    The header groups are gloo groups, connected likewise.
+    """
+    for kind, low, high in sorted(set(pairs)):
+        link = links[kind]
+        if rank == low:
+            dist.send(torch.zeros(1, device=link.device), high, group=link.group)
+        elif rank == high:
+            dist.recv(torch.zeros(1, device=link.device), low, group=link.group)
 
 
 def stage_group(plan: Plan, rank: int, **kwargs: Any) -> dist.ProcessGroup | None:

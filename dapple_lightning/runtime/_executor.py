@@ -6,6 +6,8 @@ or backward, ``RECV_*`` wait for a piece of a micro-batch's input or gradient, `
 one, and ``REDUCE`` starts summing the stage's gradients as the last backward finishes them.
 The order of messages is the program's, which the simulator has checked; the executor only
 posts each receive ahead of need (see :class:`_Inbox`), which never reorders a pair's messages.
+Before a program's first messages, every pair it uses (on any rank) is opened in one order
+common to all ranks (see :func:`~dapple_lightning.runtime._comm.connect_pairs`).
 
 Gradients accumulate in ``.grad`` over the micro-batches; :class:`GradientReducer` sums them
 once per step, bucket by bucket while the step's last backward runs: a stage's over its
@@ -27,7 +29,7 @@ from torch import nn
 
 from dapple_lightning.plan import Plan
 from dapple_lightning.rows import Rows, even_split
-from dapple_lightning.runtime._comm import Incoming, Link, Pending
+from dapple_lightning.runtime._comm import Incoming, Link, P2PGroups, Pending, connect_pairs
 from dapple_lightning.runtime._reducer import GradientReducer
 from dapple_lightning.runtime._split_backward import WeightWork, backward_input, backward_weight
 from dapple_lightning.runtime._stage import StageCall, StageExit, StageModule
@@ -107,8 +109,9 @@ class Pipeline:
             training step starts by doing so.
         track_memory: count the bytes autograd saves per micro-batch (costs a hook call per
             saved tensor); the peak is reported in :attr:`stats`.
-        p2p_groups: process groups (over all ranks) for activations and for gradients; ``None``
-            uses the default group. With gloo, a connection per direction matters (see
+        p2p_groups: process groups (over all ranks) for activations and for gradients, and on NCCL
+            the gloo groups for what the host reads (a :class:`~dapple_lightning.runtime.P2PGroups`);
+            ``None`` uses the default group. With gloo, a connection per direction matters (see
             :func:`~dapple_lightning.runtime.p2p_groups`).
     """
 
@@ -124,7 +127,7 @@ class Pipeline:
         shared_params: Sequence[nn.Parameter] = (),
         idle_params: Sequence[nn.Parameter] = (),
         track_memory: bool = False,
-        p2p_groups: tuple[dist.ProcessGroup | None, dist.ProcessGroup | None] = (None, None),
+        p2p_groups: P2PGroups | tuple[dist.ProcessGroup | None, dist.ProcessGroup | None] = (None, None),
     ) -> None:
         self.plan, self.rank, self.module, self.device = plan, rank, module, device
         self.stage_group = stage_group
@@ -134,10 +137,19 @@ class Pipeline:
         self.is_first = self.stage == 0
         self.is_last = self.stage == plan.num_stages - 1
         self.timeline = timeline or Timeline(rank, self.stage, enabled=False)
+        self.timeline.time_on(device)
         self.track_memory = track_memory
         self.stats = StepStats()
+        groups = P2PGroups(*p2p_groups)
         # Activations go downstream on one link, gradients upstream on the other.
-        self.links = {"F": Link(device, p2p_groups[0]), "B": Link(device, p2p_groups[1])}
+        self.links = {
+            "F": Link(device, groups.activations, groups.activation_headers),
+            "B": Link(device, groups.gradients, groups.gradient_headers),
+        }
+        self.host_group = groups.host
+        """A gloo group over every rank for values the host reads, where the links' groups are NCCL's."""
+        self._pairs: dict[tuple[int, bool], frozenset[tuple[str, int, int]]] = {}
+        self._connected: set[tuple[str, int, int]] = set()
         # Gradients are summed while the step's last backward still runs: the stage's over its
         # replicas, the parameters outside the Sequential over every rank.
         self.shared_params = list(shared_params)
@@ -182,7 +194,15 @@ class Pipeline:
         """This rank's ops for a global batch of ``batch_rows`` rows."""
         key = (batch_rows, train)
         if key not in self._programs:
-            self._programs[key] = lower(self.plan, batch_rows, train=train)[self.rank]
+            programs = lower(self.plan, batch_rows, train=train)
+            self._programs[key] = programs[self.rank]
+            # Every rank's pairs, so that every rank opens the same ones in the same order.
+            self._pairs[key] = frozenset(
+                (op.kind[-1], min(r, op.peer), max(r, op.peer))
+                for r, ops in enumerate(programs)
+                for op in ops
+                if op.kind.startswith("SEND")
+            )
         return self._programs[key]
 
     def run(
@@ -217,6 +237,9 @@ class Pipeline:
                 p.grad = None
         rows = self.rows(batch_rows)
         program = self.program(batch_rows, train=train)
+        if fresh := self._pairs[(batch_rows, train)] - self._connected:
+            connect_pairs(fresh, self.links, self.rank)  # before any of the step's messages
+            self._connected |= fresh
         step = _Step(rows, forward, forward_context, carry, train, _Inbox(program, self.links))
         step.split = any(op.kind == "W" for op in program)
         self.stats = StepStats()
@@ -232,10 +255,11 @@ class Pipeline:
                 outstanding.abandon()
             for reducer in self.reducers:
                 reducer.abandon()
+            self.timeline.abandon()
             raise
         if train:
             self._sync_gradients()
-        self.timeline.step += 1
+        self.timeline.end_step()
         return self.stats
 
     def _build_reducers(self) -> None:

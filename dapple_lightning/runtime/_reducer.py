@@ -34,6 +34,11 @@ class GradientReducer:
     backward did not reach (parameters without a gradient in the last micro-batch), waits, and
     writes the sums into ``.grad``; a parameter keeps ``grad=None`` only if no replica produced
     a gradient for it, as on one device.
+
+    Nothing here waits for the device while backward runs: the flags are made on the device (a
+    tensor built from a host list would be copied there inside the gradient hook, and on CUDA
+    such a copy waits for the device), and :meth:`finish` reads the summed flags back only on a
+    replica that lacked some gradient itself (every other replica knows each count is at least 1).
     """
 
     def __init__(
@@ -76,6 +81,7 @@ class GradientReducer:
         self._carried: torch.Tensor | None = None  # where the carried values are summed
         self._carried_work: Any = None  # their own collective, when they could not ride along
         self._carried_along = 0  # how many of them ride at the end of the last bucket
+        self._lacking = False  # this replica had no gradient for some parameter when the flags were made
 
         def ready(param: torch.Tensor) -> None:  # a closure, not a bound method: deepcopy keeps it shared
             if self._armed:
@@ -118,7 +124,7 @@ class GradientReducer:
         dtype = bucket[0].dtype if bucket else torch.float64
         last = b == len(self.buckets) - 1
         if last:
-            pieces.append(torch.tensor([p.grad is not None for p in self.params], dtype=dtype, device=self.device))
+            pieces.append(self._flags(dtype))
             if self._carry is not None and dtype in (torch.float32, torch.float64):
                 values = self._take_carry()
                 pieces.append(values.to(dtype))
@@ -129,6 +135,15 @@ class GradientReducer:
         self._launched.append((flat, dist.all_reduce(flat, group=self.group, async_op=True)))
         if last and self._carried_along:
             self._carried = flat[flat.numel() - self._carried_along :]
+
+    def _flags(self, dtype: torch.dtype) -> torch.Tensor:
+        """1 per parameter with a gradient here, 0 per one without, made on the device."""
+        flags = torch.ones(len(self.params), dtype=dtype, device=self.device)
+        lacking = [i for i, p in enumerate(self.params) if p.grad is None]
+        for i in lacking:
+            flags[i] = 0
+        self._lacking = bool(lacking)
+        return flags
 
     def _take_carry(self) -> torch.Tensor:
         assert self._carry is not None
@@ -154,8 +169,7 @@ class GradientReducer:
         if self._carried_work is not None:
             self._carried_work.wait()
         if self.buckets:
-            last, end = self._launched[-1][0], self._launched[-1][0].numel() - self._carried_along
-            counts = dict(zip(map(id, self.params), last[end - len(self.params) : end].tolist(), strict=True))
+            counts = self._counts()
             for bucket, alone, (summed, _) in zip(self.buckets, self.alone, self._launched, strict=True):
                 offset = 0
                 for p in bucket:
@@ -168,6 +182,13 @@ class GradientReducer:
         carried = self._carried
         self._carried, self._carried_work, self._carried_along = None, None, 0
         return None if carried is None else carried.to(torch.float64)
+
+    def _counts(self) -> dict[int, float]:
+        """By parameter: how many replicas had a gradient (read from the device only where needed)."""
+        if not self._lacking:
+            return dict.fromkeys(map(id, self.params), 1.0)
+        last, end = self._launched[-1][0], self._launched[-1][0].numel() - self._carried_along
+        return dict(zip(map(id, self.params), last[end - len(self.params) : end].tolist(), strict=True))
 
     def abandon(self) -> None:
         """Forget outstanding all-reduces (the step failed; a peer may be gone)."""

@@ -4,6 +4,11 @@ Each rank records spans (forward, backward, send, receive, all-reduce) with its 
 micro-batch. :func:`write_chrome_trace` turns the spans of all ranks into one trace-event JSON
 file with one process track per rank, and :func:`bubble_fractions` summarises how much of a
 step each stage spent idle.
+
+On CUDA the host only queues work: a span timed on the host's clock would measure kernel
+launches, and the trials that time plans with these spans (``plan="auto"``) would choose by
+them. There a span records two CUDA events on the current stream instead, and the step's spans
+are resolved when it ends (:meth:`Timeline.end_step`), with one wait for the device per step.
 """
 
 from __future__ import annotations
@@ -11,12 +16,16 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
+from typing import Any, Protocol
 
-__all__ = ["Event", "Timeline", "bubble_fractions", "write_chrome_trace"]
+import torch
+
+__all__ = ["DeviceEvent", "Event", "Timeline", "bubble_fractions", "write_chrome_trace"]
 
 COMPUTE = ("forward", "backward", "backward-input", "backward-weight")
 
@@ -34,21 +43,60 @@ class Event:
     step: int = 0
 
 
-class Timeline:
-    """Collects events of one rank; disabled timelines cost one attribute check per span."""
+class DeviceEvent(Protocol):
+    """What a span needs of a device event (``torch.cuda.Event(enable_timing=True)`` has it)."""
 
-    def __init__(self, rank: int, stage: int, enabled: bool = True) -> None:
+    def record(self) -> Any: ...
+
+    def synchronize(self) -> Any: ...
+
+    def elapsed_time(self, end_event: Any) -> float:
+        """Milliseconds from this event to ``end_event``."""
+        ...
+
+
+class Timeline:
+    """Collects events of one rank; disabled timelines cost one attribute check per span.
+
+    Args:
+        rank, stage: what every event is labelled with.
+        enabled: record spans at all.
+        clock: makes the device events that time spans (see :class:`DeviceEvent`); ``None``
+            times them on the host until :meth:`time_on` names a CUDA device.
+    """
+
+    def __init__(
+        self, rank: int, stage: int, enabled: bool = True, *, clock: Callable[[], DeviceEvent] | None = None
+    ) -> None:
         self.rank, self.stage, self.enabled = rank, stage, enabled
         self.events: list[Event] = []
         self.step = 0
         # perf_counter is monotonic and fine-grained; anchor it to wall time once so that the
         # spans of different processes on one machine line up.
         self._offset = time.time() - time.perf_counter()
+        self._clock = clock
+        self._pending: list[tuple[str, int, DeviceEvent, DeviceEvent, int]] = []
+        """This step's spans on the device clock, resolved into :attr:`events` when it ends."""
+
+    def time_on(self, device: torch.device) -> None:
+        """Time spans with CUDA events when the work runs on a CUDA device (unless given a clock)."""
+        if self._clock is None and device.type == "cuda":
+            self._clock = partial(torch.cuda.Event, enable_timing=True)
 
     @contextmanager
     def span(self, name: str, micro_batch: int = -1) -> Iterator[None]:
         if not self.enabled:
             yield
+            return
+        if self._clock is not None:
+            begin = self._clock()
+            begin.record()
+            try:
+                yield
+            finally:
+                finish = self._clock()
+                finish.record()
+                self._pending.append((name, micro_batch, begin, finish, self.step))
             return
         start = time.perf_counter()
         try:
@@ -56,16 +104,31 @@ class Timeline:
         finally:
             end = time.perf_counter()
             self.events.append(
-                Event(
-                    name,
-                    self.rank,
-                    self.stage,
-                    micro_batch,
-                    start + self._offset,
-                    end + self._offset,
-                    self.step,
-                )
+                Event(name, self.rank, self.stage, micro_batch, start + self._offset, end + self._offset, self.step)
             )
+
+    def end_step(self) -> None:
+        """The step is over: resolve its device spans into :attr:`events`, then count it.
+
+        One event recorded now and waited for marks when the device finished the step; every
+        span's times are counted back from it, on the wall clock the host reads at that moment.
+        """
+        if self._pending:
+            assert self._clock is not None
+            now = self._clock()
+            now.record()
+            now.synchronize()
+            wall = time.time()
+            for name, micro_batch, begin, finish, step in self._pending:
+                start = wall - begin.elapsed_time(now) / 1e3
+                end = wall - finish.elapsed_time(now) / 1e3
+                self.events.append(Event(name, self.rank, self.stage, micro_batch, start, end, step))
+            self._pending.clear()
+        self.step += 1
+
+    def abandon(self) -> None:
+        """Forget the step's unresolved spans (it failed; the device may not answer)."""
+        self._pending.clear()
 
 
 def write_chrome_trace(events: Iterable[Event], path: str | Path) -> Path:

@@ -12,10 +12,16 @@ cuts; its loss is scaled by the micro-batch's share of the global batch, and wha
 captured and combined by each value's ``reduce_fx`` into global-batch values known on every
 rank (the last stage's replicas sum their shares along with their gradients, then share them).
 A ``predict_step``'s outputs are joined back into the batch's, in row order, on every rank.
+
+Losses and logged values stay on the device until the step's end: reading one on the host
+(``float(loss)``, ``.item()``) makes the host wait for the device, and on a GPU the host would
+then never queue the next micro-batch's work while the device still runs this one. They are
+summed there in float64 and copied to the host once per step, as one vector.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -52,7 +58,7 @@ class MicroBatches:
         for p in params:
             p.grad = stashed[p]
         self.log(logged)
-        return torch.tensor(loss, device=self.device)
+        return torch.full((), loss, device=self.device)  # filled on the device: no copy from the host
 
     def add_fresh_gradients(self, scale: float) -> None:
         """Lightning's ``backward``: add the step's gradients (times ``scale``) into ``.grad``."""
@@ -93,8 +99,8 @@ class MicroBatches:
         total = batch_size_of(batch)
         step_fn = getattr(module, hook)
         last = pipeline.plan.stages[-1]
-        capture = _LogCapture(total, last.replicas, pipeline.replica if pipeline.is_last else 0)
-        loss_sum = 0.0
+        capture = _LogCapture(total, last.replicas, pipeline.replica if pipeline.is_last else 0, self.device)
+        loss_sum: Tensor | None = None  # float64, on the device
 
         def forward(m: int, rows: Rows) -> Tensor | None:
             nonlocal loss_sum
@@ -115,7 +121,8 @@ class MicroBatches:
                     f"training_step returned {type(out).__name__}; with dapple it must return the loss tensor "
                     "(or a dict with 'loss') for every micro-batch"
                 )
-            loss_sum += float(loss.detach()) * weight
+            part = _as_float64(loss, self.device) * weight
+            loss_sum = part if loss_sum is None else loss_sum + part
             return loss * weight
 
         def carry() -> Tensor:  # this replica's share, summed along with the gradients
@@ -129,24 +136,25 @@ class MicroBatches:
         return self._combine(pipeline, loss_sum, capture, stats.carried)
 
     def _combine(
-        self, pipeline: Pipeline, loss: float, capture: _LogCapture, summed: Tensor | None
+        self, pipeline: Pipeline, loss: Tensor | None, capture: _LogCapture, summed: Tensor | None
     ) -> tuple[float, Logged]:
         """Combine the last stage's replicas' shares (``summed`` when they rode along with the
         gradients) into the global batch's loss and logged values; share them with every rank."""
         plan = pipeline.plan
         last_ranks = plan.stage_ranks(plan.num_stages - 1)
         values: Logged = {}
+        total = 0.0
         if pipeline.is_last:
             if len(last_ranks) == 1:
                 summed = capture.flatten(loss)
             elif summed is None:  # an evaluation step: no gradients to ride along with
-                summed = capture.flatten(loss).to(self.device)  # NCCL sums device tensors only
+                summed = capture.flatten(loss)
                 dist.all_reduce(summed, group=pipeline.stage_group)
-            loss, values = capture.unflatten(summed)
+            total, values = capture.unflatten(summed)  # the step's one copy to the host
         if dist.get_world_size() > len(last_ranks):  # ranks outside the last stage learn the values
             self.shared.wait()  # the previous step's, long done
-            loss, values = share((loss, values), last_ranks[0], self.device, self.shared)
-        return loss, values
+            total, values = share((total, values), last_ranks[0], self.device, self.shared, group=pipeline.host_group)
+        return total, values
 
     def log(self, values: Logged) -> None:
         for name, (value, kwargs) in values.items():
@@ -181,10 +189,30 @@ def _reduction(name: str, reduce_fx: Any) -> str:
     return found
 
 
-def _reduce(how: str, values: list[float]) -> float:
+def _reduce_on(device: torch.device, how: str, values: list[Tensor | float]) -> Tensor:
+    """A name's micro-batch values combined by its ``reduce_fx``, in float64 on the device, where they stay."""
     if how == "mean":  # the values are already weighted by their rows' share of the batch
         how = "sum"
-    return float(getattr(torch, how)(torch.tensor(values, dtype=torch.float64)))
+    stacked = torch.stack(
+        [v if isinstance(v, Tensor) else torch.full((), v, dtype=torch.float64, device=device) for v in values]
+    )
+    return getattr(torch, how)(stacked)
+
+
+def _across_replicas(how: str, values: list[float]) -> float:
+    """The replicas' results of one name, on the host: a sum or mean arrives summed already (one value),
+    a max or min as one slot per replica (NaN wins, as in ``torch.max``)."""
+    if how in ("mean", "sum"):
+        (value,) = values
+        return value
+    if any(math.isnan(v) for v in values):
+        return math.nan
+    return max(values) if how == "max" else min(values)
+
+
+def _as_float64(value: Tensor, device: torch.device) -> Tensor:
+    """A one-element tensor as a float64 scalar on ``device``, without reading it on the host."""
+    return value.detach().to(device=device, dtype=torch.float64).reshape(())
 
 
 class _LogCapture:
@@ -204,11 +232,12 @@ class _LogCapture:
     The result is one device's value when the step logs a mean (sum, max, min) over its rows.
     """
 
-    def __init__(self, batch_rows: int, replicas: int, replica: int) -> None:
-        self.batch_rows, self.replicas, self.replica = batch_rows, replicas, replica
+    def __init__(self, batch_rows: int, replicas: int, replica: int, device: torch.device) -> None:
+        self.batch_rows, self.replicas, self.replica, self.device = batch_rows, replicas, replica, device
         self.micro_batch, self.weight = 0, 1.0
-        self.seen: dict[str, dict[int, float]] = {}
-        """By name, by micro-batch: the value logged, times the weight for a mean."""
+        self.seen: dict[str, dict[int, Tensor | float]] = {}
+        """By name, by micro-batch: the value logged (a float64 device scalar, or the number given), times
+        the weight for a mean."""
         self.how: dict[str, str] = {}
         self.kwargs: dict[str, dict] = {}
 
@@ -220,7 +249,7 @@ class _LogCapture:
         if isinstance(value, Tensor):
             if value.numel() != 1:
                 raise ValueError(f"self.log({name!r}, ...) got a tensor of shape {tuple(value.shape)}; log scalars")
-            number = float(value.detach())
+            number: Tensor | float = _as_float64(value, self.device)
         elif isinstance(value, int | float):
             number = float(value)
         else:
@@ -236,25 +265,27 @@ class _LogCapture:
         self.kwargs.setdefault(name, kwargs)
         self.seen.setdefault(name, {})[self.micro_batch] = number * self.weight if how == "mean" else number
 
-    def flatten(self, loss: float) -> Tensor:
-        """The loss and this replica's values (in name order) as one float64 tensor, to be summed over
-        the last stage's replicas; a max or min has a slot per replica, 0 but in this one's."""
-        flat = [loss]
+    def flatten(self, loss: Tensor | None) -> Tensor:
+        """The loss and this replica's values (in name order) as one float64 tensor on the device, to be
+        summed over the last stage's replicas; a max or min has a slot per replica, 0 but in this one's."""
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        flat = [zero if loss is None else loss]
         for name in sorted(self.seen):
-            how, value = self.how[name], _reduce(self.how[name], list(self.seen[name].values()))
+            how, value = self.how[name], _reduce_on(self.device, self.how[name], list(self.seen[name].values()))
             if how in ("max", "min"):
-                flat.extend(value if r == self.replica else 0.0 for r in range(self.replicas))
+                flat.extend(value if r == self.replica else zero for r in range(self.replicas))
             else:
                 flat.append(value)
-        return torch.tensor(flat, dtype=torch.float64)
+        return torch.stack(flat)
 
     def unflatten(self, summed: Tensor) -> tuple[float, Logged]:
-        """The loss and the batch's logged values from the sum of :meth:`flatten` over the replicas."""
+        """The loss and the batch's logged values from the sum of :meth:`flatten` over the replicas
+        (read on the host: the step's one wait for the device)."""
         flat = summed.tolist()
         loss, at, logged = flat[0], 1, {}
         for name in sorted(self.seen):
             width = self.replicas if self.how[name] in ("max", "min") else 1
-            logged[name] = (_reduce(self.how[name], flat[at : at + width]), self.kwargs[name])
+            logged[name] = (_across_replicas(self.how[name], flat[at : at + width]), self.kwargs[name])
             at += width
         return loss, logged
 
@@ -290,6 +321,7 @@ def clip_grad_norm_over_stages(
             if p.grad is not None and id(p) in mine:
                 square += p.grad.detach().double().pow(2).sum()
     dist.all_reduce(square)
-    coef = min(float(clip_val) / (float(square.sqrt()) + 1e-6), 1.0)
+    # min(clip / (norm + eps), 1) in float64 as on the host, but computed where the norm is: no wait for it.
+    coef = torch.clamp(torch.full_like(square, float(clip_val)) / (square.sqrt() + 1e-6), max=1.0)
     for grad in grads:
         grad.detach().mul_(coef)

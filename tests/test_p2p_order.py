@@ -1,0 +1,113 @@
+"""Point-to-point pairs open in one order common to every rank, before any of the schedule's messages.
+
+NCCL creates a pair's communicator on the pair's first message and blocks both ranks until the
+other joins: ranks that first touch different pairs wait on each other forever. Gloo does not
+block there, so these runs record, on real gloo processes, the first message of every (group,
+pair) on each rank, and check the order NCCL would need.
+"""
+
+from __future__ import annotations
+
+import graphlib
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+from torch import nn
+
+from dapple_lightning.plan import Plan
+from dapple_lightning.runtime import Pipeline, p2p_groups, stage_group
+from dapple_lightning.surgery import partition
+
+from distributed import run_ranks
+
+BATCH = 12
+PLANS = {
+    "2x1": [((0, 3), 1), ((3, 5), 1)],
+    "3x1": [((0, 2), 1), ((2, 4), 1), ((4, 5), 1)],
+    "2:1": [((0, 3), 2), ((3, 5), 1)],
+}
+
+
+def make_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def make_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(BATCH, 8, generator=g), torch.randn(BATCH, 4, generator=g)
+
+
+def _recording(groups: dict[int, str], log: list[tuple[str, int, int]], rank: int):
+    """Wrap ``isend``/``irecv`` (``send``/``recv`` go through them) to log (group, low, high) per message."""
+    originals = {name: getattr(c10d, name) for name in ("isend", "irecv")}
+
+    def wrap(name):
+        original = originals[name]
+
+        def recorded(tensor, *args, **kwargs):
+            group = kwargs.get("group")
+            peer = args[0] if args else kwargs.get("dst", kwargs.get("src"))
+            if peer is None:
+                local = kwargs.get("group_dst", kwargs.get("group_src"))
+                peer = dist.get_global_rank(group, local) if group is not None else local
+            log.append((groups.get(id(group), "default"), min(rank, peer), max(rank, peer)))
+            return original(tensor, *args, **kwargs)
+
+        return recorded
+
+    for name in originals:
+        setattr(c10d, name, wrap(name))
+        setattr(dist, name, getattr(c10d, name))
+
+    def undo():
+        for name, original in originals.items():
+            setattr(c10d, name, original)
+            setattr(dist, name, original)
+
+    return undo
+
+
+def first_messages(rank: int, world_size: int, plan: Plan) -> list[tuple[str, int, int]]:
+    stage = partition(make_model(), plan, rank)
+    groups = p2p_groups()
+    names = {id(groups[0]): "activations", id(groups[1]): "gradients"}
+    pipe = Pipeline(
+        plan, rank, stage, device=torch.device("cpu"), stage_group=stage_group(plan, rank), p2p_groups=groups
+    )
+    x, y = make_batch()
+
+    def forward(m, rows):
+        out = stage(x[rows.start : rows.stop])
+        return nn.functional.mse_loss(out, y[rows.start : rows.stop]) * (len(rows) / BATCH)
+
+    log: list[tuple[str, int, int]] = []
+    undo = _recording(names, log, rank)
+    try:
+        for _ in range(2):
+            pipe.run(BATCH, forward)
+    finally:
+        undo()
+    return log
+
+
+@pytest.mark.parametrize("shape", sorted(PLANS))
+def test_every_pair_opens_in_one_global_order_before_schedule_traffic(shape: str) -> None:
+    plan = Plan(stages=[{"layers": list(layers), "replicas": r} for layers, r in PLANS[shape]], micro_batches=3)
+    logs = run_ranks(first_messages, plan.world_size, plan)
+    order = graphlib.TopologicalSorter()
+    for rank, log in enumerate(logs):
+        firsts = list(dict.fromkeys(log))
+        assert {kind for kind, _, _ in firsts} == {"activations", "gradients"}, firsts
+        # Every pair's first message comes before any pair's second: the pairs open before traffic.
+        assert log[: len(firsts)] == firsts, f"rank {rank} sends schedule traffic before opening every pair: {log}"
+        for before, after in itertools.pairwise(firsts):
+            order.add(after, before)
+    # One order all ranks follow: the ranks' orders together have no cycle (a cycle is a deadlock on NCCL).
+    try:
+        order.prepare()
+    except graphlib.CycleError as e:
+        pytest.fail(f"ranks open pairs in conflicting orders {e.args[1]}: {logs}")

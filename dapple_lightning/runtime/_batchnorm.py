@@ -48,8 +48,11 @@ def _synchronized_forward(group: dist.ProcessGroup) -> Callable[[_BatchNorm, Ten
         output, mean, var = _SyncNorm.apply(input, weight, bias, self.eps, group)
         if self.track_running_stats:
             self.num_batches_tracked.add_(1)
-            factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
             with torch.no_grad():
+                # A cumulative average weighs by 1 / batches seen, kept on the device (no host read).
+                factor: Any = self.momentum
+                if factor is None:
+                    factor = self.num_batches_tracked.to(self.running_mean.dtype).reciprocal()
                 self.running_mean.lerp_(mean.to(self.running_mean.dtype), factor)
                 self.running_var.lerp_(var.to(self.running_var.dtype), factor)
         return output

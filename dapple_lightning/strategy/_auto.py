@@ -188,11 +188,11 @@ class Trials:
         pipeline = setting.pipelines.build(plan, stage, Timeline(rank, plan.stage_of(rank)))
         self._pipelines.append(pipeline)
         dist.barrier()
-        start = time.perf_counter()
+        start = _clock(setting.device)
         self._train_step(pipeline, params)  # connects the plan's process groups: not counted
         # Cheap steps are noisy: as many as fit the budget (every rank the same number).
         wanted = torch.tensor(
-            [math.ceil(self._budget_s / (time.perf_counter() - start))], dtype=torch.int64, device=setting.device
+            [math.ceil(self._budget_s / (_clock(setting.device) - start))], dtype=torch.int64, device=setting.device
         )
         dist.all_reduce(wanted, op=dist.ReduceOp.MAX)
         return stage, pipeline, params, min(max(int(wanted), self._steps), 10 * self._steps)
@@ -211,10 +211,10 @@ class Trials:
             dist.barrier()
             timeline = pipeline.timeline
             timeline.events.clear()
-            start = time.perf_counter()
+            start = _clock(setting.device)
             for _ in range(count):
                 self._train_step(pipeline, params)
-            seconds = (time.perf_counter() - start) / count
+            seconds = (_clock(setting.device) - start) / count
         finally:
             setting.steps.shared.wait()
         passes = [
@@ -254,3 +254,11 @@ class Trials:
         layers = plan.stages[plan.stage_of(self._setting.rank)]
         stand_ins, self._unhook = stand_in_layers(self._chain.containers, stage, layers.start, layers.end)
         self._put(stand_ins)
+
+
+def _clock(device: torch.device) -> float:
+    """Seconds now, once the device has finished what it was given: the schedule does not wait for
+    the GPU, so a clock read alone would time kernel launches."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from dapple_lightning.plan import Plan
 from dapple_lightning.runtime import (
+    P2PGroups,
     Pipeline,
     StageModule,
     Timeline,
@@ -35,7 +36,7 @@ class Pipelines:
 
     def __init__(self, module: nn.Module, rank: int, device: torch.device, timeout: timedelta) -> None:
         self.module, self.rank, self.device, self.timeout = module, rank, device, timeout
-        self._p2p: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None
+        self._p2p: P2PGroups | None = None
         self._stage_groups: dict[Plan, dist.ProcessGroup | None] = {}
 
     def build(self, plan: Plan, stage: StageModule, timeline: Timeline, *, track_memory: bool = False) -> Pipeline:
@@ -63,7 +64,7 @@ class Pipelines:
             shared_params=outside,
             idle_params=idle,
             track_memory=track_memory,
-            p2p_groups=self._p2p if plan.num_stages > 1 else (None, None),
+            p2p_groups=self._p2p if plan.num_stages > 1 else P2PGroups(),
         )
 
     def keep_only(self, plan: Plan) -> None:
@@ -76,14 +77,15 @@ class Pipelines:
                 dist.destroy_process_group(group)
         if plan.num_stages == 1 and self._p2p is not None:
             for group in self._p2p:
-                dist.destroy_process_group(group)
+                if group is not None:  # None: a group gloo runs do not need (never the default one)
+                    dist.destroy_process_group(group)
             self._p2p = None
 
     @property
     def groups(self) -> list[dist.ProcessGroup]:
         """The groups alive now: the point-to-point pair and the plans' stage groups."""
         stage = [g for g in self._stage_groups.values() if g is not None]
-        return [*(self._p2p or ()), *stage]
+        return [*(g for g in self._p2p or () if g is not None), *stage]
 
 
 class Buffers:

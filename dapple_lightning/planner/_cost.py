@@ -62,9 +62,11 @@ cores, and one that keeps only as many busy as there are units does not.
 **Memory** per device of stage ``s``: parameters + gradients (same size) + optimizer state
 (``optimizer_factor`` x parameters unless the profile gives bytes; Adam keeps 2) + ``K_s``
 micro-batches of the stage's activations at ``n_s`` samples, ``K_s = min(S - s, M)`` for
-DAPPLE and ``M`` for GPipe. A layer's activations are its measured peak (``peak_bytes``, on
-CUDA: what it saved plus its passes' workspace, counted for every live micro-batch, which errs
-on the side that fits) or else its output.
+DAPPLE and ``M`` for GPipe. A layer's activations are its measured peak (``peak_bytes`` from
+CUDA's allocator: what it saved plus its passes' workspace, counted for every live micro-batch,
+which errs on the side that fits) or else its output (also on CPU, where the live-bytes
+tracker's peak and ``saved_bytes`` are recorded but not yet used: see
+``LayerProfile.activation_memory``).
 """
 
 from __future__ import annotations

@@ -9,8 +9,10 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
+from dapple_lightning.planner._memory import LayerMemory, optimizer_state_bytes
 from dapple_lightning.planner._profile import LayerProfile, ModelProfile
 
 if TYPE_CHECKING:
@@ -110,8 +112,10 @@ def profile_layers(
     ``warmup`` untimed runs, each layer's median over ``repeats`` timed runs is kept. Each run
     (on ``small_batch`` rows when given) is followed by a second that adds into the gradients
     the first created; for layers with parameters, the median difference of their backwards is
-    their ``accumulate_s``. Output and parameter bytes are counted, on CUDA each layer's peak memory too
-    (:class:`_Peaks`). The profile batch is ``sample_input``'s first dimension; gradients are cleared after.
+    their ``accumulate_s``. Output and parameter bytes are counted; one more, untimed pass
+    measures each layer's ``saved_bytes`` and ``peak_bytes`` (``planner._memory.LayerMemory``:
+    CUDA's allocator counters, elsewhere the live-bytes tracker). The profile batch is
+    ``sample_input``'s first dimension; gradients are cleared after.
 
     Args:
         layers: The modules, e.g. an ``nn.Sequential``.
@@ -124,7 +128,9 @@ def profile_layers(
             model then prices small micro-batches at what they really cost.
         optimizer: Builds an optimizer over given parameters (the user's kind and settings);
             each layer's ``update_s`` is then the median time of its ``step()`` over the
-            layer's parameters. Parameter values and gradients are restored afterwards.
+            layer's parameters, and its ``optimizer_state_bytes`` what that optimizer keeps for
+            them after its steps (:func:`planner._memory.optimizer_state_bytes`; 0 for a layer
+            without parameters). Parameter values and gradients are restored afterwards.
         in_step: Called before each layer's optimizer steps are timed. Processes that share
             a machine's memory bandwidth (CPU ranks) slow each other's optimizer steps, which
             training runs at the same moment on every rank; ``plan="auto"`` passes a barrier
@@ -138,39 +144,56 @@ def profile_layers(
     modules = list(layers)
     batch, device = _checked(modules, sample_input, repeats, warmup, small_batch)
     # Adding into gradients costs the same at any batch: it is timed on the cheaper pass.
-    timed, output_bytes, accumulate, peaks = _time_layers(
+    timed, output_bytes, accumulate = _time_layers(
         modules, sample_input, repeats, warmup, device, accumulate=small_batch is None
     )
     fixed = [(0.0, 0.0)] * len(modules)
     if small_batch is not None:
-        small, _, accumulate, _ = _time_layers(
+        small, _, accumulate = _time_layers(
             modules, _rows(sample_input, small_batch), repeats, warmup, device, accumulate=True
         )
         fixed = [
             (fixed_part(big_f, small_f, batch, small_batch), fixed_part(big_b, small_b, batch, small_batch))
             for (big_f, big_b), (small_f, small_b) in zip(timed, small)
         ]
-    profiles: list[LayerProfile] = []
-    for index, (module, (fwd, bwd), (fwd_fixed, bwd_fixed), nbytes, added, peak) in enumerate(
-        zip(modules, timed, fixed, output_bytes, accumulate, peaks)
-    ):
-        params = [p for p in module.parameters() if p.requires_grad]
-        update = _time_update(params, optimizer, repeats, warmup, device, in_step) if optimizer and params else 0.0
-        profiles.append(
-            LayerProfile(
-                name=f"{index}:{type(module).__name__}",
-                forward_s=fwd,
-                backward_s=bwd,
-                activation_bytes=nbytes,
-                param_bytes=sum(p.numel() * p.element_size() for p in module.parameters()),
-                forward_fixed_s=fwd_fixed,
-                backward_fixed_s=bwd_fixed,
-                update_s=update,
-                accumulate_s=added,
-                peak_bytes=peak,
-            )
-        )
+    memory = _measure_memory(modules, sample_input, device)
+    update = None if optimizer is None else (lambda ps: _time_update(ps, optimizer, repeats, warmup, device, in_step))
+    profiles = [
+        _layer(index, module, *measured, memory[index], update)
+        for index, (module, *measured) in enumerate(zip(modules, timed, fixed, output_bytes, accumulate))
+    ]
     return ModelProfile(layers=tuple(profiles), profile_batch_size=int(batch), device=_device_name(device))
+
+
+def _layer(
+    index: int,
+    module: torch.nn.Module,
+    times: tuple[float, float],
+    fixed_s: tuple[float, float],
+    nbytes: int,
+    added: float,
+    memory: dict[str, Any],
+    update: Callable[[list[torch.nn.Parameter]], tuple[float, int]] | None,
+) -> LayerProfile:
+    """One layer's profile from what :func:`profile_layers` measured, its optimizer step timed and
+    its optimizer state counted with ``update`` (when given; a layer without parameters has none)."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    update_s, state = 0.0, (None if update is None else 0)
+    if update is not None and params:
+        update_s, state = update(params)
+    return LayerProfile(
+        name=f"{index}:{type(module).__name__}",
+        forward_s=times[0],
+        backward_s=times[1],
+        activation_bytes=nbytes,
+        param_bytes=sum(p.numel() * p.element_size() for p in module.parameters()),
+        optimizer_state_bytes=state,
+        forward_fixed_s=fixed_s[0],
+        backward_fixed_s=fixed_s[1],
+        update_s=update_s,
+        accumulate_s=added,
+        **memory,
+    )
 
 
 def _checked(
@@ -207,65 +230,29 @@ def _time_layers(
     device: torch.device,
     *,
     accumulate: bool = False,
-) -> tuple[list[tuple[float, float]], list[int], list[float], list[int | None]]:
-    """Median forward and backward seconds of each layer, the bytes of each layer's output, with ``accumulate``
-    what a backward costs more when it adds into existing gradients (0 otherwise), and (:class:`_Peaks`) its peak.
+) -> tuple[list[tuple[float, float]], list[int], list[float]]:
+    """Median forward and backward seconds of each layer, the bytes of each layer's output, and with
+    ``accumulate`` what a backward costs more when it adds into existing gradients (0 otherwise).
 
-    Each run goes through the chain as training does: every layer's forward in order, then every
-    layer's backward in reverse. Timing one layer many times in a row instead finds its weights
-    and code warm and comes out well below the same layers run as a chain (``docs/benchmarks.md``,
-    "Layers timed as a chain").
+    Each run goes through the chain as training does (:func:`_chain`). Timing one layer many
+    times in a row instead finds its weights and code warm and comes out well below the same
+    layers run as a chain (``docs/benchmarks.md``, "Layers timed as a chain").
     """
     import torch
 
     count, generator = len(modules), torch.Generator(device=device).manual_seed(0)
     on_copy: set[int] = set()  # layers that change their input in place (see _forward)
-    peaks, idle = _Peaks(modules, device), _Peaks(modules, device, measure=False)
-
-    def chain(memory: _Peaks) -> tuple[list[float], list[float], list[int]]:
-        """One pass: every forward in order, then every backward in reverse; seconds and output bytes."""
-        forward_s: list[float] = []
-        outputs: list[Any] = []
-        value = sample_input
-        for index, module in enumerate(modules):
-            # A fresh leaf per layer: its backward computes the input gradient too, as every stage
-            # but the first must, and goes no further.
-            inputs = fresh_leaves(value)
-            _sync(device)
-            base = memory.begin()
-            start = time.perf_counter()
-            output = _forward(module, inputs, index, on_copy)
-            _sync(device)
-            forward_s.append(time.perf_counter() - start)
-            memory.forward_done(index, base)
-            outputs.append(output)
-            value = _detached(output)
-        backward_s = [0.0] * count
-        for k in reversed(range(count)):
-            outs = [t for t in _tensors(outputs[k]) if t.requires_grad]
-            if outs:
-                grads = [torch.randn(t.shape, generator=generator, device=t.device, dtype=t.dtype) for t in outs]
-                _sync(device)
-                base = memory.begin()
-                start = time.perf_counter()
-                torch.autograd.backward(outs, grads)
-                _sync(device)
-                backward_s[k] = time.perf_counter() - start
-                memory.backward_done(k, base)
-            outputs[k] = _detached(outputs[k])  # frees the layer's graph
-        return forward_s, backward_s, [sum(t.numel() * t.element_size() for t in _tensors(o)) for o in outputs]
-
     forward_times: list[list[float]] = [[] for _ in modules]
     backward_times: list[list[float]] = [[] for _ in modules]
     added: list[list[float]] = [[] for _ in modules]
     output_bytes: list[int] = []
     for run in range(warmup + repeats):
-        # The gradients are created; the last run reads the peaks.
-        forward_s, backward_s, output_bytes = chain(peaks if run == warmup + repeats - 1 else idle)
+        # The first pass creates the gradients.
+        forward_s, backward_s, output_bytes = _chain(modules, sample_input, device, on_copy, generator)
         if accumulate:
             # A second pass adds into them, its layers apart from one another as in training
             # (back to back, a layer finds its gradients in cache and adds for nearly nothing).
-            _, again, _ = chain(idle)
+            _, again, _ = _chain(modules, sample_input, device, on_copy, generator)
         for module in modules:
             module.zero_grad(set_to_none=True)
         if run < warmup:
@@ -278,52 +265,70 @@ def _time_layers(
     has_params = [any(p.requires_grad for p in m.parameters()) for m in modules]
     times = [(statistics.median(f), statistics.median(b)) for f, b in zip(forward_times, backward_times)]
     extra = [max(statistics.median(a), 0.0) if a and params else 0.0 for a, params in zip(added, has_params)]
-    return times, output_bytes, extra, peaks.result()
+    return times, output_bytes, extra
 
 
-class _Peaks:
-    """Each layer's peak memory on CUDA, from the caching allocator's counters.
+def _chain(
+    modules: list[torch.nn.Module],
+    sample_input: Any,
+    device: torch.device,
+    on_copy: set[int],
+    generator: torch.Generator,
+    memory: LayerMemory | None = None,
+) -> tuple[list[float], list[float], list[int]]:
+    """One pass: every forward in order, then every backward in reverse, each backward from a
+    random gradient shaped like the layer's output; seconds of each and the outputs' bytes.
+    ``memory`` (when given) measures around each forward and backward."""
+    import torch
 
-    Around a layer's forward: the peak above what was allocated before it, and what stays
-    allocated after it (its output and what autograd saved for its backward). Around its
-    backward (the saved tensors still allocated): the peak above what was allocated before. The
-    layer's ``peak_bytes`` is the larger of the forward's peak and what it kept plus the
-    backward's peak, less its parameters' gradients, which the backward creates and the planner
-    counts with the parameters. Elsewhere there are no such counters: nothing is measured.
+    count = len(modules)
+    forward_s: list[float] = []
+    outputs: list[Any] = []
+    value = sample_input
+    for index, module in enumerate(modules):
+        # A fresh leaf per layer: its backward computes the input gradient too, as every stage
+        # but the first must, and goes no further.
+        inputs = fresh_leaves(value)
+        _sync(device)
+        start = time.perf_counter()
+        with nullcontext() if memory is None else memory.forward(index):
+            output = _forward(module, inputs, index, on_copy)
+        _sync(device)
+        forward_s.append(time.perf_counter() - start)
+        outputs.append(output)
+        value = _detached(output)
+    backward_s = [0.0] * count
+    for k in reversed(range(count)):
+        outs = [t for t in _tensors(outputs[k]) if t.requires_grad]
+        if outs:
+            grads = [torch.randn(t.shape, generator=generator, device=t.device, dtype=t.dtype) for t in outs]
+            _sync(device)
+            start = time.perf_counter()
+            with nullcontext() if memory is None else memory.backward(k):
+                torch.autograd.backward(outs, grads)
+            _sync(device)
+            backward_s[k] = time.perf_counter() - start
+        outputs[k] = _detached(outputs[k])  # frees the layer's graph
+    return forward_s, backward_s, [sum(t.numel() * t.element_size() for t in _tensors(o)) for o in outputs]
+
+
+def _measure_memory(modules: list[torch.nn.Module], sample_input: Any, device: torch.device) -> list[dict[str, Any]]:
+    """Each layer's ``peak_bytes``, ``peak_source`` and ``saved_bytes`` (:class:`LayerMemory`)
+    over one untimed pass of the chain, its gradients unset as at a step's first micro-batch.
+
+    A pass of its own: the meters' hooks (on CPU one per op) would slow the timed passes.
     """
+    import torch
 
-    def __init__(self, modules: list[torch.nn.Module], device: torch.device, *, measure: bool = True) -> None:
-        self.device, self.on = device, measure and device.type == "cuda"
-        count = len(modules)
-        self.forward, self.kept, self.backward = [0] * count, [0] * count, [0] * count
-        self.grads = [sum(p.numel() * p.element_size() for p in m.parameters() if p.requires_grad) for m in modules]
-
-    def begin(self) -> int:
-        """Reset the peak; what is allocated now."""
-        import torch
-
-        if not self.on:
-            return 0
-        torch.cuda.reset_peak_memory_stats(self.device)
-        return torch.cuda.memory_allocated(self.device)
-
-    def forward_done(self, index: int, base: int) -> None:
-        import torch
-
-        if self.on:
-            self.forward[index] = torch.cuda.max_memory_allocated(self.device) - base
-            self.kept[index] = torch.cuda.memory_allocated(self.device) - base
-
-    def backward_done(self, index: int, base: int) -> None:
-        import torch
-
-        if self.on:
-            self.backward[index] = torch.cuda.max_memory_allocated(self.device) - base
-
-    def result(self) -> list[int | None]:
-        if self.device.type != "cuda":
-            return [None] * len(self.forward)
-        return [max(f, k + b - g, 0) for f, k, b, g in zip(self.forward, self.kept, self.backward, self.grads)]
+    generator = torch.Generator(device=device).manual_seed(0)
+    with LayerMemory(modules, device) as memory:
+        _chain(modules, sample_input, device, set(), generator, memory)
+    for module in modules:
+        module.zero_grad(set_to_none=True)
+    return [
+        {"peak_bytes": peak, "peak_source": memory.source, "saved_bytes": saved}
+        for peak, saved in zip(memory.peaks(), memory.saved)
+    ]
 
 
 def fixed_part(big: float, small: float, big_rows: int, small_rows: int) -> float:
@@ -339,8 +344,9 @@ def _time_update(
     warmup: int,
     device: torch.device,
     in_step: Callable[[], None] | None = None,
-) -> float:
-    """Median seconds of one ``step()`` of a fresh optimizer over ``params`` (values restored after)."""
+) -> tuple[float, int]:
+    """Median seconds of one ``step()`` of a fresh optimizer over ``params``, and the bytes of the
+    state it then keeps for them (values restored after)."""
     import torch
 
     saved = [p.detach().clone() for p in params]
@@ -360,7 +366,7 @@ def _time_update(
             _sync(device)
             if run >= settle:
                 times.append(time.perf_counter() - start)
-        return statistics.median(times)
+        return statistics.median(times), optimizer_state_bytes(opt, params)
     finally:
         with torch.no_grad():
             for p, value, grad in zip(params, saved, grads):

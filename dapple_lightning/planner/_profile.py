@@ -29,7 +29,9 @@ one adds into them, so a stage's backward averages ``accumulate_s * (M - 1) / M`
          "optimizer_state_bytes": null,   # null: the planner's optimizer factor x param_bytes
          "forward_fixed_s": 0.0001, "backward_fixed_s": 0.0002,   # optional, default 0
          "update_s": 0.00002, "accumulate_s": 0.00001,             # optional, default 0
-         "peak_bytes": 512000000},        # optional: measured on CUDA only (see LayerProfile)
+         "peak_bytes": 512000000,         # optional: the measured peak (see LayerProfile)
+         "peak_source": "allocator",      # optional: "allocator" (CUDA) or "tracker" (elsewhere)
+         "saved_bytes": 256000000},       # optional: what autograd saved for the backward
         ...
       ],
       "cut_bytes": [0, 384000000, ..., 0]   # len(layers) + 1 entries, see ModelProfile.cut_bytes
@@ -48,10 +50,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PROFILE_FORMAT", "PROFILE_VERSION", "LayerProfile", "ModelProfile"]
+__all__ = ["PEAK_SOURCES", "PROFILE_FORMAT", "PROFILE_VERSION", "LayerProfile", "ModelProfile"]
 
 PROFILE_FORMAT = "dapple-lightning-profile"
 PROFILE_VERSION = 1
+PEAK_SOURCES = (None, "allocator", "tracker")
+"""What ``LayerProfile.peak_source`` may be."""
 
 
 def _number(value: Any, what: str) -> float:
@@ -96,9 +100,19 @@ class LayerProfile:
     peak_bytes: int | None = None
     """Memory the layer's forward and backward took at their peak for the same batch, above what
     was allocated before, less its parameters' gradients (counted with the parameters): what it
-    saved for the backward and the workspace of both passes. Measured on CUDA
-    (``max_memory_allocated``); ``None`` where there is no such counter (CPU), and the planner
-    then counts ``activation_bytes``."""
+    saved for the backward and the workspace of both passes; ``None`` when not measured. How it
+    was measured is ``peak_source``."""
+    peak_source: str | None = None
+    """Where ``peak_bytes`` comes from: ``"allocator"``, CUDA's allocator counters
+    (``max_memory_allocated``, a kernel's workspace included), or ``"tracker"``, the live-bytes
+    tracker of ``planner._memory`` (any device; the tensors ops return, not scratch memory inside
+    a kernel); ``None`` (profiles written before it, or by hand) reads as ``"allocator"``."""
+    saved_bytes: int | None = None
+    """Bytes autograd saved for the layer's backward for the same batch, each storage once and
+    its parameters left out (``planner._memory.SavedBytes``); ``None`` when not measured. It
+    counts the layer's input when the layer saves it, so summing it over a stage can count a
+    tensor that two neighbouring layers both save (ReLU its output, the next Linear its input)
+    twice."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
@@ -125,13 +139,29 @@ class LayerProfile:
             object.__setattr__(self, f"{part}_fixed_s", fixed)
         for name in ("update_s", "accumulate_s"):
             object.__setattr__(self, name, _number(getattr(self, name), f"layer {self.name!r} {name}"))
-        if self.peak_bytes is not None:
-            object.__setattr__(self, "peak_bytes", _bytes(self.peak_bytes, f"layer {self.name!r} peak_bytes"))
+        for name in ("peak_bytes", "saved_bytes"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, _bytes(getattr(self, name), f"layer {self.name!r} {name}"))
+        if self.peak_source not in PEAK_SOURCES:
+            raise ValueError(
+                f"layer {self.name!r}: peak_source must be one of {PEAK_SOURCES}, got {self.peak_source!r}"
+            )
+        if self.peak_source is not None and self.peak_bytes is None:
+            raise ValueError(f"layer {self.name!r}: peak_source {self.peak_source!r} without peak_bytes")
 
     @property
     def activation_memory(self) -> int:
-        """Bytes one batch's pass keeps on the device: the measured peak when there is one, else the output."""
-        return self.activation_bytes if self.peak_bytes is None else self.peak_bytes
+        """Bytes one batch's pass keeps on the device: the allocator's measured peak when there is
+        one, else the output.
+
+        A peak from the live-bytes tracker (CPU) is recorded but not used here: the cost model
+        counts a stage's activations once per live micro-batch, and whether the tracker's peak
+        predicts a CPU stage's memory better than the outputs do is not yet checked against
+        measured runs (issue 17); until it is, CPU plans are priced as before.
+        """
+        if self.peak_bytes is None or self.peak_source == "tracker":
+            return self.activation_bytes
+        return self.peak_bytes
 
     def optimizer_bytes(self, factor: float) -> float:
         """Optimizer state bytes: the explicit value, else ``factor * param_bytes`` (Adam: 2)."""
@@ -140,8 +170,11 @@ class LayerProfile:
         return factor * self.param_bytes
 
     def to_dict(self) -> dict[str, Any]:
-        # peak_bytes only when measured: a CPU profile reads as before, in readers that predate it too.
-        peak = {} if self.peak_bytes is None else {"peak_bytes": self.peak_bytes}
+        # The memory fields only when measured: a profile without them reads as before, in readers
+        # that predate them too.
+        measured = {
+            k: getattr(self, k) for k in ("peak_bytes", "peak_source", "saved_bytes") if getattr(self, k) is not None
+        }
         return {
             "name": self.name,
             "forward_s": self.forward_s,
@@ -153,7 +186,7 @@ class LayerProfile:
             "backward_fixed_s": self.backward_fixed_s,
             "update_s": self.update_s,
             "accumulate_s": self.accumulate_s,
-            **peak,
+            **measured,
         }
 
     @classmethod
@@ -171,6 +204,8 @@ class LayerProfile:
             "update_s",
             "accumulate_s",
             "peak_bytes",
+            "peak_source",
+            "saved_bytes",
         )
         unknown = set(data) - {*required, *optional}
         if unknown:

@@ -180,7 +180,7 @@ def test_dict_round_trip(items, pbs):
 def test_peak_bytes_round_trip_and_old_profiles_still_load(tmp_path):
     old = {"name": "a", "forward_s": 1.0, "backward_s": 2.0, "activation_bytes": 100, "param_bytes": 8}
     assert LayerProfile.from_dict(old).peak_bytes is None
-    assert "peak_bytes" not in LayerProfile.from_dict(old).to_dict()  # a CPU profile is written as before
+    assert "peak_bytes" not in LayerProfile.from_dict(old).to_dict()  # a profile without a peak is written as before
     measured = LayerProfile("b", 1.0, 2.0, 100, 8, peak_bytes=350.0)
     assert measured.peak_bytes == 350 and isinstance(measured.peak_bytes, int)
     assert LayerProfile.from_dict(measured.to_dict()) == measured

@@ -19,7 +19,7 @@ from dapple_lightning.planner._dp import (
 )
 from dapple_lightning.planner._links import MEMORY_MARGIN, compute_units, device_memory, measure_cluster, node_ranks
 from dapple_lightning.planner._measure import SETTLE_STEPS, fixed_part, fresh_leaves, map_tensors, profile_layers
-from dapple_lightning.planner._objective import OBJECTIVES, least_memory, peak_limit
+from dapple_lightning.planner._objective import OBJECTIVES, check_objective, least_memory, peak_limit
 from dapple_lightning.planner._pipedream import REFERENCE_PROFILES, load_profile, read_pipedream
 from dapple_lightning.planner._placement import PLACEMENTS, allocate, place
 from dapple_lightning.planner._profile import LayerProfile, ModelProfile
@@ -62,6 +62,7 @@ __all__ = [
     "allocate",
     "baselines",
     "best_over_micro_batches",
+    "check_objective",
     "compute_units",
     "data_parallel_plan",
     "device_memory",

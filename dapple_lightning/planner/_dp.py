@@ -114,6 +114,7 @@ class PlannedPlan:
             "speedup_vs_dp": self.speedup_vs_dp,
             "simulated_step_s": self.simulated_step_s,
             "stage_memory_bytes": list(self.stage_memory_bytes),
+            "peak_limit_bytes": self.peak_limit_bytes,
         }
         if self.estimate is not None:
             est = self.estimate

@@ -38,7 +38,7 @@ from dapple_lightning.plan import SCHEDULES, Plan, Stage
 from dapple_lightning.planner._cluster import GB, Cluster
 from dapple_lightning.planner._cost import CostModel, Estimate
 from dapple_lightning.planner._objective import check_objective, least_memory, peak_limit
-from dapple_lightning.planner._placement import PLACEMENTS
+from dapple_lightning.planner._placement import PLACEMENTS, place
 from dapple_lightning.planner._profile import ModelProfile
 from dapple_lightning.planner._search import _Search
 from dapple_lightning.planner._simulator import simulate_plan
@@ -252,18 +252,20 @@ def plan_dapple(
     candidates, placements, counts = _arguments(model, top, micro_batches, placements, schedule, replicas, max_cuts)
     cuts = None if max_cuts is None or profile.num_layers - 1 <= max_cuts else _even_cuts(model, max_cuts)
     limit = cluster.memory_bytes
+    seeds: list[tuple[float, tuple[Any, ...], tuple[Any, ...]]] = []
     if objective != "time":
-        least, _ = least_memory(model, candidates, counts, schedule, cuts)
-        if not least <= limit:
+        least, frugal = least_memory(model, candidates, counts, schedule, cuts)
+        if frugal is None or not least <= limit:
             raise ValueError(_no_fit_message(model, candidates, counts, schedule, cuts))
         limit = peak_limit(least, limit, objective, memory_margin)
+        seeds = _seeds(model, frugal, placements)
     if exact is None:
         exact = cluster.world_size <= 16
     runs = [(m, policy) for m in candidates for policy in placements]
     # The dynamic program minimises the pipeline's latency; where devices share compute units the
     # cost model's step also has a bound from total work, so more plans are kept and re-ranked.
     wide = 4 * top + 16 if cluster.shares_compute else top
-    search = _search(model, runs, cuts, counts, schedule, wide, None if exact else _BEAM, limit)
+    search = _search(model, runs, cuts, counts, schedule, wide, None if exact else _BEAM, limit, seeds)
     if not search.top.items:
         raise ValueError(_no_fit_message(model, candidates, counts, schedule, cuts))
     planned = _planned(model, search, _data_parallel_step(model, candidates), schedule)
@@ -311,6 +313,7 @@ def _search(
     top: int,
     beam: int | None,
     memory_cap: float,
+    seeds: Sequence[tuple[float, tuple[Any, ...], tuple[Any, ...]]] = (),
 ) -> _Search:
     """The search over every (micro-batch count, placement policy) of ``runs``, its ``top`` best
     plans in its ``top``; stages over ``memory_cap`` bytes per device are left out.
@@ -318,10 +321,14 @@ def _search(
     Branch and bound needs a good bound early. A first pass lets stages begin only at a few cut
     points spread evenly over the work; its plans are plans of the full space, so the full pass
     may cut anything slower than them and stays exact. The full pass visits the (micro-batches,
-    placement) pairs best first, so that its bound is tight from the start.
+    placement) pairs best first, so that its bound is tight from the start. ``seeds`` are plans of
+    the space under ``memory_cap`` offered before any pass: under a tight cap the coarse pass
+    may find none, and without them the full pass would start unbounded.
     """
     runs = list(runs)
     search = _Search(model, 1, counts, schedule, beam, memory_cap)
+    for z, key, payload in seeds:
+        search.top.offer(z, key, payload)
     rank: dict[tuple[int, str], float] = {}
     if len(cuts if cuts is not None else range(1, model.num_layers)) > _COARSE:
         coarse = _even_cuts(model, _COARSE)
@@ -351,6 +358,21 @@ def _search(
             continue
         search.run(policy, m, cuts)
     return search
+
+
+def _seeds(
+    model: CostModel, plan: Plan, placements: Sequence[str]
+) -> list[tuple[float, tuple[Any, ...], tuple[Any, ...]]]:
+    """``plan`` (consecutive ranks) under each placement policy, as the search offers plans
+    (latency, key, payload): real plans of the space whose latencies bound the search."""
+    spec = tuple((s.start, s.end, s.replicas) for s in plan.stages)
+    m = plan.micro_batches
+    out: list[tuple[float, tuple[Any, ...], tuple[Any, ...]]] = []
+    for policy in placements:
+        ranks = place(model.cluster, policy, [r for _, _, r in spec])
+        est = model.estimate(_build(spec, ranks, m, plan.schedule))
+        out.append((est.pipeline_s, (m, spec, ranks), (policy, m, spec, ranks)))
+    return out
 
 
 def _planned(model: CostModel, search: _Search, dp_step: float | None, schedule: str) -> list[PlannedPlan]:

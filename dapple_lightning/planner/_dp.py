@@ -15,7 +15,9 @@ The search space, for a profile of ``L`` layers on a cluster of ``W`` devices:
   batch, so every micro-batch has the same size) unless given; a stage may not have more
   replicas than a micro-batch has samples.
 
-Plans whose stages exceed the device memory (``_cost``) are left out.
+Plans whose stages exceed the device memory (``_cost``) are left out; under a memory objective
+(``objective="memory"`` or ``"time-within-memory"``, see ``_objective``), so are those over the
+peak it allows.
 
 The search runs per (micro-batch count, placement policy): first with cuts at 16 points only
 (cheap, and its plans bound the rest), then in full, best-looking pairs first, then, for

@@ -25,7 +25,9 @@ every stage still to come (through the suffix's stage count, up to ``M``); so wh
 in front fit under the cap is the same for every suffix of a state, and a suffix pruned by one
 that beats it has, for each way of completing it under the cap, a completion of the other under
 the same cap that is at least as fast. The cap only removes plans, each checked stage by stage
-with the same float expressions as :meth:`CostModel.estimate`, so ``P`` itself passes.
+with the same float expressions as :meth:`CostModel.estimate`, so ``P`` itself passes. The plan
+:func:`least_memory` returns is one of the space under any such cap, so its latency bounds the
+search from the start (``_dp`` offers it first).
 """
 
 from __future__ import annotations

@@ -45,6 +45,7 @@ from dapple_lightning.planner import (
     Measured,
     ModelProfile,
     Trial,
+    check_objective,
     estimate,
     fixed_part,
     fresh_leaves,
@@ -324,6 +325,20 @@ def small_batch_of(rows: int) -> int | None:
     return max(1, rows // 8) if rows > 1 else None
 
 
+def _shortlist_on_rank_zero(
+    profile: ModelProfile, cluster: Cluster, global_batch: int, **options: Any
+) -> tuple[list[tuple[Plan, float]], float | None]:
+    """``planner.shortlist`` with ``options``, run on rank 0 alone and broadcast: the search runs
+    once, and every rank trials the same plans in the same order."""
+    box: list[Any] = [None]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        close, dp_step = shortlist(profile, cluster, global_batch, **options)
+        box = [([(plan.to_dict(), predicted) for plan, predicted in close], dp_step)]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, 0)
+    return [(Plan.coerce(plan), predicted) for plan, predicted in box[0][0]], box[0][1]
+
+
 def choose_plan(
     layers: Sequence[nn.Module],
     sample_input: Any,
@@ -336,6 +351,8 @@ def choose_plan(
     step_outside: Callable[[int], tuple[float, float]] | None = None,
     trial: Callable[[Plan], Measured] | None = None,
     margin: float = TRIAL_MARGIN,
+    objective: str = "time",
+    memory_margin: float = 0.1,
 ) -> AutoPlan:
     """Profile, measure and plan (collective on every rank); the plan is rank 0's choice.
 
@@ -355,10 +372,17 @@ def choose_plan(
     profile is refined with what the stages' passes took (see ``planner.refine``): the returned
     profile and predictions are the refined ones, as is the all-reduce bandwidth when data
     parallelism was among them (see ``planner.refine_allreduce``).
+
+    ``objective`` and ``memory_margin`` choose what the planner minimises (see
+    ``planner.plan_dapple``): the fastest plan that fits (``"time"``), the least per-device
+    peak memory (``"memory"``), or the fastest within ``memory_margin`` of that least peak
+    (``"time-within-memory"``). ``DappleStrategy`` does not pass them yet, so ``plan="auto"``
+    runs under ``"time"``.
     """
     start = time.perf_counter()
     if not 0.0 <= margin < 1.0:  # before the profiling, not after
         raise ValueError(f"margin must be in [0, 1), got {margin!r}")
+    check_objective(objective, memory_margin)
     rows = _batch_rows(sample_input)
     small = small_batch_of(rows)
     together = dist.barrier if dist.is_initialized() and dist.get_world_size() > 1 else None
@@ -370,15 +394,15 @@ def choose_plan(
         profile = _with_step_outside(profile, big, (small, *step_outside(small)) if small else None)
     profile = _averaged(profile, device)
     cluster = measure_cluster(device, nodes=nodes)
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    box: list[Any] = [None]
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        close, dp_step = shortlist(profile, cluster, global_batch, optimizer_factor=optimizer_factor, margin=margin)
-        box = [([(plan.to_dict(), predicted) for plan, predicted in close], dp_step)]
-    if dist.is_initialized() and world > 1:
-        dist.broadcast_object_list(box, 0)
-    close = [(Plan.coerce(plan), predicted) for plan, predicted in box[0][0]]
-    dp_step = box[0][1]
+    close, dp_step = _shortlist_on_rank_zero(
+        profile,
+        cluster,
+        global_batch,
+        optimizer_factor=optimizer_factor,
+        margin=margin,
+        objective=objective,
+        memory_margin=memory_margin,
+    )
     trials: tuple[Trial, ...] = ()
     plan, predicted = close[0]
     if trial is not None and len(close) > 1:

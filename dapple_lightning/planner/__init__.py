@@ -13,13 +13,13 @@ from dapple_lightning.planner._cost import CostModel, Estimate, Placement, estim
 from dapple_lightning.planner._dp import (
     PlannedPlan,
     best_over_micro_batches,
-    least_memory,
     micro_batch_candidates,
     plan_dapple,
     replica_candidates,
 )
 from dapple_lightning.planner._links import MEMORY_MARGIN, compute_units, device_memory, measure_cluster, node_ranks
 from dapple_lightning.planner._measure import SETTLE_STEPS, fixed_part, fresh_leaves, map_tensors, profile_layers
+from dapple_lightning.planner._objective import OBJECTIVES, check_objective, least_memory, peak_limit
 from dapple_lightning.planner._pipedream import REFERENCE_PROFILES, load_profile, read_pipedream
 from dapple_lightning.planner._placement import PLACEMENTS, allocate, place
 from dapple_lightning.planner._profile import LayerProfile, ModelProfile
@@ -40,6 +40,7 @@ from dapple_lightning.planner._simulator import Event, Simulation, simulate_plan
 __all__ = [
     "GB",
     "MEMORY_MARGIN",
+    "OBJECTIVES",
     "PLACEMENTS",
     "REFERENCE_PROFILES",
     "SETTLE_STEPS",
@@ -61,6 +62,7 @@ __all__ = [
     "allocate",
     "baselines",
     "best_over_micro_batches",
+    "check_objective",
     "compute_units",
     "data_parallel_plan",
     "device_memory",
@@ -74,6 +76,7 @@ __all__ = [
     "measure_in_turns",
     "micro_batch_candidates",
     "node_ranks",
+    "peak_limit",
     "pipedream_plan",
     "place",
     "plan_dapple",

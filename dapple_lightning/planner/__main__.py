@@ -7,6 +7,8 @@ The DAPPLE paper's profiles ship in ``dapple_lightning/planner/profiles``. Examp
     python -m dapple_lightning.planner --profile profile.json --cluster 4x8 --global-batch 512 \\
         --top 3 --baselines --memory-gb 32
     python -m dapple_lightning.planner --profile bert-48-pbs-2.txt --global-batch 128 --json > plan.json
+    python -m dapple_lightning.planner --profile bert-48-pbs-2.txt --global-batch 128 --memory-gb 8 \\
+        --objective time-within-memory --memory-margin 0.1
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dapple_lightning.plan import SCHEDULES
 from dapple_lightning.planner._baselines import baselines
 from dapple_lightning.planner._cluster import GB, Cluster
 from dapple_lightning.planner._dp import PlannedPlan, plan_dapple
+from dapple_lightning.planner._objective import OBJECTIVES
 from dapple_lightning.planner._pipedream import load_profile
 from dapple_lightning.planner._placement import PLACEMENTS
 
@@ -52,7 +55,7 @@ def _bandwidths(text: str) -> tuple[float | None, float]:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m dapple_lightning.planner",
-        description="DAPPLE planner: the fastest pipeline + data parallel plans for a layer profile.",
+        description="DAPPLE planner: the fastest (or least memory) pipeline + data parallel plans for a layer profile.",
         epilog=__doc__.split("Examples::", 1)[1] if __doc__ else None,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -64,6 +67,19 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", action="store_true", help="print the best plan as JSON")
     parser.add_argument("--baselines", action="store_true", help="also PipeDream's plan, straight pipeline, DP")
     parser.add_argument("--memory-gb", type=float, help="device memory in GB (default 16)")
+    parser.add_argument(
+        "--objective",
+        choices=OBJECTIVES,
+        default="time",
+        help="time: fastest that fits (DAPPLE); memory: least per-device peak (mCAP); "
+        "time-within-memory: fastest within --memory-margin of the least peak",
+    )
+    parser.add_argument(
+        "--memory-margin",
+        type=float,
+        default=0.1,
+        help="share above the least peak that time-within-memory allows (default 0.1: 1.1x)",
+    )
     parser.add_argument(
         "--p2p-gbps",
         type=_bandwidths,
@@ -153,6 +169,24 @@ def _table(plans: Sequence[PlannedPlan], global_batch: int) -> str:
     return "\n".join(lines)
 
 
+def _memory_lines(best: PlannedPlan, cluster: Cluster, objective: str) -> str:
+    """The best plan's predicted peak per device of each stage, beside the device memory (and
+    the peak the objective allowed, when less): where a plan stands against its budget."""
+    budget = cluster.memory_bytes
+    head = f"predicted peak memory per device, best plan (budget {budget / GB:.2f} GB per device"
+    if objective != "time" and best.peak_limit_bytes is not None:
+        head += f"; objective {objective} allows {best.peak_limit_bytes / GB:.2f} GB"
+    lines = [head + "):"]
+    for index, (stage, peak) in enumerate(zip(best.plan.stages, best.stage_memory_bytes)):
+        share = f"{peak / budget:.0%}" if budget > 0 else "n/a"
+        lines.append(
+            f"  stage {index} (layers {stage.start}-{stage.end - 1}, {stage.replicas} "
+            f"{'replica' if stage.replicas == 1 else 'replicas'}): "
+            f"{peak / GB:.2f} GB of {budget / GB:.2f} GB ({share})"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -172,6 +206,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             optimizer_factor=args.optimizer_factor,
             max_cuts=args.max_cuts or None,
             exact={"auto": None, "yes": True, "no": False}[args.exact],
+            objective=args.objective,
+            memory_margin=args.memory_margin,
         )
         seconds = time.perf_counter() - started
         others = (
@@ -196,6 +232,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             cluster=cluster.name,
             global_batch=args.global_batch,
             planning_s=seconds,
+            objective=args.objective,
+            memory_budget_bytes=cluster.memory_bytes,
         )
         if others:
             best["baselines"] = [p.to_dict() for p in others]
@@ -210,6 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "\nstep s: the analytic model (what the planner minimises); sim s: the event simulator's replay "
         "of the same plan (queues on links, 1F1B waits)"
     )
+    print("\n" + _memory_lines(plans[0], cluster, args.objective))
     print(f"\nbest plan ({plans[0].placement} placement):\n{plans[0].plan.to_yaml().rstrip()}")
     return 0
 

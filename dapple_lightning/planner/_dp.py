@@ -15,7 +15,9 @@ The search space, for a profile of ``L`` layers on a cluster of ``W`` devices:
   batch, so every micro-batch has the same size) unless given; a stage may not have more
   replicas than a micro-batch has samples.
 
-Plans whose stages exceed the device memory (``_cost``) are left out.
+Plans whose stages exceed the device memory (``_cost``) are left out; under a memory objective
+(``objective="memory"`` or ``"time-within-memory"``, see ``_objective``), so are those over the
+peak it allows.
 
 The search runs per (micro-batch count, placement policy): first with cuts at 16 points only
 (cheap, and its plans bound the rest), then in full, best-looking pairs first, then, for
@@ -37,7 +39,8 @@ from typing import Any
 from dapple_lightning.plan import SCHEDULES, Plan, Stage
 from dapple_lightning.planner._cluster import GB, Cluster
 from dapple_lightning.planner._cost import CostModel, Estimate
-from dapple_lightning.planner._placement import PLACEMENTS
+from dapple_lightning.planner._objective import check_objective, least_memory, peak_limit
+from dapple_lightning.planner._placement import PLACEMENTS, place
 from dapple_lightning.planner._profile import ModelProfile
 from dapple_lightning.planner._search import _Search
 from dapple_lightning.planner._simulator import simulate_plan
@@ -45,7 +48,6 @@ from dapple_lightning.planner._simulator import simulate_plan
 __all__ = [
     "PlannedPlan",
     "best_over_micro_batches",
-    "least_memory",
     "micro_batch_candidates",
     "plan_dapple",
     "replica_candidates",
@@ -80,6 +82,9 @@ class PlannedPlan:
     simulated_step_s: float | None = None
     """The step as the discrete-event simulator replays it (at least the predicted pipeline
     latency, ``estimate.pipeline_s``; the replay does not model shared compute units)."""
+    peak_limit_bytes: float | None = field(default=None, compare=False)
+    """The per-device peak the planner's objective allowed (the device memory for ``"time"``,
+    the least peak for ``"memory"``; see ``_objective``); ``None`` for plans not from the search."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.plan, Plan):
@@ -111,6 +116,7 @@ class PlannedPlan:
             "speedup_vs_dp": self.speedup_vs_dp,
             "simulated_step_s": self.simulated_step_s,
             "stage_memory_bytes": list(self.stage_memory_bytes),
+            "peak_limit_bytes": self.peak_limit_bytes,
         }
         if self.estimate is not None:
             est = self.estimate
@@ -210,14 +216,17 @@ def plan_dapple(
     replicas: Sequence[int] | None = None,
     max_cuts: int | None = 64,
     exact: bool | None = None,
+    objective: str = "time",
+    memory_margin: float = 0.1,
 ) -> list[PlannedPlan]:
-    """The ``top`` fastest plans under the cost model of ``_cost``, fastest first.
+    """The ``top`` best plans under the cost model of ``_cost`` for ``objective``, fastest first.
 
     Args:
         profile: Per-layer costs of the model.
         cluster: Devices, links and memory.
         global_batch: Samples per optimizer step.
-        top: How many distinct plans to return.
+        top: How many distinct plans to return (under ``"memory"``, at most the plans that tie
+            on the least peak).
         micro_batches: Micro-batch counts to consider; default :func:`micro_batch_candidates`.
         placements: Placement policies to consider; default all of ``PLACEMENTS`` that differ on
             this cluster.
@@ -230,17 +239,59 @@ def plan_dapple(
         exact: Keep every partial plan that may still win (exact for the cost model), or only
             the few of lowest ``Z`` per state (a beam of ``_BEAM``: fast, not guaranteed
             optimal). ``None``: exact up to 16 devices.
+        objective: ``"time"``: the fastest plans that fit in device memory (DAPPLE's);
+            ``"memory"``: the plans of least per-device peak memory, the fastest of them first
+            (mCAP's); ``"time-within-memory"``: the fastest plans whose peak is at most
+            ``1 + memory_margin`` times the least (see ``_objective``).
+        memory_margin: Share above the least peak that ``"time-within-memory"`` allows.
 
     Raises:
         ValueError: When no plan fits in device memory; the message gives the least memory
             any plan of the search space needs.
     """
+    check_objective(objective, memory_margin)
+    model = CostModel(profile, cluster, global_batch, optimizer_factor)
+    candidates, placements, counts = _arguments(model, top, micro_batches, placements, schedule, replicas, max_cuts)
+    cuts = None if max_cuts is None or profile.num_layers - 1 <= max_cuts else _even_cuts(model, max_cuts)
+    limit = cluster.memory_bytes
+    seeds: list[tuple[float, tuple[Any, ...], tuple[Any, ...]]] = []
+    if objective != "time":
+        least, frugal = least_memory(model, candidates, counts, schedule, cuts)
+        if frugal is None or not least <= limit:
+            raise ValueError(_no_fit_message(model, candidates, counts, schedule, cuts))
+        limit = peak_limit(least, limit, objective, memory_margin)
+        seeds = _seeds(model, frugal, placements)
+    if exact is None:
+        exact = cluster.world_size <= 16
+    runs = [(m, policy) for m in candidates for policy in placements]
+    # The dynamic program minimises the pipeline's latency; where devices share compute units the
+    # cost model's step also has a bound from total work, so more plans are kept and re-ranked.
+    wide = 4 * top + 16 if cluster.shares_compute else top
+    search = _search(model, runs, cuts, counts, schedule, wide, None if exact else _BEAM, limit, seeds)
+    if not search.top.items:
+        raise ValueError(_no_fit_message(model, candidates, counts, schedule, cuts))
+    planned = _planned(model, search, _data_parallel_step(model, candidates), schedule)
+    planned = [dataclasses.replace(p, peak_limit_bytes=limit) for p in planned]
+    return sorted(planned, key=lambda p: p.predicted_step_s)[:top]
+
+
+def _arguments(
+    model: CostModel,
+    top: int,
+    micro_batches: Sequence[int] | None,
+    placements: Sequence[str] | None,
+    schedule: str,
+    replicas: Sequence[int] | None,
+    max_cuts: int | None,
+) -> tuple[tuple[int, ...], Sequence[str], tuple[int, ...]]:
+    """:func:`plan_dapple`'s arguments checked: its micro-batch counts, placement policies and
+    replica counts, defaults filled in."""
     if isinstance(top, bool) or not isinstance(top, int) or top < 1:
         raise ValueError(f"top must be an integer >= 1, got {top!r}")
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; choose one of {list(SCHEDULES)}")
-    model = CostModel(profile, cluster, global_batch, optimizer_factor)
-    candidates = _micro_batches(micro_batches, global_batch)
+    cluster = model.cluster
+    candidates = _micro_batches(micro_batches, model.global_batch)
     if placements is None:
         same = cluster.nodes == 1 or cluster.devices_per_node == 1
         placements = ("append",) if same else PLACEMENTS
@@ -252,19 +303,7 @@ def plan_dapple(
         raise ValueError(f"replica counts must be integers >= 1, got {list(counts)}")
     if max_cuts is not None and (isinstance(max_cuts, bool) or not isinstance(max_cuts, int) or max_cuts < 1):
         raise ValueError(f"max_cuts must be an integer >= 1 or None (every layer), got {max_cuts!r}")
-
-    cuts = None if max_cuts is None or profile.num_layers - 1 <= max_cuts else _even_cuts(model, max_cuts)
-    if exact is None:
-        exact = cluster.world_size <= 16
-    runs = [(m, policy) for m in candidates for policy in placements]
-    # The dynamic program minimises the pipeline's latency; where devices share compute units the
-    # cost model's step also has a bound from total work, so more plans are kept and re-ranked.
-    wide = 4 * top + 16 if cluster.shares_compute else top
-    search = _search(model, runs, cuts, counts, schedule, wide, beam=None if exact else _BEAM)
-    if not search.top.items:
-        raise ValueError(_no_fit_message(model, candidates, counts, schedule, cuts))
-    planned = _planned(model, search, _data_parallel_step(model, candidates), schedule)
-    return sorted(planned, key=lambda p: p.predicted_step_s)[:top]
+    return candidates, placements, counts
 
 
 def _search(
@@ -275,17 +314,23 @@ def _search(
     schedule: str,
     top: int,
     beam: int | None,
+    memory_cap: float,
+    seeds: Sequence[tuple[float, tuple[Any, ...], tuple[Any, ...]]] = (),
 ) -> _Search:
     """The search over every (micro-batch count, placement policy) of ``runs``, its ``top`` best
-    plans in its ``top``.
+    plans in its ``top``; stages over ``memory_cap`` bytes per device are left out.
 
     Branch and bound needs a good bound early. A first pass lets stages begin only at a few cut
     points spread evenly over the work; its plans are plans of the full space, so the full pass
     may cut anything slower than them and stays exact. The full pass visits the (micro-batches,
-    placement) pairs best first, so that its bound is tight from the start.
+    placement) pairs best first, so that its bound is tight from the start. ``seeds`` are plans of
+    the space under ``memory_cap`` offered before any pass: under a tight cap the coarse pass
+    may find none, and without them the full pass would start unbounded.
     """
     runs = list(runs)
-    search = _Search(model, 1, counts, schedule, beam)
+    search = _Search(model, 1, counts, schedule, beam, memory_cap)
+    for z, key, payload in seeds:
+        search.top.offer(z, key, payload)
     rank: dict[tuple[int, str], float] = {}
     if len(cuts if cuts is not None else range(1, model.num_layers)) > _COARSE:
         coarse = _even_cuts(model, _COARSE)
@@ -306,7 +351,7 @@ def _search(
     # second search from the start; and a run is skipped when the first search found all of
     # its plans below that bound (its own bound never fell under it) and none was.
     seen = search.top.seen
-    search = _Search(model, top, counts, schedule, beam)
+    search = _Search(model, top, counts, schedule, beam, memory_cap)
     for key, (z, payload) in seen.items():
         search.top.offer(z, key, payload)
     bound = search.top.bound
@@ -315,6 +360,21 @@ def _search(
             continue
         search.run(policy, m, cuts)
     return search
+
+
+def _seeds(
+    model: CostModel, plan: Plan, placements: Sequence[str]
+) -> list[tuple[float, tuple[Any, ...], tuple[Any, ...]]]:
+    """``plan`` (consecutive ranks) under each placement policy, as the search offers plans
+    (latency, key, payload): real plans of the space whose latencies bound the search."""
+    spec = tuple((s.start, s.end, s.replicas) for s in plan.stages)
+    m = plan.micro_batches
+    out: list[tuple[float, tuple[Any, ...], tuple[Any, ...]]] = []
+    for policy in placements:
+        ranks = place(model.cluster, policy, [r for _, _, r in spec])
+        est = model.estimate(_build(spec, ranks, m, plan.schedule))
+        out.append((est.pipeline_s, (m, spec, ranks), (policy, m, spec, ranks)))
+    return out
 
 
 def _planned(model: CostModel, search: _Search, dp_step: float | None, schedule: str) -> list[PlannedPlan]:
@@ -344,60 +404,6 @@ def _micro_batches(micro_batches: Sequence[int] | None, global_batch: int) -> tu
         if isinstance(m, bool) or not isinstance(m, int) or not 1 <= m <= global_batch:
             raise ValueError(f"micro-batch count {m!r} must be an integer in 1..{global_batch} (the global batch)")
     return tuple(sorted(set(values)))
-
-
-def least_memory(
-    model: CostModel,
-    candidates: Sequence[int],
-    replicas: Sequence[int],
-    schedule: str = "dapple",
-    cuts: Sequence[int] | None = None,
-) -> tuple[float, Plan | None]:
-    """The smallest per-device peak memory of any plan in the search space, and one such plan.
-
-    Placement does not change memory, so this is a min-max dynamic program over stages,
-    replica counts, stage counts and micro-batch counts. ``cuts`` restricts where stages begin.
-    """
-    world = model.cluster.world_size
-    layers = model.num_layers
-    allowed = set(cuts or ())
-    best: tuple[float, Plan | None] = (math.inf, None)
-    for m in candidates:
-        most = model.max_replicas(m)
-        counts = [r for r in replicas if r <= most]
-        # peak[j][(used, n)] = (smallest peak of a suffix [j, L) on `used` devices, n stages, its stages)
-        peak: list[dict[tuple[int, int], tuple[float, tuple[tuple[int, int, int], ...]]]] = [
-            {} for _ in range(layers + 1)
-        ]
-        peak[layers][(0, 0)] = (0.0, ())
-        for j in range(layers, 0, -1):
-            for (used, n), (value, stages) in peak[j].items():
-                left = world - used
-                options = [r for r in counts if r < left]
-                if left <= most:
-                    options.append(left)
-                for r in options:
-                    closing = r == left
-                    samples = model.samples(m, r)
-                    depth = m if schedule == "gpipe" else min(n + 1, m)
-                    for i in range(j - 1, -1, -1):
-                        if closing != (i == 0) or (i and cuts is not None and i not in allowed):
-                            continue
-                        mem = model.static_memory(i, j) + depth * model.activation_memory(i, j, samples)
-                        if mem >= best[0]:
-                            break
-                        value2 = max(value, mem)
-                        spec = ((i, j, r), *stages)
-                        if closing:
-                            if value2 < best[0]:
-                                plan = Plan(tuple(Stage(a, b, c) for a, b, c in spec), m, schedule)
-                                best = (value2, plan)
-                        else:
-                            key = (used + r, min(n + 1, m))
-                            old = peak[i].get(key)
-                            if old is None or value2 < old[0]:
-                                peak[i][key] = (value2, spec)
-    return best
 
 
 def _no_fit_message(

@@ -195,9 +195,18 @@ class _Search:
     of all its runs in ``top``."""
 
     def __init__(
-        self, model: CostModel, top: int, replicas: Sequence[int], schedule: str, beam: int | None = None
+        self,
+        model: CostModel,
+        top: int,
+        replicas: Sequence[int],
+        schedule: str,
+        beam: int | None = None,
+        memory_cap: float | None = None,
     ) -> None:
         self.model = model
+        self.memory_cap = model.cluster.memory_bytes if memory_cap is None else memory_cap
+        """Most bytes a stage may take per device: the device memory, or less for a memory
+        objective (``_objective`` says why the search stays exact under it)."""
         self.beam = beam
         self.top = _Top(top)
         self.replicas = tuple(replicas)
@@ -310,7 +319,7 @@ class _Search:
         m = search.micro_batches
         gpipe = self.gpipe
         beam = self.beam
-        cap = model.cluster.memory_bytes
+        cap = self.memory_cap
         if rest == 0:
             starts: Iterable[int] = (0,)
         else:

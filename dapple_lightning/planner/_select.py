@@ -91,16 +91,30 @@ def shortlist(
     optimizer_factor: float = 2.0,
     margin: float = TRIAL_MARGIN,
     limit: int = TRIAL_LIMIT,
+    objective: str = "time",
+    memory_margin: float = 0.1,
 ) -> tuple[list[tuple[Plan, float]], float | None]:
     """The planner's best plan and the others predicted within ``margin`` of it (a share of the
     best's step), pure data parallelism (M = 1) among them when it is that close, at most
     ``limit``, fastest predicted first; and data parallelism's predicted step (``None`` when it
-    does not fit in memory or the batch)."""
+    does not fit in memory or the batch).
+
+    ``objective`` and ``memory_margin`` are :func:`plan_dapple`'s: under a memory objective
+    every plan shortlisted, data parallelism included, keeps within the peak it allows, and
+    the trials only choose among those."""
     if not 0.0 <= margin < 1.0:
         raise ValueError(f"margin must be in [0, 1), got {margin!r}")
     if limit < 1:
         raise ValueError(f"limit must be >= 1, got {limit!r}")
-    found = plan_dapple(profile, cluster, global_batch, top=limit, optimizer_factor=optimizer_factor)
+    found = plan_dapple(
+        profile,
+        cluster,
+        global_batch,
+        top=limit,
+        optimizer_factor=optimizer_factor,
+        objective=objective,
+        memory_margin=memory_margin,
+    )
     candidates = [(p.plan, p.predicted_step_s) for p in found]
     dp_plan = Plan.data_parallel(profile.num_layers, cluster.world_size)
     try:
@@ -108,14 +122,16 @@ def shortlist(
         dp_step = dp.step_s if dp.fits else None
     except ValueError:  # fewer samples than devices: data parallelism cannot run at all
         dp_step = None
-    if dp_step is not None and all(plan != dp_plan for plan, _ in candidates):
+    allowed = found[0].peak_limit_bytes
+    within = dp_step is not None and (allowed is None or max(dp.memory_bytes) <= allowed)
+    if within and all(plan != dp_plan for plan, _ in candidates):
         candidates.append((dp_plan, dp_step))
     candidates.sort(key=lambda c: c[1])
     best = candidates[0][1]
     close = [c for c in candidates if c[1] * (1.0 - margin) <= best]
     chosen = close[:limit]
     # Data parallelism is worth a measurement more than a third variant of one pipeline.
-    if limit > 1 and dp_step is not None and (dp_plan, dp_step) in close[limit:]:
+    if limit > 1 and within and (dp_plan, dp_step) in close[limit:]:
         chosen[-1] = (dp_plan, dp_step)
     return chosen, dp_step
 

@@ -91,3 +91,48 @@ def test_the_planner_and_its_cli_import_neither_torch_nor_lightning():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=60)
     assert "usage: python -m dapple_lightning.planner" in done.stdout
     assert done.stdout.splitlines()[-1] == "[]"
+
+
+def _memory_unbalanced(tmp_path):
+    # The first layer has the most compute and almost no weights, the other three 300 MB each
+    # (1.2 GB with gradients and Adam): balanced for time, the second stage holds all three.
+    heavy = tuple(LayerProfile(f"l{i}", 1e-3, 2e-3, 10**6, 3 * 10**8) for i in range(3))
+    path = tmp_path / "unbalanced.json"
+    ModelProfile((LayerProfile("a", 3e-3, 6e-3, 10**6, 10**7), *heavy), 8).save(path)
+    return ["--profile", str(path), "--cluster", "1x2", "--global-batch", "16", "--memory-gb", "8"]
+
+
+def test_each_stage_peak_is_printed_beside_the_budget(tmp_path, capsys):
+    args = _memory_unbalanced(tmp_path)
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "predicted peak memory per device, best plan (budget 8.00 GB per device):" in out
+    assert "  stage 0 (layers 0-0, 1 replica): 0.04 GB of 8.00 GB (1%)" in out
+    assert "  stage 1 (layers 1-3, 1 replica): 3.60 GB of 8.00 GB (45%)" in out
+    assert main([*args, "--objective", "memory"]) == 0
+    out = capsys.readouterr().out
+    assert "(budget 8.00 GB per device; objective memory allows 2.40 GB):" in out
+    assert "  stage 0 (layers 0-1, 1 replica): 1.24 GB of 8.00 GB (16%)" in out
+    assert "  stage 1 (layers 2-3, 1 replica): 2.40 GB of 8.00 GB (30%)" in out
+
+
+def test_objective_and_margin_reach_the_planner(tmp_path, capsys):
+    args = [*_memory_unbalanced(tmp_path), "--json"]
+    assert main([*args, "--objective", "time-within-memory", "--memory-margin", "0.1"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["objective"] == "time-within-memory" and data["memory_budget_bytes"] == 8e9
+    assert max(data["stage_memory_bytes"]) <= data["peak_limit_bytes"] < 8e9
+    assert [s["layers"] for s in data["plan"]["stages"]] == [[0, 2], [2, 4]]
+    # A margin wide enough lets the time-balanced plan back in.
+    assert main([*args, "--objective", "time-within-memory", "--memory-margin", "1"]) == 0
+    assert [s["layers"] for s in json.loads(capsys.readouterr().out)["plan"]["stages"]] == [[0, 1], [1, 4]]
+
+
+def test_bad_objective_or_margin_is_refused(tmp_path, capsys):
+    args = _memory_unbalanced(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        main([*args, "--objective", "speed"])
+    assert info.value.code == 2
+    assert "invalid choice: 'speed'" in capsys.readouterr().err
+    assert main([*args, "--objective", "time-within-memory", "--memory-margin", "-0.5"]) == 2
+    assert "memory_margin must be a finite number >= 0" in capsys.readouterr().err

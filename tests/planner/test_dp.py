@@ -247,3 +247,99 @@ def test_shared_compute_units_rerank_the_plans():
     dp = model.estimate(Plan.data_parallel(4, 4, 1)).step_s
     assert got[0].predicted_step_s < dp
     assert got[0].plan.num_stages > 1
+
+
+def peaks_and_steps(profile, cluster, batch, candidates, policies, schedule="dapple"):
+    """(largest per-device peak, step) of every plan of the search space, fitting or not."""
+    model = CostModel(profile, cluster, batch)
+    found = {}
+    for plan in all_plans(profile.num_layers, cluster, candidates, policies, schedule):
+        try:
+            est = model.estimate(plan)
+        except ValueError:
+            continue
+        found[plan] = (max(est.memory_bytes), est.step_s)
+    return list(found.values())
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    profile=profiles(),
+    shape=clusters,
+    batch=st.sampled_from([4, 6, 8]),
+    memory_gb=st.sampled_from([4.0, 16.0, 1e6]),
+    top=st.sampled_from([1, 3]),
+    schedule=st.sampled_from(["dapple", "gpipe"]),
+    policies=st.sampled_from([("append", "fresh", "scatter"), ("scatter",)]),
+    objective=st.sampled_from(["memory", "time-within-memory"]),
+    margin=st.sampled_from([0.0, 0.1, 0.5]),
+)
+def test_memory_objectives_match_brute_force(
+    profile, shape, batch, memory_gb, top, schedule, policies, objective, margin
+):
+    cluster = Cluster.v100(*shape, memory_bytes=memory_gb * GB)
+    candidates = micro_batch_candidates(batch)
+    found = peaks_and_steps(profile, cluster, batch, candidates, policies, schedule)
+    least = min(peak for peak, _ in found)
+    kwargs = dict(top=top, placements=policies, schedule=schedule, objective=objective, memory_margin=margin)
+    if least > cluster.memory_bytes:
+        with pytest.raises(ValueError, match="no plan fits"):
+            plan_dapple(profile, cluster, batch, **kwargs)
+        return
+    limit = least if objective == "memory" else min(cluster.memory_bytes, least * (1 + margin))
+    expected = sorted(step for peak, step in found if peak <= limit)
+    got = plan_dapple(profile, cluster, batch, **kwargs)
+    assert [p.predicted_step_s for p in got] == pytest.approx(expected[:top], rel=1e-9, abs=1e-15)
+    assert all(max(p.stage_memory_bytes) <= limit and p.peak_limit_bytes == limit for p in got)
+    if objective == "memory":
+        # The least peak itself, ties broken by step time.
+        assert max(got[0].stage_memory_bytes) == least
+    assert len({(p.plan.stages, p.plan.micro_batches) for p in got}) == len(got)
+
+
+def _memory_unbalanced() -> ModelProfile:
+    # The first layer has the most compute and almost no weights; the other three, 300 MB of
+    # weights each (1.2 GB with gradients and Adam). Balanced for time, the second stage holds
+    # all three; balanced for memory, the first takes one of them.
+    heavy = tuple(LayerProfile(f"l{i}", 1e-3, 2e-3, 10**6, 3 * 10**8) for i in range(3))
+    return ModelProfile((LayerProfile("a", 3e-3, 6e-3, 10**6, 10**7), *heavy), 8)
+
+
+def test_memory_objective_trades_time_for_the_least_peak():
+    profile = _memory_unbalanced()
+    cluster = Cluster.v100(1, 2)
+    fastest = plan_dapple(profile, cluster, 16)[0]
+    least = plan_dapple(profile, cluster, 16, objective="memory")[0]
+    within = plan_dapple(profile, cluster, 16, objective="time-within-memory", memory_margin=0.1, top=3)
+    assert fastest.cuts == (1,) and least.cuts == (2,)
+    assert max(least.stage_memory_bytes) < max(fastest.stage_memory_bytes)
+    assert least.predicted_step_s > fastest.predicted_step_s
+    assert fastest.peak_limit_bytes == cluster.memory_bytes
+    assert least.peak_limit_bytes == max(least.stage_memory_bytes)
+    assert within[0].predicted_step_s == least.predicted_step_s
+    assert all(max(p.stage_memory_bytes) <= 1.1 * max(least.stage_memory_bytes) for p in within)
+    # A margin wide enough lets the fastest plan back in.
+    wide = plan_dapple(profile, cluster, 16, objective="time-within-memory", memory_margin=1.0)[0]
+    assert wide.plan == fastest.plan
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"objective": "speed"}, r"unknown objective 'speed'; choose one of \['time', 'memory'"),
+        ({"objective": "time-within-memory", "memory_margin": -0.1}, "memory_margin must be a finite number >= 0"),
+        ({"objective": "time-within-memory", "memory_margin": math.inf}, "memory_margin"),
+        ({"objective": "memory", "memory_margin": "10%"}, "memory_margin"),
+    ],
+)
+def test_bad_objective_or_margin_says_what_to_do(kwargs, message):
+    profile = ModelProfile((LayerProfile("a", 1e-3, 1e-3, 1, 1),), 1)
+    with pytest.raises(ValueError, match=message):
+        plan_dapple(profile, Cluster.v100(1, 2), 4, **kwargs)
+
+
+def test_memory_objective_with_nothing_that_fits_names_the_least_need():
+    layers = tuple(LayerProfile(f"l{i}", 1e-3, 2e-3, 1_000_000, 2 * 10**9) for i in range(4))
+    cluster = Cluster.v100(1, 4, memory_bytes=6 * GB)
+    with pytest.raises(ValueError, match=r"least memory any plan needs is 8\.00 GB"):
+        plan_dapple(ModelProfile(layers, 8), cluster, 8, objective="memory")

@@ -134,3 +134,23 @@ def test_refine_allreduce_takes_what_data_parallel_steps_left_after_their_passes
     assert refine_allreduce(profile, CLUSTER, 16, [(dp, fast)], optimizer_factor=0.0) == CLUSTER
     pipe = Plan.straight(2, 2, micro_batches=4)
     assert refine_allreduce(profile, CLUSTER, 16, [(pipe, slow)], optimizer_factor=0.0) == CLUSTER
+
+
+def test_a_memory_objective_shortlists_only_plans_within_its_peak():
+    # Data parallelism holds both layers' 8 GB of weights and gradients on each device, a
+    # pipeline one layer's 4 GB: with a wide trial margin, "time" shortlists data parallelism
+    # beside the pipelines, "memory" never does, and a memory margin of 1.5 lets it back in.
+    profile = _two_layers(2 * 10**9)
+    options = {"optimizer_factor": 0.0, "margin": 0.99}
+    dp_plan = Plan.data_parallel(2, 2)
+    by_time, dp_step = shortlist(profile, CLUSTER, 16, **options)
+    assert dp_plan in [plan for plan, _ in by_time]
+    by_memory, dp_memory = shortlist(profile, CLUSTER, 16, **options, objective="memory")
+    assert by_memory and all(plan.num_stages == 2 for plan, _ in by_memory)
+    assert dp_memory == dp_step  # still reported, for the speed-up
+    wide, _ = shortlist(profile, CLUSTER, 16, **options, objective="time-within-memory", memory_margin=1.5)
+    assert dp_plan in [plan for plan, _ in wide]
+    tight, _ = shortlist(profile, CLUSTER, 16, **options, objective="time-within-memory", memory_margin=0.5)
+    assert dp_plan not in [plan for plan, _ in tight]
+    with pytest.raises(ValueError, match="unknown objective"):
+        shortlist(profile, CLUSTER, 16, objective="least")

@@ -73,6 +73,11 @@ class Clock(Callback):
     def __init__(self, out: Path, skip: int) -> None:
         self.out, self.skip, self.times, self.last = out, skip, [], 0.0
 
+    def on_train_start(self, trainer, pl_module) -> None:
+        # Training's peak, not setup's: plan="auto" profiles and runs trials before this.
+        if trainer.strategy.root_device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)
+
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if trainer.strategy.root_device.type == "cuda":
             torch.cuda.synchronize(trainer.strategy.root_device)

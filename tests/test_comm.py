@@ -28,6 +28,10 @@ def messages() -> list[tuple[list[torch.Tensor], bool]]:
         ([], False),  # no floating inputs: an empty message
         ([torch.randn(4, 7, 5, generator=g)], True),  # a one-tensor tuple
         ([torch.randn(2, 7, 5, generator=g)], False),  # the short batch again, as remembered
+        # dtypes NCCL cannot send: with headers apart (as on NCCL) they travel as their bytes
+        ([torch.randint(-500, 500, (4, 3), generator=g, dtype=torch.int16)], False),
+        ([torch.randint(-500, 500, (4, 3), generator=g, dtype=torch.int16)], False),
+        ([torch.randn(4, 2, generator=g, dtype=torch.complex64), torch.arange(4)], True),
     ]
 
 
@@ -66,7 +70,16 @@ def test_every_message_arrives_intact_with_receives_posted_ahead(headers_apart: 
             assert torch.equal(r, s), i
     # Receives were posted on a remembered signature exactly when one was remembered.
     predicted = [p for _, _, p in received]
-    assert predicted == [False, True, True, True, False, True, True, True, True, True, True]
+    assert predicted == [False, True, True, True, False, True, True, True, True, True, True, True, True, True]
+
+
+def test_links_that_move_device_memory_only_send_int16_and_complex_as_bytes() -> None:
+    nccl_like = comm.Link(torch.device("cpu"), None, header_group=object())  # type: ignore[arg-type]
+    for t in (torch.arange(6, dtype=torch.int16).view(2, 3), torch.ones(3, dtype=torch.complex64), torch.tensor(1.0)):
+        wired = nccl_like.wire(t)
+        assert wired.data_ptr() == t.data_ptr() and wired.numel() * wired.element_size() == t.nbytes
+        assert wired.dtype == (torch.uint8 if t.dtype in (torch.int16, torch.complex64) else t.dtype)
+    assert comm.Link(torch.device("cpu")).wire(t16 := torch.zeros(2, dtype=torch.int16)) is t16
 
 
 def test_signature_header_round_trips() -> None:

@@ -68,7 +68,7 @@ class _SyncNorm(torch.autograd.Function):
         dims = [0, *range(2, x.dim())]
         shape = [1, -1] + [1] * (x.dim() - 2)
         wide = x.double()
-        sums = torch.cat([wide.sum(dims), wide.square().sum(dims), wide.new_tensor([x.numel() / x.shape[1]])])
+        sums = torch.cat([wide.sum(dims), wide.square().sum(dims), wide.new_full((1,), x.numel() / x.shape[1])])
         dist.all_reduce(sums, group=group)
         channels, count = x.shape[1], sums[-1]
         mean = sums[:channels] / count

@@ -74,6 +74,9 @@ _DTYPES = (
     torch.complex64,
 )
 _CODE = {d: i for i, d in enumerate(_DTYPES)}
+# NCCL's send and receive know no 16-bit integers or complex numbers (gloo does): on such a link
+# those tensors travel as their bytes, through a uint8 view of the same storage.
+_AS_BYTES = (torch.int16, torch.complex64)
 AS_EXPECTED, NEW_SIGNATURE = 0, 1
 # [status, is_tuple, count, (dtype, ndim, dim_0 .. dim_{MAX_DIMS-1}) * MAX_TENSORS]
 _HEADER = 3 + MAX_TENSORS * (2 + MAX_DIMS)
@@ -162,7 +165,7 @@ class Incoming:
         else:  # what was posted held placeholders; the payload follows
             tensors = signature.empty(self.link.device)
             for t in tensors:
-                dist.recv(t, self.src, group=self.link.group)
+                dist.recv(self.link.wire(t), self.src, group=self.link.group)
         self.link.received[(self.src, self.rows)] = signature
         return tensors, signature.as_tuple
 
@@ -193,6 +196,13 @@ class Link:
         self.sent: dict[tuple[int, int], Signature] = {}
         self.received: dict[tuple[int, int], Signature] = {}
 
+    def wire(self, tensor: torch.Tensor) -> torch.Tensor:
+        """What goes on the payload group for ``tensor`` (contiguous): itself, or on a link
+        that moves device memory only (NCCL), the bytes of a dtype NCCL cannot send."""
+        if self.header_group is not None and tensor.dtype in _AS_BYTES:
+            return tensor.reshape(-1).view(torch.uint8)
+        return tensor
+
     def send(self, tensors: list[torch.Tensor], dst: int, rows: int, pending: Pending, *, as_tuple: bool) -> None:
         """Send ``tensors`` (``rows`` rows each) to global rank ``dst`` without waiting.
 
@@ -214,7 +224,7 @@ class Link:
         outgoing += payload  # after the placeholders that fill the buffers the receiver posted
         for t in outgoing:
             pending.tensors.append(t)
-            pending.works.append(dist.isend(t, dst, group=self.group))
+            pending.works.append(dist.isend(self.wire(t), dst, group=self.group))
         self.sent[key] = signature
 
     def post(self, src: int, rows: int) -> Incoming:
@@ -224,7 +234,7 @@ class Link:
         expected = self.received.get((src, rows))
         buffers = expected.empty(self.device) if expected is not None else []
         works = [dist.irecv(head, src, group=self.header_group if on_host else self.group)]
-        works += [dist.irecv(t, src, group=self.group) for t in buffers]
+        works += [dist.irecv(self.wire(t), src, group=self.group) for t in buffers]
         return Incoming(self, src, rows, head, expected, buffers, works)
 
     def recv(self, src: int, rows: int) -> tuple[list[torch.Tensor], bool]:
@@ -318,10 +328,14 @@ def connect_pairs(pairs: Iterable[tuple[str, int, int]], links: Mapping[str, Lin
             dist.recv(torch.zeros(1, device=link.device), low, group=link.group)
 
 
-def stage_group(plan: Plan, rank: int, **kwargs: Any) -> dist.ProcessGroup | None:
+def stage_group(plan: Plan, rank: int, device: torch.device | None = None, **kwargs: Any) -> dist.ProcessGroup | None:
     """The process group of ``rank``'s stage replicas (``None`` for a stage on one rank).
 
-    Every rank must call this with the same plan: creating a group is collective.
+    Every rank must call this with the same plan: creating a group is collective. On CUDA the
+    group's communicator is made here, by one all-reduce over its members once every group
+    exists: NCCL makes it on first use otherwise, blocking, inside the first step's gradient
+    hooks while this rank's point-to-point kernels are in flight. A rank is in one stage group
+    at most, so the members' all-reduces wait on no one else.
     """
     mine = None
     for index in range(plan.num_stages):
@@ -330,4 +344,6 @@ def stage_group(plan: Plan, rank: int, **kwargs: Any) -> dist.ProcessGroup | Non
             group = dist.new_group(ranks, **kwargs)
             if rank in ranks:
                 mine = group
+    if mine is not None and device is not None and device.type == "cuda":
+        dist.all_reduce(torch.zeros(1, device=device), group=mine)
     return mine

@@ -53,7 +53,7 @@ class Pipelines:
         if plan.num_stages > 1 and self._p2p is None:
             self._p2p = p2p_groups(timeout=self.timeout)
         if plan not in self._stage_groups:
-            self._stage_groups[plan] = stage_group(plan, self.rank, timeout=self.timeout)
+            self._stage_groups[plan] = stage_group(plan, self.rank, self.device, timeout=self.timeout)
         return Pipeline(
             plan,
             self.rank,

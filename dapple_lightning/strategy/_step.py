@@ -249,7 +249,11 @@ class _LogCapture:
         if isinstance(value, Tensor):
             if value.numel() != 1:
                 raise ValueError(f"self.log({name!r}, ...) got a tensor of shape {tuple(value.shape)}; log scalars")
-            number: Tensor | float = _as_float64(value, self.device)
+            number: Tensor | float
+            if value.device.type == "cpu" and self.device.type != "cpu":
+                number = float(value)  # on the host already: a copy to the device would wait for it
+            else:
+                number = _as_float64(value, self.device)
         elif isinstance(value, int | float):
             number = float(value)
         else:

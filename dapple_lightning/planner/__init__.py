@@ -17,7 +17,14 @@ from dapple_lightning.planner._dp import (
     plan_dapple,
     replica_candidates,
 )
-from dapple_lightning.planner._links import MEMORY_MARGIN, compute_units, device_memory, measure_cluster, node_ranks
+from dapple_lightning.planner._links import (
+    MEMORY_MARGIN,
+    compute_units,
+    cores,
+    device_memory,
+    measure_cluster,
+    node_ranks,
+)
 from dapple_lightning.planner._measure import SETTLE_STEPS, fixed_part, fresh_leaves, map_tensors, profile_layers
 from dapple_lightning.planner._objective import OBJECTIVES, check_objective, least_memory, peak_limit
 from dapple_lightning.planner._pipedream import REFERENCE_PROFILES, load_profile, read_pipedream
@@ -64,6 +71,7 @@ __all__ = [
     "best_over_micro_batches",
     "check_objective",
     "compute_units",
+    "cores",
     "data_parallel_plan",
     "device_memory",
     "estimate",

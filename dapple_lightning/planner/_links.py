@@ -21,7 +21,7 @@ from dapple_lightning.planner._cluster import Cluster
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["MEMORY_MARGIN", "compute_units", "device_memory", "measure_cluster", "node_ranks"]
+__all__ = ["MEMORY_MARGIN", "compute_units", "cores", "device_memory", "measure_cluster", "node_ranks"]
 
 MEMORY_MARGIN = 0.1
 """Share of a GPU's total memory a plan leaves unused: what comes onto the device after planning
@@ -45,6 +45,14 @@ def node_ranks(world: int, nodes: int) -> list[list[int]]:
     return [list(range(n * per_node, (n + 1) * per_node)) for n in range(nodes)]
 
 
+def cores() -> int:
+    """The CPU cores this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def compute_units(device: torch.device) -> int | None:
     """How many of a node's ranks can compute at once: ``None`` on GPUs (each has its own), else
     the cores this process may use over its threads (CPU ranks on one machine share its cores)."""
@@ -52,11 +60,7 @@ def compute_units(device: torch.device) -> int | None:
 
     if device.type == "cuda":
         return None
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return max(1, cores // torch.get_num_threads())
+    return max(1, cores() // torch.get_num_threads())
 
 
 def device_memory(device: torch.device, per_node: int) -> float:

@@ -54,19 +54,14 @@ def _memory_bytes() -> float:
         return 16e9
 
 
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
 def compute_units(trial: TrialConfig) -> int | None:
     """How many of a trial's ranks can compute at once on this host: ``None`` for ranks on GPUs
     (each has its own), else the cores this process may use over the threads of one rank."""
+    from dapple_lightning.planner import cores
+
     if trial.leases_devices:
         return None
-    return max(1, _cores() // trial.threads)
+    return max(1, cores() // trial.threads)
 
 
 def local_cluster(world_size: int, units: int | None = None) -> Any:

@@ -46,14 +46,21 @@ def all_plans(layers: int, cluster: Cluster, candidates, policies, schedule="dap
                         yield Plan(stages, m, schedule)
 
 
-def brute_force(profile, cluster, batch, candidates, policies, schedule="dapple"):
+def estimates(profile, cluster, batch, candidates, policies, schedule="dapple"):
+    """The cost model's estimate of every plan of the search space it accepts, by plan."""
     model = CostModel(profile, cluster, batch)
     found = {}
     for plan in all_plans(profile.num_layers, cluster, candidates, policies, schedule):
         try:
-            est = model.estimate(plan)
+            found[plan] = model.estimate(plan)
         except ValueError:
             continue
+    return found
+
+
+def brute_force(profile, cluster, batch, candidates, policies, schedule="dapple"):
+    found = {}
+    for plan, est in estimates(profile, cluster, batch, candidates, policies, schedule).items():
         if est.fits:
             found[plan] = est.step_s
     return sorted(found.values())
@@ -251,15 +258,8 @@ def test_shared_compute_units_rerank_the_plans():
 
 def peaks_and_steps(profile, cluster, batch, candidates, policies, schedule="dapple"):
     """(largest per-device peak, step) of every plan of the search space, fitting or not."""
-    model = CostModel(profile, cluster, batch)
-    found = {}
-    for plan in all_plans(profile.num_layers, cluster, candidates, policies, schedule):
-        try:
-            est = model.estimate(plan)
-        except ValueError:
-            continue
-        found[plan] = (max(est.memory_bytes), est.step_s)
-    return list(found.values())
+    found = estimates(profile, cluster, batch, candidates, policies, schedule)
+    return [(max(est.memory_bytes), est.step_s) for est in found.values()]
 
 
 @settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])

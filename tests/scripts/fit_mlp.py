@@ -10,26 +10,22 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
-from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import CSVLogger
 
 import models
+from harness import quiet_trainer
 from dapple_lightning import DappleStrategy, Plan
 
 out, plan_path = Path(sys.argv[1]), sys.argv[2]
 extra = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
 plan = Plan.coerce(plan_path)
 model = models.MLP()
-trainer = Trainer(
-    accelerator="cpu",
+trainer = quiet_trainer(
     devices=plan.world_size,
     strategy=DappleStrategy(plan, **extra),
     max_steps=4,
     logger=CSVLogger(out, name="run", version=0),
     log_every_n_steps=1,
-    enable_progress_bar=False,
-    enable_checkpointing=False,
-    enable_model_summary=False,
     limit_val_batches=0,
 )
 trainer.fit(model, train_dataloaders=models.loader())

@@ -14,27 +14,23 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
-from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import CSVLogger
 
 import models
+from harness import quiet_trainer
 from dapple_lightning import DappleStrategy, Plan
 
 out, spec = Path(sys.argv[1]), sys.argv[2]
 torch.set_num_threads(1)
 plan = "auto" if spec == "auto" else Plan.coerce(spec)
 strategy = DappleStrategy(plan)
-trainer = Trainer(
-    accelerator="cpu",
+trainer = quiet_trainer(
     num_nodes=2,
     devices=2,
     strategy=strategy,
     max_steps=3,
     logger=CSVLogger(out, name="run", version=0),
     log_every_n_steps=1,
-    enable_progress_bar=False,
-    enable_checkpointing=False,
-    enable_model_summary=False,
     limit_val_batches=0,
 )
 trainer.fit(models.MLP(), train_dataloaders=models.loader())

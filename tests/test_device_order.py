@@ -301,6 +301,15 @@ def test_an_error_of_the_rank_itself_is_not_called_a_lost_peer(text):
     assert str(error) == text
 
 
+def test_the_timeout_is_a_timedelta_or_seconds():
+    assert DappleStrategy("auto", timeout=30)._timeout == timedelta(seconds=30)
+    assert DappleStrategy("auto", timeout=timedelta(minutes=2))._timeout == timedelta(seconds=120)
+    with pytest.raises(TypeError, match="timedelta or a number of seconds"):
+        DappleStrategy("auto", timeout="30")
+    with pytest.raises(ValueError, match="more than 0 seconds"):
+        DappleStrategy("auto", timeout=0)
+
+
 def test_nccl_raises_on_failure_unless_the_user_chose(monkeypatch):
     from dapple_lightning.strategy._failures import prepare_backend
 

@@ -22,7 +22,15 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-__all__ = ["ASYNC_ERROR_HANDLING", "HOST_WAIT", "PEER_LOST", "host_group", "peer_lost_message", "prepare_backend"]
+__all__ = [
+    "ASYNC_ERROR_HANDLING",
+    "HOST_WAIT",
+    "PEER_LOST",
+    "as_timeout",
+    "host_group",
+    "peer_lost_message",
+    "prepare_backend",
+]
 
 ASYNC_ERROR_HANDLING = "2"
 """``TORCH_NCCL_ASYNC_ERROR_HANDLING`` unless the user set it: abort the communicators, keep the process."""
@@ -41,6 +49,19 @@ PEER_LOST = (
     r").*"
 )
 """What the error of a collective whose peer failed, was killed or stalled says."""
+
+
+def as_timeout(value: timedelta | float) -> timedelta:
+    """``DappleStrategy(timeout=...)`` as a ``timedelta``: one, or a number of seconds > 0."""
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        raise TypeError(f"timeout must be a datetime.timedelta or a number of seconds, got {value!r}")
+    if not seconds > 0:
+        raise ValueError(f"timeout must be more than 0 seconds, got {value!r}")
+    return timedelta(seconds=seconds)
 
 
 def prepare_backend(backend: str) -> None:

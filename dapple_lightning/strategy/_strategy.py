@@ -55,7 +55,7 @@ from dapple_lightning.runtime import Pipeline, StepStats, Timeline, write_chrome
 from dapple_lightning.strategy._auto import AutoSetting, choose_automatically, draw_global_batch
 from dapple_lightning.strategy._batch import SameBatch, same_order
 from dapple_lightning.strategy._checkpoint import Checkpoints, gather_on_zero, group_names, keep_local
-from dapple_lightning.strategy._failures import PEER_LOST, host_group, peer_lost_message, prepare_backend
+from dapple_lightning.strategy._failures import PEER_LOST, as_timeout, host_group, peer_lost_message, prepare_backend
 from dapple_lightning.strategy._finetuning import adapt_finetuning
 from dapple_lightning.strategy._launcher import STATE_LEFT_IN_SPAWNED_RANKS, SpawnLauncher
 from dapple_lightning.strategy._materialize import STAYS_CUT, materialize, meta_context, on_meta, unmoved_on_meta
@@ -80,8 +80,8 @@ class DappleStrategy(ParallelStrategy):
         sequential: attribute path of the ``nn.Sequential`` or ``nn.ModuleList`` to pipeline (e.g.
             ``"layers"``, ``"model.transformer.h"``), or a list of them that forward runs in turn
             (``["features", "classifier"]``); found automatically when the module has exactly one.
-        timeout: how long a rank waits on a peer before giving up; a dead or stuck peer ends
-            the job after at most this long. Under NCCL it is the watchdog's limit for each
+        timeout: how long a rank waits on a peer before giving up (a ``timedelta`` or seconds); a
+            dead or stuck peer ends the job after at most this long. Under NCCL it is the watchdog's limit for each
             collective; barriers wait on the host, for at least 30 minutes (a checkpoint write).
         start_method: ``"popen"`` re-launches the script once per rank (Lightning's default for
             scripts); ``"spawn"`` starts ranks with multiprocessing (notebooks, pytest).
@@ -106,7 +106,7 @@ class DappleStrategy(ParallelStrategy):
         plan: PlanLike = "auto",
         *,
         sequential: str | Sequence[str] | None = None,
-        timeout: timedelta = timedelta(seconds=120),
+        timeout: timedelta | float = timedelta(seconds=120),
         start_method: Literal["popen", "spawn"] = "popen",
         trace: str | None = None,
         track_memory: bool = False,
@@ -137,7 +137,7 @@ class DappleStrategy(ParallelStrategy):
         # Parse early so a malformed plan fails in the constructor, before any process starts.
         self._plan_spec: Plan | str = "auto" if _is_auto(plan) else Plan.coerce(plan)
         self._sequential_name = sequential
-        self._timeout = timeout
+        self._timeout = as_timeout(timeout)
         self._start_method = start_method
         self._trace_path = trace
         self._track_memory = track_memory

@@ -88,7 +88,7 @@ def test_chrome_trace_has_one_track_per_rank(tmp_path):
     trainer = Trainer(
         accelerator="cpu",
         devices=plan.world_size,
-        strategy=DappleStrategy(plan, start_method="spawn", trace=str(trace)),
+        strategy=DappleStrategy(plan, start_method="forkserver", trace=str(trace)),
         max_steps=2,
         logger=False,
         enable_progress_bar=False,
@@ -127,7 +127,7 @@ def test_torchrun_launch_matches_single_device(tmp_path, single_device):
 
 
 def test_auto_plan_profiles_plans_and_trains_like_single_device(tmp_path, single_device):
-    got = fit(models.MLP, tmp_path, plan=None, devices=2, strategy=DappleStrategy(start_method="spawn"))
+    got = fit(models.MLP, tmp_path, plan=None, devices=2, strategy=DappleStrategy(start_method="forkserver"))
     assert_same(got, single_device(models.MLP))
 
 

@@ -151,17 +151,25 @@ class LayerProfile:
 
     @property
     def activation_memory(self) -> int:
-        """Bytes one batch's pass keeps on the device: the allocator's measured peak when there is
-        one, else the output.
-
-        A peak from the live-bytes tracker (CPU) is recorded but not used here: the cost model
-        counts a stage's activations once per live micro-batch, and whether the tracker's peak
-        predicts a CPU stage's memory better than the outputs do is not yet checked against
-        measured runs (issue 17); until it is, CPU plans are priced as before.
-        """
+        """Bytes one batch's pass keeps on the device until its backward: what autograd saved
+        (``saved_bytes``) when measured; else, for profiles written before it, the allocator's
+        peak (which also holds the pass's workspace, counted for every live micro-batch, erring on
+        the side that fits); else the output."""
+        if self.saved_bytes is not None:
+            return self.saved_bytes
         if self.peak_bytes is None or self.peak_source == "tracker":
             return self.activation_bytes
         return self.peak_bytes
+
+    @property
+    def transient_memory(self) -> int:
+        """Bytes the layer's passes take at their peak beyond what it saves (its output, its input's
+        gradient, workspace): ``peak_bytes - saved_bytes`` when both are measured, else 0 (the
+        peak, if any, is then counted in :attr:`activation_memory`). A stage needs it once, for
+        the micro-batch it is computing, on top of the ones it keeps."""
+        if self.saved_bytes is None or self.peak_bytes is None:
+            return 0
+        return max(self.peak_bytes - self.saved_bytes, 0)
 
     def optimizer_bytes(self, factor: float) -> float:
         """Optimizer state bytes: the explicit value, else ``factor * param_bytes`` (Adam: 2)."""

@@ -333,9 +333,11 @@ class _Search:
         samples = search.samples[stage.replicas]
         for i in starts:
             forward, backward = model.passes(i, j, m, samples)
+            # Summed in stage_memory's order, so that the cap cuts exactly the plans it refuses.
             static = model.static_memory(i, j)
             activation = model.activation_memory(i, j, samples)
-            if static + activation > cap:
+            transient = model.transient_memory(i, j, samples)
+            if static + activation + transient > cap:
                 break  # memory only grows as the stage takes earlier layers
             closing = model.allreduce(i, j, stage) + model.update(i, j)
             bound = top.bound
@@ -347,7 +349,7 @@ class _Search:
             front: list[_Suffix] | None = None
             front_stages = -1
             for depth, stages, pairs, link, suffix in candidates:
-                if static + depth * activation > cap:
+                if static + depth * activation + transient > cap:
                     continue
                 d, z, round_trip, x, passes = prepend(forward, backward, closing, m, depth, link, pairs, gpipe)
                 if z + head_start > bound:

@@ -166,3 +166,22 @@ def test_measured_peaks_replace_the_outputs_in_memory():
     assert est.memory_bytes == (4e9 + 2 * 300, 4e9 + 1 * 100)
     # time does not change, nor do the bytes that cross the cut
     assert est.step_s == estimate(Plan(TWO_BY_TWO, 2), PROFILE, SLOW, 8).step_s
+
+
+def test_measured_memory_prices_saved_bytes_per_micro_batch_and_the_largest_excess_once():
+    # Layers 0 and 1 measured: each keeps 40 saved bytes per profile batch of 4, peaks at 100 and
+    # 300 (excess 60 and 260); layers 2 and 3 only have their 100-byte outputs.
+    measured = tuple(
+        dataclasses.replace(x, saved_bytes=40, peak_bytes=peak, peak_source="tracker")
+        for x, peak in zip(PROFILE.layers[:2], (100, 300))
+    )
+    profile = ModelProfile(measured + PROFILE.layers[2:], profile_batch_size=4)
+    est = estimate(Plan(TWO_BY_TWO, 2), profile, SLOW, 8)
+    # Stage 0 at half the profile batch: K = 2 micro-batches of (40 + 40 saved + its 100-byte
+    # output, which the runtime keeps), plus the larger excess, 260, once.
+    assert est.memory_bytes[0] == 4e9 + 2 * (80 + 100) / 2 + 260 / 2
+    # Stage 1 is priced as before: its layers' outputs per micro-batch, no transient.
+    assert est.memory_bytes[1] == 4e9 + 1 * 100
+    model = CostModel(profile, SLOW, 8)
+    assert model.transient_memory(0, 1, 4) == 60 and model.transient_memory(1, 4, 4) == 260
+    assert model.transient_memory(2, 4, 4) == 0

@@ -8,6 +8,7 @@ which times the process group's links (both import torch only when called).
 """
 
 from dapple_lightning.planner._baselines import baselines, data_parallel_plan, pipedream_plan, straight_plan
+from dapple_lightning.planner._budget import format_bytes, over_budget, parse_memory, stage_memory_lines
 from dapple_lightning.planner._cluster import GB, Cluster
 from dapple_lightning.planner._cost import CostModel, Estimate, Placement, estimate
 from dapple_lightning.planner._dp import (
@@ -76,6 +77,7 @@ __all__ = [
     "device_memory",
     "estimate",
     "fixed_part",
+    "format_bytes",
     "fresh_leaves",
     "least_memory",
     "load_profile",
@@ -84,6 +86,8 @@ __all__ = [
     "measure_in_turns",
     "micro_batch_candidates",
     "node_ranks",
+    "over_budget",
+    "parse_memory",
     "peak_limit",
     "pipedream_plan",
     "place",
@@ -95,5 +99,6 @@ __all__ = [
     "replica_candidates",
     "shortlist",
     "simulate_plan",
+    "stage_memory_lines",
     "straight_plan",
 ]

@@ -27,6 +27,7 @@ from dapple_lightning.planner._links import (
     node_ranks,
 )
 from dapple_lightning.planner._measure import SETTLE_STEPS, fixed_part, fresh_leaves, map_tensors, profile_layers
+from dapple_lightning.planner._memory import live_bytes
 from dapple_lightning.planner._objective import OBJECTIVES, check_objective, least_memory, peak_limit
 from dapple_lightning.planner._pipedream import REFERENCE_PROFILES, load_profile, read_pipedream
 from dapple_lightning.planner._placement import PLACEMENTS, allocate, place
@@ -80,6 +81,7 @@ __all__ = [
     "format_bytes",
     "fresh_leaves",
     "least_memory",
+    "live_bytes",
     "load_profile",
     "map_tensors",
     "measure_cluster",

@@ -299,10 +299,11 @@ class CostModel:
         """The largest peak beyond what they keep of layers ``[start, end)`` on ``samples`` samples."""
         return self._memory.transient_bytes(start, end, samples)
 
-    def stage_memory(self, start: int, end: int, samples: int, depth: int) -> float:
-        """Peak bytes per device of a stage of layers ``[start, end)`` on ``samples`` samples per
-        micro-batch keeping ``depth`` micro-batches; it only grows with more layers or depth."""
-        return self._memory.stage_bytes(start, end, samples, depth)
+    def stage_memory(self, start: int, end: int, samples: int, depth: int, replicas: int, micro_batches: int) -> float:
+        """Peak bytes per device of a stage of layers ``[start, end)`` on ``replicas`` devices
+        running ``samples`` samples of each of ``micro_batches``, keeping ``depth`` of them alive
+        (see ``_stage_memory``); it only grows with more layers or depth."""
+        return self._memory.stage_bytes(start, end, samples, depth, replicas, micro_batches)
 
     def cut_bytes(self, cut: int, micro_batches: int) -> float:
         """Bytes of one micro-batch's tensors crossing the cut before layer ``cut``."""
@@ -357,7 +358,9 @@ class CostModel:
         closing = tuple(a + u for a, u in zip(ar, update))
         send = tuple(self.transfer(stages[k].end, m, places[k], places[k + 1]) for k in range(count - 1))
         depth = [min(count - k, m) if plan.schedule == "dapple" else m for k in range(count)]
-        memory = tuple(self.stage_memory(s.start, s.end, samples[k], depth[k]) for k, s in enumerate(stages))
+        memory = tuple(
+            self.stage_memory(s.start, s.end, samples[k], depth[k], s.replicas, m) for k, s in enumerate(stages)
+        )
         tail: Tail | None = None
         for k in range(count - 1, -1, -1):
             sf = send[k] if k < count - 1 else 0.0

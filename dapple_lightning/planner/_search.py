@@ -333,12 +333,8 @@ class _Search:
         samples = search.samples[stage.replicas]
         for i in starts:
             forward, backward = model.passes(i, j, m, samples)
-            # Summed in stage_memory's order, so that the cap cuts exactly the plans it refuses.
-            static = model.static_memory(i, j)
-            activation = model.activation_memory(i, j, samples)
-            transient = model.transient_memory(i, j, samples)
-            if static + activation + transient > cap:
-                break  # memory only grows as the stage takes earlier layers
+            if model.stage_memory(i, j, samples, 1, stage.replicas, m) > cap:
+                break  # memory only grows as the stage takes earlier layers, or keeps more micro-batches
             closing = model.allreduce(i, j, stage) + model.update(i, j)
             bound = top.bound
             if closing + m * (forward + backward) > bound:
@@ -349,7 +345,7 @@ class _Search:
             front: list[_Suffix] | None = None
             front_stages = -1
             for depth, stages, pairs, link, suffix in candidates:
-                if static + depth * activation + transient > cap:
+                if depth > 1 and model.stage_memory(i, j, samples, depth, stage.replicas, m) > cap:
                     continue
                 d, z, round_trip, x, passes = prepend(forward, backward, closing, m, depth, link, pairs, gpipe)
                 if z + head_start > bound:

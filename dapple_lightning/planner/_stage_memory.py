@@ -1,9 +1,12 @@
 """What one device of a stage holds at its peak, from the profile: the cost model's memory.
 
-For a stage of layers ``[i, j)`` running ``n`` samples per micro-batch (a profile quantity
-``q`` at the profile batch ``P`` counts ``q n / P``) and keeping ``K`` micro-batches alive:
+For a stage of layers ``[i, j)`` on ``r`` replicas running ``n`` samples per micro-batch (a
+profile quantity ``q`` at the profile batch ``P`` counts ``q n / P``), keeping ``K`` of the
+step's ``M`` micro-batches alive::
 
-    static(i, j) + K * kept(i, j, n) + transient(i, j, n)
+    static + max(K kept + transient,                 # up to its first backward
+                 grads + K' kept + transient,        # after it: K' = K if M > K else K - 1
+                 closing)                            # after the last backward
 
 - ``static``: parameters + gradients (as many bytes) + optimizer state (what the user's
   optimizer allocated when the profile measured it, else ``optimizer_factor`` x parameters).
@@ -14,9 +17,21 @@ For a stage of layers ``[i, j)`` running ``n`` samples per micro-batch (a profil
   output (``LayerProfile.activation_memory``).
 - ``transient``: the micro-batch being computed needs, on top, its largest layer's peak beyond
   what that layer saves (``LayerProfile.transient_memory``: output, input gradient, workspace).
+- ``grads``: a second set of gradients. Under Lightning the strategy sets the step's fresh
+  gradients aside while the previous step's stay in ``.grad`` until Lightning zeroes them after
+  the training step, so once the first backward has made fresh ones, both are alive; under
+  1F1B the stage then runs another forward while micro-batches remain (``K'``).
+- ``closing``: after the last backward, the gradient all-reduce's flat buckets on a stage of
+  ``r > 1`` replicas (a copy of the parameters, beside both sets of gradients; parameters of
+  4 MiB and more are summed in place, so this errs on the side that fits), then, once Lightning
+  has dropped the previous gradients, the optimizer step's temporaries
+  (``LayerProfile.update_peak_bytes``, summed over the stage).
 
-Each term only grows as a stage takes more layers, which the planner's searches rely on (they
-stop lengthening a stage once it no longer fits).
+``grads`` and ``closing`` are this runtime's: they are counted for layers whose optimizer step
+was measured (``update_peak_bytes``); other profiles (the papers', hand-written ones) are priced
+as ``static + K kept + transient``. Each term only grows as a stage takes more layers or keeps
+more micro-batches, which the planner's searches rely on (they stop lengthening a stage once it
+no longer fits).
 """
 
 from __future__ import annotations
@@ -49,6 +64,10 @@ class StageMemory:
     output: tuple[float, ...] = field(init=False, repr=False)
     """``output[j]``: what a stage ending before layer ``j`` keeps of its output per micro-batch."""
     transient: tuple[tuple[float, ...], ...] = field(init=False, repr=False)
+    update: tuple[float, ...] = field(init=False, repr=False)
+    """Prefix sums of the optimizer step's temporaries."""
+    grads: tuple[float, ...] = field(init=False, repr=False)
+    """Prefix sums of the parameter bytes of layers priced with this runtime's extra gradients."""
 
     def __post_init__(self) -> None:
         layers = self.profile.layers
@@ -63,6 +82,8 @@ class StageMemory:
                 output[j] = float(self.profile.cut_bytes[j])
         set_(self, "output", tuple(output))
         set_(self, "transient", sparse_max([float(x.transient_memory) for x in layers]))
+        set_(self, "update", _prefix([float(x.update_peak_bytes or 0) for x in layers]))
+        set_(self, "grads", _prefix([float(x.param_bytes if x.update_peak_bytes is not None else 0) for x in layers]))
 
     def static_bytes(self, start: int, end: int) -> float:
         return self.static[end] - self.static[start]
@@ -74,13 +95,18 @@ class StageMemory:
     def transient_bytes(self, start: int, end: int, samples: int) -> float:
         return range_max(self.transient, start, end) * samples / self.profile.profile_batch_size
 
-    def stage_bytes(self, start: int, end: int, samples: int, depth: int) -> float:
-        # The search sums the same terms in this order (exact comparisons against its cap).
-        return (
-            self.static_bytes(start, end)
-            + depth * self.kept_bytes(start, end, samples)
-            + self.transient_bytes(start, end, samples)
-        )
+    def closing_bytes(self, start: int, end: int, replicas: int) -> float:
+        update = self.update[end] - self.update[start]
+        grads = self.grads[end] - self.grads[start]
+        return max(update, 2 * grads) if replicas > 1 else update
+
+    def stage_bytes(self, start: int, end: int, samples: int, depth: int, replicas: int, micro_batches: int) -> float:
+        kept = self.kept_bytes(start, end, samples)
+        transient = self.transient_bytes(start, end, samples)
+        grads = self.grads[end] - self.grads[start]
+        after = depth if micro_batches > depth else depth - 1
+        during = max(depth * kept, grads + after * kept) + transient
+        return self.static_bytes(start, end) + max(during, self.closing_bytes(start, end, replicas))
 
 
 def sparse_max(values: Sequence[float]) -> tuple[tuple[float, ...], ...]:

@@ -79,7 +79,11 @@ def profiles(draw):
         measured = {}
         if draw(st.booleans()):
             saved = draw(st.integers(0, 400_000_000))
-            measured = {"saved_bytes": saved, "peak_bytes": saved + draw(st.integers(0, 800_000_000))}
+            measured = {
+                "saved_bytes": saved,
+                "peak_bytes": saved + draw(st.integers(0, 800_000_000)),
+                "update_peak_bytes": draw(st.integers(0, 3_000_000_000)),
+            }
         layers.append(
             LayerProfile(
                 f"l{i}",

@@ -197,8 +197,12 @@ def test_the_profile_holds_the_optimizer_state_the_optimizer_allocates():
     linear, tanh = profile.layers
     assert linear.optimizer_state_bytes == 2 * linear.param_bytes + 2 * F32
     assert tanh.optimizer_state_bytes == 0
+    # Adam's step makes temporaries (its denominator) at least as large as the weight, freed after
+    assert 32 * 16 * F32 <= linear.update_peak_bytes <= 2 * linear.param_bytes
+    assert tanh.update_peak_bytes == 0
     without = profile_layers(layers, torch.randn(8, 16), repeats=1, warmup=0)
     assert [x.optimizer_state_bytes for x in without.layers] == [None, None]
+    assert [x.update_peak_bytes for x in without.layers] == [None, None]
 
 
 def test_the_memory_fields_round_trip_through_json(tmp_path):

@@ -133,6 +133,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--schedules", type=_schedules, default=SCHEDULES, help="e.g. dapple or dapple,gpipe")
     run.add_argument("--max-stages", type=int, default=None)
     run.add_argument("--planner-seeds", type=int, default=3, help="measure the planner's top K plans first (0: off)")
+    run.add_argument("--memory-limit", help="per-rank budget the planner's seeds fit, e.g. 6GiB (default: RAM/ranks)")
     run.add_argument(
         "--baselines",
         default="data_parallel,straight",
@@ -205,6 +206,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         schedules=args.schedules,
         max_stages=args.max_stages,
         planner_seeds=args.planner_seeds,
+        memory_limit=args.memory_limit,
         baselines=tuple(b for b in args.baselines.split(",") if b),
         confirm_repeats=args.confirm_repeats,
         enqueue=tuple(args.enqueue),

@@ -112,9 +112,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--timeout", type=float, default=None, help="stop starting trials after this many seconds")
     run.add_argument("--timeout-per-trial", type=float, default=300.0, help="wall-clock limit of one trial (s)")
-    run.add_argument(
-        "--stall-timeout", type=float, default=None, help="kill a trial when no step ends for this long (s)"
-    )
+    run.add_argument("--stall-timeout", type=float, default=None, help="kill a trial when no step ends this long (s)")
     run.add_argument("--warmup", type=int, default=1, help="untimed steps per trial (default: %(default)s)")
     run.add_argument("--steps", type=int, default=3, help="timed steps per trial (default: %(default)s)")
     run.add_argument("--seed", type=int, default=0, help="sampler seed; give each worker of one study its own")

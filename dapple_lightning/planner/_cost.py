@@ -75,7 +75,7 @@ from dapple_lightning.plan import SCHEDULES, Plan
 from dapple_lightning.planner._cluster import Cluster
 from dapple_lightning.planner._profile import ModelProfile
 from dapple_lightning.planner._recurrence import Tail, combine, stage_chain
-from dapple_lightning.planner._stage_memory import StageMemory
+from dapple_lightning.planner._stage_memory import MemoryParts, StageMemory
 
 __all__ = ["CostModel", "Estimate", "Placement", "chains", "estimate"]
 
@@ -295,14 +295,12 @@ class CostModel:
         """Bytes one micro-batch of ``samples`` samples keeps on a stage of layers ``[start, end)``."""
         return self._memory.kept_bytes(start, end, samples)
 
-    def transient_memory(self, start: int, end: int, samples: int) -> float:
-        """The largest peak beyond what they keep of layers ``[start, end)`` on ``samples`` samples."""
-        return self._memory.transient_bytes(start, end, samples)
+    def memory_parts(self, start: int, end: int, samples: int, replicas: int) -> MemoryParts:
+        """What :func:`peak_bytes` makes a stage's peak of, for any number of micro-batches it keeps."""
+        return self._memory.parts(start, end, samples, replicas)
 
     def stage_memory(self, start: int, end: int, samples: int, depth: int, replicas: int, micro_batches: int) -> float:
-        """Peak bytes per device of a stage of layers ``[start, end)`` on ``replicas`` devices
-        running ``samples`` samples of each of ``micro_batches``, keeping ``depth`` of them alive
-        (see ``_stage_memory``); it only grows with more layers or depth."""
+        """Peak bytes per device of layers ``[start, end)`` keeping ``depth`` micro-batches (``_stage_memory``)."""
         return self._memory.stage_bytes(start, end, samples, depth, replicas, micro_batches)
 
     def cut_bytes(self, cut: int, micro_batches: int) -> float:

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 from dapple_lightning.planner._profile import ModelProfile
 
-__all__ = ["StageMemory", "range_max", "sparse_max"]
+__all__ = ["MemoryParts", "StageMemory", "peak_bytes", "range_max", "sparse_max"]
 
 
 def _prefix(values: Sequence[float]) -> tuple[float, ...]:
@@ -100,13 +100,31 @@ class StageMemory:
         grads = self.grads[end] - self.grads[start]
         return max(update, 2 * grads) if replicas > 1 else update
 
-    def stage_bytes(self, start: int, end: int, samples: int, depth: int, replicas: int, micro_batches: int) -> float:
-        kept = self.kept_bytes(start, end, samples)
-        transient = self.transient_bytes(start, end, samples)
+    def parts(self, start: int, end: int, samples: int, replicas: int) -> MemoryParts:
+        """The terms of a stage's peak that do not depend on how many micro-batches it keeps."""
         grads = self.grads[end] - self.grads[start]
-        after = depth if micro_batches > depth else depth - 1
-        during = max(depth * kept, grads + after * kept) + transient
-        return self.static_bytes(start, end) + max(during, self.closing_bytes(start, end, replicas))
+        return (
+            self.static_bytes(start, end),
+            self.kept_bytes(start, end, samples),
+            self.transient_bytes(start, end, samples),
+            grads,
+            self.closing_bytes(start, end, replicas),
+        )
+
+    def stage_bytes(self, start: int, end: int, samples: int, depth: int, replicas: int, micro_batches: int) -> float:
+        return peak_bytes(self.parts(start, end, samples, replicas), depth, micro_batches)
+
+
+MemoryParts = tuple[float, float, float, float, float]
+"""``(static, kept, transient, grads, closing)`` of one stage (see the module docstring)."""
+
+
+def peak_bytes(parts: MemoryParts, depth: int, micro_batches: int) -> float:
+    """A stage's peak from its :class:`StageMemory.parts` when it keeps ``depth`` of ``micro_batches``
+    alive: what the cost model and the searches both compute, so their comparisons agree exactly."""
+    static, kept, transient, grads, closing = parts
+    after = depth if micro_batches > depth else depth - 1
+    return static + max(max(depth * kept, grads + after * kept) + transient, closing)
 
 
 def sparse_max(values: Sequence[float]) -> tuple[tuple[float, ...], ...]:

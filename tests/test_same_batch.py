@@ -44,7 +44,7 @@ def losses(tmp_path, **placement) -> list[float]:
 
 def test_random_collation_trains_like_one_device(tmp_path):
     want = losses(tmp_path / "single", devices=1)
-    got = losses(tmp_path / "dapple", devices=3, strategy=DappleStrategy(PLAN_2_1, start_method="spawn"))
+    got = losses(tmp_path / "dapple", devices=3, strategy=DappleStrategy(PLAN_2_1, start_method="forkserver"))
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-7)
 
 

@@ -85,6 +85,7 @@ def test_chrome_trace_has_one_track_and_memory_counter_per_rank_and_a_plan_over_
     plan = make_plan("2:1", "dapple")
     trace = tmp_path / "trace.json"
     model = models.MLP()
+    # spawn, not the forkserver: rank 0's warning must reach this test's captured stderr.
     strategy = DappleStrategy(plan, start_method="spawn", trace=str(trace), track_memory=True, memory_limit="1KiB")
     trainer = Trainer(
         accelerator="cpu",
@@ -138,7 +139,7 @@ def test_torchrun_launch_matches_single_device(tmp_path, single_device):
 
 
 def test_auto_plan_profiles_plans_and_trains_like_single_device(tmp_path, single_device):
-    got = fit(models.MLP, tmp_path, plan=None, devices=2, strategy=DappleStrategy(start_method="spawn"))
+    got = fit(models.MLP, tmp_path, plan=None, devices=2, strategy=DappleStrategy(start_method="forkserver"))
     assert_same(got, single_device(models.MLP))
 
 

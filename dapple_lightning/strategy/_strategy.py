@@ -85,13 +85,14 @@ class DappleStrategy(ParallelStrategy):
             dead or stuck peer ends the job after at most this long. Under NCCL it is the watchdog's limit for each
             collective; barriers wait on the host, for at least 30 minutes (a checkpoint write).
         start_method: ``"popen"`` re-launches the script once per rank (Lightning's default for
-            scripts); ``"spawn"`` starts ranks with multiprocessing (notebooks, pytest).
+            scripts); ``"spawn"`` starts ranks with multiprocessing (notebooks, pytest);
+            ``"forkserver"`` is ``"spawn"`` with ranks forked from a server process that imported
+            torch and Lightning once, so each rank starts without importing them again.
         trace: write a Chrome trace (Perfetto) of every rank's forwards, backwards, sends,
             receives and all-reduces to this path when training ends.
         track_memory: count the activation bytes autograd keeps alive per micro-batch; the
             last step's peak is in ``strategy.step_stats.peak_live_bytes``.
-        memory_limit: per-rank memory budget, bytes or text like ``"6GiB"``: ``plan="auto"`` never
-            exceeds it; a plan given by hand is warned about (see :mod:`._memory`).
+        memory_limit: per-rank budget, bytes or ``"6GiB"``, for the plan's predicted peak (:mod:`._memory`).
         state_dict_type: ``"full"`` writes one single-device checkpoint file, streamed by rank
             0 one tensor at a time; ``"sharded"`` writes a torch.distributed.checkpoint
             directory in which each stage's first replica writes its own state (resumable
@@ -110,7 +111,7 @@ class DappleStrategy(ParallelStrategy):
         *,
         sequential: str | Sequence[str] | None = None,
         timeout: timedelta | float = timedelta(seconds=120),
-        start_method: Literal["popen", "spawn"] = "popen",
+        start_method: Literal["popen", "spawn", "forkserver"] = "popen",
         trace: str | None = None,
         track_memory: bool = False,
         memory_limit: float | str | None = None,
@@ -130,8 +131,8 @@ class DappleStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        if start_method not in ("popen", "spawn"):
-            raise ValueError(f"start_method must be 'popen' or 'spawn', got {start_method!r}")
+        if start_method not in ("popen", "spawn", "forkserver"):
+            raise ValueError(f"start_method must be 'popen', 'spawn' or 'forkserver', got {start_method!r}")
         if isinstance(plan, str) and plan.strip().startswith("optuna://"):
             raise ValueError(
                 f"plan={plan!r} names a plan search's study; build the strategy with "

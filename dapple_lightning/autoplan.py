@@ -30,7 +30,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -48,6 +48,7 @@ from dapple_lightning.planner import (
     check_objective,
     estimate,
     fixed_part,
+    format_bytes,
     fresh_leaves,
     measure_cluster,
     measure_in_turns,
@@ -55,6 +56,7 @@ from dapple_lightning.planner import (
     refine,
     refine_allreduce,
     shortlist,
+    stage_memory_lines,
 )
 from dapple_lightning.surgery import standing_in
 
@@ -85,6 +87,8 @@ class AutoPlan:
     """Seconds spent profiling, measuring the process group, planning and on trials."""
     trials: tuple[Trial, ...] = ()
     """The close candidates measured, in the order predicted; ``plan`` is the fastest measured."""
+    stage_memory_bytes: tuple[float, ...] = ()
+    """The chosen plan's predicted peak per rank of each stage (the budget is ``cluster.memory_bytes``)."""
 
     def report(self) -> str:
         lines = [
@@ -117,6 +121,9 @@ class AutoPlan:
                 f"predicted {self.predicted_step_s * 1e3:.1f} ms/step vs {self.data_parallel_step_s * 1e3:.1f} ms for "
                 f"pure data parallelism ({self.data_parallel_step_s / self.predicted_step_s:.2f}x)"
             )
+        if self.stage_memory_bytes:
+            lines.append(f"predicted peak memory per rank (budget {format_bytes(self.cluster.memory_bytes)}):")
+            lines += stage_memory_lines(self.plan, self.stage_memory_bytes, self.cluster.memory_bytes)
         return "\n".join(lines)
 
 
@@ -339,6 +346,11 @@ def _shortlist_on_rank_zero(
     return [(Plan.coerce(plan), predicted) for plan, predicted in box[0][0]], box[0][1]
 
 
+def _within(cluster: Cluster, memory_limit: float | None) -> Cluster:
+    """``cluster`` with ``memory_limit`` as its memory per device, when given."""
+    return cluster if memory_limit is None else replace(cluster, memory_bytes=float(memory_limit))
+
+
 def choose_plan(
     layers: Sequence[nn.Module],
     sample_input: Any,
@@ -353,6 +365,7 @@ def choose_plan(
     margin: float = TRIAL_MARGIN,
     objective: str = "time",
     memory_margin: float = 0.1,
+    memory_limit: float | None = None,
 ) -> AutoPlan:
     """Profile, measure and plan (collective on every rank); the plan is rank 0's choice.
 
@@ -377,8 +390,8 @@ def choose_plan(
     ``planner.plan_dapple``): the fastest plan that fits (``"time"``), the least per-device
     peak memory (``"memory"``), or the fastest within ``memory_margin`` of that least peak
     (``"time-within-memory"``). ``DappleStrategy`` does not pass them yet, so ``plan="auto"``
-    runs under ``"time"``.
-    """
+    runs under ``"time"``. No plan is chosen over ``memory_limit`` bytes per rank (``None``: the
+    device's memory, see ``planner.device_memory``)."""
     start = time.perf_counter()
     if not 0.0 <= margin < 1.0:  # before the profiling, not after
         raise ValueError(f"margin must be in [0, 1), got {margin!r}")
@@ -393,7 +406,7 @@ def choose_plan(
         big = (rows, *step_outside(rows))
         profile = _with_step_outside(profile, big, (small, *step_outside(small)) if small else None)
     profile = _averaged(profile, device)
-    cluster = measure_cluster(device, nodes=nodes)
+    cluster = _within(measure_cluster(device, nodes=nodes), memory_limit)
     close, dp_step = _shortlist_on_rank_zero(
         profile,
         cluster,
@@ -416,4 +429,5 @@ def choose_plan(
         if dp_step is not None:
             dp_plan = Plan.data_parallel(profile.num_layers, cluster.world_size)
             dp_step = estimate(dp_plan, profile, cluster, global_batch, optimizer_factor=optimizer_factor).step_s
-    return AutoPlan(plan, predicted, dp_step, profile, cluster, time.perf_counter() - start, trials)
+    memory = estimate(plan, profile, cluster, global_batch, optimizer_factor=optimizer_factor).memory_bytes
+    return AutoPlan(plan, predicted, dp_step, profile, cluster, time.perf_counter() - start, trials, memory)

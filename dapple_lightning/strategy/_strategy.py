@@ -51,14 +51,15 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from dapple_lightning.plan import Plan
-from dapple_lightning.runtime import Pipeline, StepStats, Timeline, write_chrome_trace
+from dapple_lightning.runtime import Pipeline, StepStats, Timeline
 from dapple_lightning.strategy._auto import AutoSetting, choose_automatically, draw_global_batch
 from dapple_lightning.strategy._batch import SameBatch, same_order
-from dapple_lightning.strategy._checkpoint import Checkpoints, gather_on_zero, group_names, keep_local
+from dapple_lightning.strategy._checkpoint import Checkpoints, group_names, keep_local
 from dapple_lightning.strategy._failures import PEER_LOST, as_timeout, host_group, peer_lost_message, prepare_backend
 from dapple_lightning.strategy._finetuning import adapt_finetuning
 from dapple_lightning.strategy._launcher import STATE_LEFT_IN_SPAWNED_RANKS, SpawnLauncher
 from dapple_lightning.strategy._materialize import STAYS_CUT, materialize, meta_context, on_meta, unmoved_on_meta
+from dapple_lightning.strategy._memory import parse_memory, warn_if_over_budget, write_trace
 from dapple_lightning.strategy._pipelines import Buffers, Pipelines, broadcast_module
 from dapple_lightning.strategy._refusals import check_before_start
 from dapple_lightning.strategy._step import MicroBatches, clip_grad_norm_over_stages
@@ -91,6 +92,7 @@ class DappleStrategy(ParallelStrategy):
             receives and all-reduces to this path when training ends.
         track_memory: count the activation bytes autograd keeps alive per micro-batch; the
             last step's peak is in ``strategy.step_stats.peak_live_bytes``.
+        memory_limit: per-rank budget, bytes or ``"6GiB"``, for the plan's predicted peak (:mod:`._memory`).
         state_dict_type: ``"full"`` writes one single-device checkpoint file, streamed by rank
             0 one tensor at a time; ``"sharded"`` writes a torch.distributed.checkpoint
             directory in which each stage's first replica writes its own state (resumable
@@ -112,6 +114,7 @@ class DappleStrategy(ParallelStrategy):
         start_method: Literal["popen", "spawn", "forkserver"] = "popen",
         trace: str | None = None,
         track_memory: bool = False,
+        memory_limit: float | str | None = None,
         state_dict_type: Literal["full", "sharded"] = "full",
         async_save: bool = False,
         accelerator: Any = None,
@@ -143,6 +146,7 @@ class DappleStrategy(ParallelStrategy):
         self._start_method = start_method
         self._trace_path = trace
         self._track_memory = track_memory
+        self._memory_limit = None if memory_limit is None else parse_memory(memory_limit, "memory_limit")
         self._process_group_backend = process_group_backend
         self._num_nodes = 1
         self.plan: Plan | None = None
@@ -301,6 +305,7 @@ class DappleStrategy(ParallelStrategy):
 
     def _resolve_plan(self, trainer: Trainer, chain: Chain, pipelines: Pipelines) -> Plan:
         if isinstance(self._plan_spec, Plan):
+            warn_if_over_budget(self.lightning_module, chain, self._plan_spec, trainer, self._memory_limit)
             return self._plan_spec
         if trainer.state.fn != TrainerFn.FITTING:
             # Forward-only loops have no training batch to profile; every rank holds every layer.
@@ -314,6 +319,7 @@ class DappleStrategy(ParallelStrategy):
             pipelines,
             self._steps,
             self.precision_plugin.train_step_context,
+            self._memory_limit,
         )
         batch = draw_global_batch(trainer, self.batch_to_device)
         self.model_to_device()  # profiled and tried where it trains; the cut then frees what others hold
@@ -471,7 +477,7 @@ class DappleStrategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         if self._pipeline is not None and self._trace_path is not None and not self._failed:
-            self._write_trace()
+            write_trace(self._pipeline.timeline, self._trace_path)
         if self._steps is not None:
             self._steps.shared.abandon() if self._failed else self._steps.shared.wait()
         if self._pipeline is not None:
@@ -488,12 +494,6 @@ class DappleStrategy(ParallelStrategy):
                 self._checkpoints.detach()
         with unmoved_on_meta(self.lightning_module):
             super().teardown()
-
-    def _write_trace(self) -> None:
-        assert self._pipeline is not None
-        if (gathered := gather_on_zero(self._pipeline.timeline.events)) is not None:
-            path = write_chrome_trace([e for part in gathered for e in part], self._trace_path)
-            rank_zero_info(f"dapple: wrote Chrome trace to {path}")
 
 
 def _is_auto(plan: Any) -> bool:

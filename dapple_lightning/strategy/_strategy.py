@@ -51,17 +51,19 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from dapple_lightning.plan import Plan
-from dapple_lightning.runtime import Pipeline, StepStats, Timeline, write_chrome_trace
+from dapple_lightning.runtime import Pipeline, StepStats, Timeline
 from dapple_lightning.strategy._auto import AutoSetting, choose_automatically, draw_global_batch
 from dapple_lightning.strategy._batch import SameBatch, same_order
-from dapple_lightning.strategy._checkpoint import Checkpoints, gather_on_zero, group_names, keep_local
+from dapple_lightning.strategy._checkpoint import Checkpoints, group_names, keep_local
 from dapple_lightning.strategy._failures import PEER_LOST, as_timeout, host_group, peer_lost_message, prepare_backend
 from dapple_lightning.strategy._finetuning import adapt_finetuning
+from dapple_lightning.strategy._heartbeat import SILENT, watch_peers
 from dapple_lightning.strategy._launcher import STATE_LEFT_IN_SPAWNED_RANKS, SpawnLauncher
 from dapple_lightning.strategy._materialize import STAYS_CUT, materialize, meta_context, on_meta, unmoved_on_meta
 from dapple_lightning.strategy._pipelines import Buffers, Pipelines, broadcast_module
 from dapple_lightning.strategy._refusals import check_before_start
 from dapple_lightning.strategy._step import MicroBatches, clip_grad_norm_over_stages
+from dapple_lightning.strategy._trace import write_trace
 from dapple_lightning.surgery import Chain, Cut
 
 __all__ = ["DappleStrategy"]
@@ -159,6 +161,7 @@ class DappleStrategy(ParallelStrategy):
         self._failed = False
         self._shuffle_seed = 0
         self._host_group: Any = None  # gloo, for barriers, when the world's backend is not gloo
+        self._heartbeat = SILENT  # ends this rank within seconds of a peer's loss (see _heartbeat)
         self.staged: Any = None
         """How rank 0's initial weights reached this rank (see ``_pipelines.Staged``)."""
 
@@ -225,6 +228,9 @@ class DappleStrategy(ParallelStrategy):
                 "process group left over from an earlier run in this process (e.g. a Hydra multirun with "
                 "start_method='popen') cannot be reused for another size: use DappleStrategy(start_method='spawn')"
             )
+        self._heartbeat = watch_peers(
+            self.cluster_environment, self.global_rank, self.world_size, backend, self._timeout
+        )
 
     def _leave(self) -> None:
         """At exit, finish a save in flight, then leave the group (or gloo aborts the process)."""
@@ -464,12 +470,13 @@ class DappleStrategy(ParallelStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True
+        self._heartbeat.report_failure(type(exception).__name__)
         _augment_message(exception, pattern=PEER_LOST, new_message=peer_lost_message(self.global_rank, self._timeout))
 
     @override
     def teardown(self) -> None:
         if self._pipeline is not None and self._trace_path is not None and not self._failed:
-            self._write_trace()
+            write_trace(self._pipeline, self._trace_path)
         if self._steps is not None:
             self._steps.shared.abandon() if self._failed else self._steps.shared.wait()
         if self._pipeline is not None:
@@ -486,12 +493,7 @@ class DappleStrategy(ParallelStrategy):
                 self._checkpoints.detach()
         with unmoved_on_meta(self.lightning_module):
             super().teardown()
-
-    def _write_trace(self) -> None:
-        assert self._pipeline is not None
-        if (gathered := gather_on_zero(self._pipeline.timeline.events)) is not None:
-            path = write_chrome_trace([e for part in gathered for e in part], self._trace_path)
-            rank_zero_info(f"dapple: wrote Chrome trace to {path}")
+        self._heartbeat.stop(failed=self._failed)
 
 
 def _is_auto(plan: Any) -> bool:

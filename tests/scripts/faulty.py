@@ -1,7 +1,7 @@
 """Trains a small MLP with dapple, launched plainly, and fails on purpose on one rank.
 
 Usage: python faulty.py OUT_DIR WHERE RANK
-WHERE: layer | step | callback | data | kill. Every rank writes a `pid-<rank>` file for the test
+WHERE: layer | step | callback | data | kill | stop (SIGSTOP: a hung process or a lost host). Every rank writes a `pid-<rank>` file for the test
 to check that no process is left behind; the failing rank writes `failed-at` (the time it fails)
 for the test to measure how long the others take to end.
 """
@@ -33,8 +33,8 @@ def rank() -> int:
 
 def fail() -> None:
     (out / "failed-at").write_text(repr(time.time()))
-    if where == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
+    if where in ("kill", "stop"):
+        os.kill(os.getpid(), signal.SIGKILL if where == "kill" else signal.SIGSTOP)
     raise ValueError(MESSAGE)
 
 
@@ -58,7 +58,7 @@ class Faulty(models.MLP):
         Bomb.step = batch_idx
         if where == "step" and rank() == bad_rank and batch_idx == FAIL_AT_STEP:
             fail()
-        if where == "kill" and rank() == bad_rank and batch_idx == FAIL_AT_STEP:
+        if where in ("kill", "stop") and rank() == bad_rank and batch_idx == FAIL_AT_STEP:
             fail()
         return super().training_step(batch, batch_idx)
 

@@ -80,3 +80,18 @@ def test_failure_ends_every_rank(where: str, rank: int, launch: str, tmp_path: P
     assert wait_gone(pids, time.monotonic() + 10) == [], "processes left behind"
     ended_after = time.time() - float((tmp_path / "failed-at").read_text())
     assert ended_after < ENDED_WITHIN_S[launch], f"the last rank ended {ended_after:.1f} s after the failure"
+
+
+def test_torchrun_restarts_the_job_after_a_killed_rank(tmp_path: Path) -> None:
+    """Under ``--max-restarts 1`` the restarted ranks meet on keys of their own (a dead rank's gloo
+    address left in torchrun's store made the restart fail) and train to the end."""
+    proc = subprocess.run(
+        [*TORCHRUN, "--max-restarts", "1", str(SCRIPT), str(tmp_path), "kill", "1", "once"],
+        capture_output=True,
+        text=True,
+        timeout=LIMIT_S + 30,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-3000:]
+    assert [(tmp_path / f"done-{r}").read_text() for r in range(3)] == ["6 1"] * 3

@@ -33,7 +33,6 @@ from lightning.fabric.utilities.distributed import (
     _destroy_dist_connection,
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
-    _init_dist_connection,
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -55,7 +54,7 @@ from dapple_lightning.runtime import Pipeline, StepStats, Timeline
 from dapple_lightning.strategy._auto import AutoSetting, choose_automatically, draw_global_batch
 from dapple_lightning.strategy._batch import SameBatch, same_order
 from dapple_lightning.strategy._checkpoint import Checkpoints, group_names, keep_local
-from dapple_lightning.strategy._failures import PEER_LOST, as_timeout, host_group, peer_lost_message, prepare_backend
+from dapple_lightning.strategy._failures import PEER_LOST, as_timeout, connect, host_group, peer_lost_message
 from dapple_lightning.strategy._finetuning import adapt_finetuning
 from dapple_lightning.strategy._heartbeat import SILENT, watch_peers
 from dapple_lightning.strategy._launcher import STATE_LEFT_IN_SPAWNED_RANKS, SpawnLauncher
@@ -215,8 +214,7 @@ class DappleStrategy(ParallelStrategy):
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         self._process_group_backend = backend
         assert self.cluster_environment is not None
-        prepare_backend(backend)
-        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+        connect(self.cluster_environment, backend, self._timeout)
         if self._host_group is None:
             self._host_group = host_group(backend, self._timeout)
         if not self._leaves_at_exit:

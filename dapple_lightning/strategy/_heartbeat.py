@@ -24,13 +24,13 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import sys
 import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
 from itertools import count
+from pathlib import Path
 
 import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
@@ -88,7 +88,7 @@ class Heartbeat:
         """Why this rank is ending, once a peer is known lost."""
 
     def start(self) -> Heartbeat:
-        self._store.set(self._key(f"pid/{self.rank}"), f"{socket.gethostname()} {os.getpid()}")
+        self._store.set(self._key(f"pid/{self.rank}"), f"{_process_space()} {os.getpid()}")
         self._beat(1)
         self._thread.start()
         return self
@@ -141,10 +141,10 @@ class Heartbeat:
         return None
 
     def _end_hung(self, peer: int) -> None:
-        """A hung or stopped peer on this host is killed: no launcher reaps a stopped process (torchrun
+        """A hung or stopped peer in this machine's process space is killed: no launcher reaps a stopped process (torchrun
         waits 30 s after its SIGTERM, Lightning's launcher leaves it), and nothing can use it any more."""
-        host, pid = self._store.get(self._key(f"pid/{peer}")).decode().split()
-        if host == socket.gethostname() and int(pid) != os.getpid():
+        space, pid = self._store.get(self._key(f"pid/{peer}")).decode().split()
+        if space == _process_space() != "?" and int(pid) != os.getpid():
             with contextlib.suppress(OSError):
                 os.kill(int(pid), signal.SIGKILL)
 
@@ -178,6 +178,16 @@ class Heartbeat:
     def _try(action) -> None:
         with contextlib.suppress(Exception):  # best effort on the way out: the store or group may be gone
             action()
+
+
+def _process_space() -> str:
+    """Where a process id means the same process as here: this boot of this machine and this PID
+    namespace (containers on one host have their own); ``"?"`` where that cannot be read."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot}/{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return "?"
 
 
 class _Silent:

@@ -73,7 +73,7 @@ def stage_memory_lines(plan: Plan, stage_bytes: Sequence[float], budget: float) 
         mark = "  OVER BUDGET" if peak > budget else ""
         lines.append(
             f"  stage {index} (layers {stage.start}-{stage.end - 1}, {stage.replicas} "
-            f"{'replica' if stage.replicas == 1 else 'replicas'}): "
+            f"{'replica' if stage.replicas == 1 else 'replicas'}{', recomputing' if stage.recompute else ''}): "
             f"{format_bytes(peak)} of {format_bytes(budget)} ({share}){mark}"
         )
     return lines

@@ -92,5 +92,6 @@ def over_budget(plan: Plan, stage_bytes: Sequence[float], budget: float) -> str 
     return (
         f"plan {plan.describe()} is predicted to need more memory per rank than memory_limit "
         f"{format_bytes(budget)}: {named}. Give the heavy stages fewer layers or more replicas, use more "
-        "micro-batches (each keeps fewer rows alive), or let plan='auto' choose a plan that fits"
+        "micro-batches (each keeps fewer rows alive), make them recompute (recompute: true), or let "
+        "plan='auto' choose a plan that fits"
     )

@@ -17,7 +17,8 @@ The search space, for a profile of ``L`` layers on a cluster of ``W`` devices:
 
 Plans whose stages exceed the device memory (``_cost``) are left out; under a memory objective
 (``objective="memory"`` or ``"time-within-memory"``, see ``_objective``), so are those over the
-peak it allows.
+peak it allows. With ``recompute=True`` a stage over that cap recomputes its activations when
+that brings it under (and only then: ``_objective`` says why the search stays exact).
 
 The search runs per (micro-batch count, placement policy): first with cuts at 16 points only
 (cheap, and its plans bound the rest), then in full, best-looking pairs first, then, for

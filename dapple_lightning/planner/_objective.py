@@ -28,6 +28,13 @@ the same cap that is at least as fast. The cap only removes plans, each checked 
 with the same float expressions as :meth:`CostModel.estimate`, so ``P`` itself passes. The plan
 :func:`least_memory` returns is one of the space under any such cap, so its latency bounds the
 search from the start (``_dp`` offers it first).
+
+**Recomputation** (``recompute=True``): a stage may also recompute its activations
+(``Stage.recompute``), which lowers its peak and lengthens its backward by its forward. The
+least peak then takes, per stage, the lesser of its two peaks; the time search lets a stage
+recompute exactly when it would exceed the cap otherwise. That keeps it exact: whether a stage
+fits either way depends only on the stage and its ``K``, and where it fits as it is, recomputing
+gives the same plan with a longer backward, never a faster one (latency only grows with ``B``).
 """
 
 from __future__ import annotations

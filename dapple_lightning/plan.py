@@ -159,6 +159,12 @@ class Plan:
             raise ValueError(f"micro_batches must be >= 1, got {self.micro_batches}")
         if self.schedule not in ALL_SCHEDULES:
             raise ValueError(f"unknown schedule {self.schedule!r}; choose one of {list(ALL_SCHEDULES)}")
+        if self.schedule == "zb-h1" and any(s.recompute for s in stages):
+            # Its B and W each back-propagate through the stage's checkpoints, and each runs them again.
+            raise ValueError(
+                "a stage with recompute: true runs its forward twice more per micro-batch under schedule 'zb-h1' "
+                "(its input and weight backwards each recompute); use schedule 'dapple' with recomputation"
+            )
         if stages[0].start != 0:
             raise ValueError(f"the first stage must start at layer 0, got [{stages[0].start}, {stages[0].end})")
         for prev, nxt in itertools.pairwise(stages):

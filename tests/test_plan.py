@@ -50,6 +50,8 @@ def test_recompute_is_a_stage_field() -> None:
     assert plan.describe() == "2:1 cuts=6 M=1 dapple recompute=0"
     with pytest.raises(TypeError, match="recompute` must be true or false"):
         Plan.coerce({"stages": [{"layers": [0, 6], "recompute": "yes"}]})
+    with pytest.raises(ValueError, match="twice more per micro-batch under schedule 'zb-h1'"):
+        Plan.coerce({**data, "schedule": "zb-h1"})
 
 
 def test_explicit_ranks_place_replicas() -> None:

@@ -44,6 +44,10 @@ STALE_S = 2.8
 machine or a long call that holds the GIL is not mistaken for a dead rank)."""
 GRACE_S = 1.0
 """How long the main thread gets, once a peer is known lost, to end the run through its own error."""
+_RUNNING = frozenset("RSDI")
+"""/proc states of a live process: running, sleeping (a blocked receive), in the kernel, idle."""
+_STOPPED = frozenset("Tt")
+"""/proc states of a stopped process (SIGSTOP, a debugger)."""
 _LEFT = 1 << 40
 """Added to a rank's counter when it leaves cleanly: its watchers stop watching it."""
 _runs = count()  # one namespace per run of a process (fit, then test, in one script); the same on every rank
@@ -94,11 +98,19 @@ class Heartbeat:
         return self
 
     def report_failure(self, reason: str) -> None:
-        """This rank failed (collective-free): every peer learns it at its next look, not after a timeout."""
-        self._try(lambda: self._store.set(self._key("lost"), f"rank {self.rank} failed: {reason}"))
+        """This rank failed (collective-free): every peer learns it at its next look, not after a timeout.
+
+        This rank's own watching ends here: its main thread is already unwinding through Lightning's
+        failure path, which must print the error however long the loggers and teardown take."""
+        self._try(lambda: self._say_lost(f"rank {self.rank} failed: {reason}"))
+        self._stopped.set()
 
     def stop(self, *, failed: bool) -> None:
-        """End the thread; a clean leave tells the watchers not to wait for this rank's beats."""
+        """End the thread; a clean leave tells the watchers not to wait for this rank's beats.
+
+        After a clean leave the caller must wait for every rank to have stopped (a barrier) before the
+        process ends: the store may live in this process (rank 0's under Lightning's launcher), and a
+        peer's thread that still polls it would take its going for a lost launcher."""
         self._stopped.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=2 * INTERVAL_S + STALE_S)
@@ -116,6 +128,8 @@ class Heartbeat:
                 self._beat(1)
                 if reported := self._store.check([self._key("lost")]):
                     lost: str | None = self._store.get(self._key("lost")).decode()
+                    if self._stopped.is_set():  # this rank reported it, racing report_failure
+                        return
                 else:
                     lost = self._look(last, started)
             except Exception as e:  # the store is gone or stalled: its host (torchrun's agent, rank 0) is lost
@@ -133,20 +147,36 @@ class Heartbeat:
             elif beats != last[peer][0]:
                 last[peer] = (beats, now)
             elif (beats > 0 and now - last[peer][1] > STALE_S) or (beats == 0 and now - started > self._never_beat_s):
+                pid, state = self._state_of(peer)
+                if state in _RUNNING and now - last[peer][1] <= self._never_beat_s:
+                    # On this machine and running: a call holding the GIL starves its beats, it is not
+                    # lost (the process group's timeout still bounds a real hang).
+                    continue
                 silent_s = now - last[peer][1]
-                reason = f"rank {peer} sent no heartbeat for {silent_s:.1f} s (killed, hung or its host lost)"
-                self._store.set(self._key("lost"), reason)
-                self._end_hung(peer)
+                reason = f"rank {peer} sent no heartbeat for {silent_s:.1f} s (killed, stopped or its host lost)"
+                reason = self._say_lost(reason)
+                if state in _STOPPED:
+                    # No launcher reaps a stopped process (torchrun waits 30 s after its SIGTERM,
+                    # Lightning's launcher leaves it), and nothing can use it any more.
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, signal.SIGKILL)
                 return reason
         return None
 
-    def _end_hung(self, peer: int) -> None:
-        """A hung or stopped peer in this machine's process space is killed: no launcher reaps a stopped process (torchrun
-        waits 30 s after its SIGTERM, Lightning's launcher leaves it), and nothing can use it any more."""
+    def _state_of(self, peer: int) -> tuple[int, str | None]:
+        """The peer's process id and its state letter in /proc (``R``, ``S``, ``T``, ...) when it runs in
+        this machine's process space, ``None`` otherwise (another host, or gone)."""
         space, pid = self._store.get(self._key(f"pid/{peer}")).decode().split()
-        if space == _process_space() != "?" and int(pid) != os.getpid():
-            with contextlib.suppress(OSError):
-                os.kill(int(pid), signal.SIGKILL)
+        if space != _process_space() or space == "?" or int(pid) == os.getpid():
+            return int(pid), None
+        try:  # the state follows the command name, which is in parentheses and may hold spaces
+            return int(pid), Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+        except (OSError, IndexError):
+            return int(pid), None
+
+    def _say_lost(self, reason: str) -> str:
+        """Record why the run is lost unless a reason is there already; the first one, which every rank reports."""
+        return self._store.compare_set(self._key("lost"), "", reason).decode()
 
     def _end(self, reason: str, *, reported: bool) -> None:
         self.lost = reason

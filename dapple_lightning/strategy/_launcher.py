@@ -9,8 +9,10 @@ from typing import Any
 import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.pytorch import Trainer
+from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning.pytorch.strategies.launchers.multiprocessing import (
+    _check_missing_main_guard,
     _disable_module_memory_sharing,
     _GlobalStateSnapshot,
 )
@@ -41,6 +43,7 @@ class SpawnLauncher(_MultiProcessingLauncher):
     @override
     def launch(self, function: Any, *args: Any, trainer: Trainer | None = None, **kwargs: Any) -> Any:
         if self._start_method == "forkserver":
+            _check_missing_main_guard()  # a forked rank imports __main__ again, as a spawned one does
             # Takes effect when this process starts its fork server, i.e. on the first launch.
             multiprocessing.get_context("forkserver").set_forkserver_preload(list(FORKSERVER_PRELOAD))
             # Lightning hands this snapshot (seeds, deterministic flags) only to spawned ranks; a
@@ -48,7 +51,10 @@ class SpawnLauncher(_MultiProcessingLauncher):
             # launcher travels to the ranks with the bound method they run, and the snapshot with it.
             self._parent_globals = _GlobalStateSnapshot.capture()
             # A forked rank has the fork server's environment, which predates variables set
-            # since (Lightning's PL_GLOBAL_SEED, a user's settings); a spawned rank has this one.
+            # since (Lightning's PL_GLOBAL_SEED, a user's settings); a spawned rank has this one,
+            # with the port that Lightning's launch is about to set.
+            assert self._strategy.cluster_environment is not None
+            os.environ["MASTER_PORT"] = str(self._strategy.cluster_environment.main_port)
             self._parent_environ = dict(os.environ)
         result = super().launch(function, *args, trainer=trainer, **kwargs)
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
@@ -63,9 +69,11 @@ class SpawnLauncher(_MultiProcessingLauncher):
             os.environ.clear()
             os.environ.update(self._parent_environ)
             self._parent_globals.restore()
-            # The model reaches a forked rank in shared memory, as it does a spawned one: unshare
-            # it, or every rank (and this process) would update the same parameters.
-            args, kwargs = _disable_module_memory_sharing((args, kwargs))
+            if isinstance(self._strategy.accelerator, CPUAccelerator):
+                # The model reaches a forked rank in shared memory, as it does a spawned one: unshare
+                # it, as Lightning does for spawned CPU ranks, or every rank would update the same
+                # parameters (on a GPU each rank's own copy is the one it moves to its device).
+                args, kwargs = _disable_module_memory_sharing((args, kwargs))
         super()._wrapping_function(process_idx, trainer, function, args, kwargs, *rest)
 
     @override

@@ -485,14 +485,14 @@ class DappleStrategy(ParallelStrategy):
         if not self._failed:
             self._checkpoints.wait()
             if self._cut is not None and _distributed_is_initialized() and not self._materialized:
-                # The whole containers back on every rank, with the trained weights of every stage; other
-                # stages' layers on the CPU, where Lightning's teardown puts the model (no whole model on a GPU).
+                # Whole containers back on every rank with every stage's weights, on the CPU (not a whole model on a GPU).
                 self._cut.restore(self._checkpoints.whole_chain(), torch.device("cpu"))
                 self._cut = None
                 self._checkpoints.detach()
         with unmoved_on_meta(self.lightning_module):
             super().teardown()
         self._heartbeat.stop(failed=self._failed)
+        self._failed or self.barrier()  # no rank ends (with the store) while a peer's heartbeat polls it
 
 
 def _is_auto(plan: Any) -> bool:

@@ -49,6 +49,7 @@ from dapple_lightning.planner import (
     estimate,
     fixed_part,
     fresh_leaves,
+    map_tensors,
     measure_cluster,
     measure_in_turns,
     profile_layers,
@@ -339,12 +340,65 @@ def _shortlist_on_rank_zero(
     return [(Plan.coerce(plan), predicted) for plan, predicted in box[0][0]], box[0][1]
 
 
+def windows(param_bytes: Sequence[int], window_bytes: int | None) -> list[range]:
+    """Consecutive layers whose parameters take at most ``window_bytes`` together (a layer larger
+    than that alone); one window of every layer when ``window_bytes`` is ``None``."""
+    if window_bytes is None:
+        return [range(len(param_bytes))]
+    out, start, total = [], 0, 0
+    for index, size in enumerate(param_bytes):
+        if index > start and total + size > window_bytes:
+            out.append(range(start, index))
+            start, total = index, 0
+        total += size
+    return [*out, range(start, len(param_bytes))]
+
+
+def profile_in_windows(
+    layers: Sequence[nn.Module],
+    sample_input: Any,
+    *,
+    hold: Callable[[Sequence[int]], None] | None = None,
+    window_bytes: int | None = None,
+    **kwargs: Any,
+) -> ModelProfile:
+    """``planner.profile_layers`` over the chain ``layers`` one window of them at a time (see
+    :func:`windows`), ``hold(window)`` bringing that window's layers to the device first: profiling
+    then holds one window, not the model. Each window runs as a chain of its own, on the previous
+    window's output (computed without autograd); the profiles are joined in order, each layer
+    named by its index in the whole chain."""
+    parts = windows([sum(p.numel() * p.element_size() for p in m.parameters()) for m in layers], window_bytes)
+    profiles, value = [], sample_input
+    for window in parts:
+        if hold is not None:
+            hold(window)
+        modules = [layers[i] for i in window]
+        profiles.append(profile_layers(modules, value, **kwargs))
+        if window is not parts[-1]:
+            with torch.no_grad():
+                value = map_tensors(lambda t: t.clone(), value)  # a layer that changes its input in place
+                for module in modules:
+                    value = module(value)
+    if hold is not None:
+        hold([])
+    if len(profiles) == 1:
+        return profiles[0]
+    data = profiles[0].to_dict()
+    data["layers"] = [layer.to_dict() for part in profiles for layer in part.layers]
+    for index, layer in enumerate(data["layers"]):
+        layer["name"] = f"{index}:{layer['name'].partition(':')[2]}"
+    data["cut_bytes"] = None  # the chain's, from the layers' outputs, as one window gives
+    return ModelProfile.from_dict(data)
+
+
 def choose_plan(
     layers: Sequence[nn.Module],
     sample_input: Any,
     device: torch.device,
     *,
     nodes: int = 1,
+    hold: Callable[[Sequence[int]], None] | None = None,
+    window_bytes: int | None = None,
     global_batch: int,
     optimizer_factor: float = 2.0,
     optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
@@ -363,7 +417,8 @@ def choose_plan(
     per micro-batch at most; the layers are timed on it and on :func:`small_batch_of` its rows
     (an eighth). ``optimizer`` (see
     :func:`optimizer_factory`) lets the profile include each layer's optimizer step;
-    ``step_outside(rows)`` (see :func:`time_step_outside`) the step's own time on ``rows`` rows.
+    ``step_outside(rows)`` (see :func:`time_step_outside`) the step's own time on ``rows`` rows;
+    ``hold`` and ``window_bytes`` profile the layers a window at a time (:func:`profile_in_windows`).
 
     When several plans are predicted within ``margin`` of the best (see ``planner.shortlist``),
     the prediction cannot tell them apart; with ``trial`` (a collective that runs a plan for a
@@ -386,9 +441,8 @@ def choose_plan(
     rows = _batch_rows(sample_input)
     small = small_batch_of(rows)
     together = dist.barrier if dist.is_initialized() and dist.get_world_size() > 1 else None
-    profile = profile_layers(
-        list(layers), sample_input, repeats=5, warmup=2, small_batch=small, optimizer=optimizer, in_step=together
-    )
+    timing = {"repeats": 5, "warmup": 2, "small_batch": small, "optimizer": optimizer, "in_step": together}
+    profile = profile_in_windows(list(layers), sample_input, hold=hold, window_bytes=window_bytes, **timing)
     if step_outside is not None:
         big = (rows, *step_outside(rows))
         profile = _with_step_outside(profile, big, (small, *step_outside(small)) if small else None)

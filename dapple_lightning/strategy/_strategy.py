@@ -312,7 +312,6 @@ class DappleStrategy(ParallelStrategy):
             self.precision_plugin.train_step_context,
         )
         batch = draw_global_batch(trainer, self.batch_to_device)
-        self.model_to_device()  # profiled and tried where it trains; the cut then frees what others hold
         chosen = choose_automatically(setting, batch, chain)
         rank_zero_info(chosen.report())
         self.auto_plan = chosen

@@ -9,7 +9,7 @@ chain (embeddings, a head, the loss) runs on every rank at every moment and stay
 
 Tensors move by ``.data``, so that the Parameter objects (the optimizer's, the pipeline's hooks)
 stay the same ones; a tensor the module also uses outside the chain (a tied embedding) is never
-sent to the host. On the CPU host and device are one, and nothing moves; what is held is still
+sent to the host, nor one that a layer on the device shares with one leaving it. On the CPU host and device are one, and nothing moves; what is held is still
 counted (:attr:`Resident.peak_bytes`), which is what the tests read there.
 """
 
@@ -68,8 +68,10 @@ class Resident:
     def hold(self, indices: Sequence[int]) -> None:
         """Have exactly the layers ``indices`` of the chain on the device, the others at home."""
         wanted = set(indices)
+        # A tensor shared with a wanted layer (weights tied across the chain) stays with it.
+        staying = self._outside | {id(t) for i in wanted for t in _tensors(self.layers[i])}
         for index in sorted(self._held - wanted):
-            _move(_tensors(self.layers[index]), self.home, self._outside)
+            _move(_tensors(self.layers[index]), self.home, staying)
         for index in sorted(wanted - self._held):
             _move(_tensors(self.layers[index]), self.device, self._outside)
         self._held = wanted

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from lightning.pytorch import seed_everything
 from lightning.pytorch.loggers import CSVLogger
@@ -121,3 +122,10 @@ def test_the_fingerprint_tells_batches_apart():
     ]
     for other in others:
         assert not torch.equal(fingerprint(batch, cpu), fingerprint(other, cpu)), other
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_rows_cut_from_a_pinned_batch_stay_pinned():
+    batch = [torch.randn(10, 2).pin_memory(), torch.arange(10).pin_memory()]
+    mine = RankBatches().narrow(batch, Held([Rows(2, 4), Rows(6, 7)]), None)
+    assert [len(t) for t in mine] == [3, 3] and all(t.is_pinned() for t in mine)

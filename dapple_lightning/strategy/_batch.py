@@ -32,7 +32,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.utils.data import DataLoader, RandomSampler
 
-from dapple_lightning.microbatch import Rows, batch_size_of, concat_slices, slice_batch
+from dapple_lightning.microbatch import Rows, batch_size_of, concat_slices, map_tensors, slice_batch
 
 __all__ = ["HeldRows", "RankBatches", "SameBatch", "same_order"]
 
@@ -115,7 +115,11 @@ class RankBatches:
         self._pending = HeldRows(total, held) if sum(map(len, held)) < total else None
         if self._pending is None:
             return batch
-        return concat_slices([slice_batch(batch, r) for r in held], [len(r) for r in held], "the batch")
+        mine = concat_slices([slice_batch(batch, r) for r in held], [len(r) for r in held], "the batch")
+        pinned: list[bool] = []
+        map_tensors(batch, lambda t: pinned.append(t.is_pinned()))
+        # A loader's pinned batch moves to a GPU without the host waiting; the rows cut from it keep that.
+        return map_tensors(mine, lambda t: t.pin_memory()) if any(pinned) else mine
 
     def keep(self, moved: Any) -> Any:
         """``moved`` (what :meth:`narrow` just returned, on the device): remembered as holding those rows."""

@@ -44,6 +44,7 @@ from dapple_lightning.planner import (
     Cluster,
     Measured,
     ModelProfile,
+    Stopwatch,
     Trial,
     check_objective,
     estimate,
@@ -206,7 +207,7 @@ def time_step_outside(
     with torch.no_grad():
         output = sequential(sequential_input)
     with standing_in(module, set_sequential, sequential, _Replay(output)):
-        return _time_step(module, step, repeats, warmup)
+        return _time_step(module, step, repeats, warmup, _device_of(sequential_input))
 
 
 def time_step_around(
@@ -226,28 +227,33 @@ def time_step_around(
     the containers) is what is timed; the forward of code between containers is counted, its
     backward is not (it ends at the last layer's replay)."""
     with standing_in(module, put, tuple(containers), _replaying(containers, outputs)):
-        return _time_step(module, step, repeats, warmup)
+        return _time_step(module, step, repeats, warmup, _device_of(outputs))
 
 
-def _time_step(module: nn.Module, step: Callable[[], Any], repeats: int, warmup: int) -> tuple[float, float]:
-    """Median forward and backward seconds of ``step`` and its loss's backward."""
-    forward: list[float] = []
-    backward: list[float] = []
+def _device_of(value: Any) -> torch.device:
+    found: list[torch.device] = []
+    map_tensors(lambda t: found.append(t.device), value)
+    return found[0] if found else torch.device("cpu")
+
+
+def _time_step(
+    module: nn.Module, step: Callable[[], Any], repeats: int, warmup: int, device: torch.device
+) -> tuple[float, float]:
+    """Median forward and backward seconds of ``step`` and its loss's backward (CUDA events on
+    CUDA, read once at the end; see ``planner.Stopwatch``)."""
+    watch = Stopwatch(device)
     try:
-        for run in range(warmup + repeats):
-            t0 = time.perf_counter()
-            result = step()
-            t1 = time.perf_counter()
+        for _ in range(warmup + repeats):
+            with watch.span():
+                result = step()
             loss = result.get("loss") if isinstance(result, dict) else result
-            if isinstance(loss, torch.Tensor) and loss.requires_grad:
-                loss.backward()
-            t2 = time.perf_counter()
-            if run >= warmup:
-                forward.append(t1 - t0)
-                backward.append(t2 - t1)
+            with watch.span():
+                if isinstance(loss, torch.Tensor) and loss.requires_grad:
+                    loss.backward()
+        spans = watch.seconds()[2 * warmup :]
     finally:
         module.zero_grad(set_to_none=True)
-    return statistics.median(forward), statistics.median(backward)
+    return statistics.median(spans[0::2]), statistics.median(spans[1::2])
 
 
 def _with_step_outside(

@@ -16,7 +16,7 @@ from dapple_lightning.autoplan import (
     windows,
 )
 from dapple_lightning.plan import Plan
-from dapple_lightning.planner import GB, Cluster, LayerProfile, ModelProfile, Trial, profile_layers
+from dapple_lightning.planner import GB, Cluster, LayerProfile, ModelProfile, Trial, _clock, profile_layers
 from dapple_lightning.strategy._resident import Resident, parameter_bytes
 from dapple_lightning.surgery import Chain
 
@@ -84,6 +84,29 @@ def test_step_outside_times_the_loss_and_puts_everything_back():
     assert model.layers is sequential
     assert model.logged == []  # logging was silenced while timing
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_on_an_event_clock_the_step_outside_is_timed_by_events(monkeypatch):
+    # What happens on CUDA, on the CPU: device events stand in for CUDA's (one second per record),
+    # and the host's clock must not be read.
+    from test_timeline import DeviceClock
+
+    clock = DeviceClock(step=1.0)
+    monkeypatch.setattr(_clock, "device_clock", lambda device: clock.event)
+    monkeypatch.setattr(_clock.time, "perf_counter", _no_host_clock)
+    model = Model(adamw)
+    x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
+
+    def set_sequential(module):
+        model.layers = module
+
+    step = lambda: model.training_step((x, y), 0)  # noqa: E731
+    assert time_step_outside(model, set_sequential, model.layers, step, x) == (1.0, 1.0)
+    assert clock.waits == 1  # read once, after every run
+
+
+def _no_host_clock() -> float:
+    raise AssertionError("a span on an event clock read the host's perf_counter")
 
 
 class Pair(nn.Module):

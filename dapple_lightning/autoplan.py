@@ -30,7 +30,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -49,6 +49,7 @@ from dapple_lightning.planner import (
     check_objective,
     estimate,
     fixed_part,
+    format_bytes,
     fresh_leaves,
     map_tensors,
     measure_cluster,
@@ -57,6 +58,7 @@ from dapple_lightning.planner import (
     refine,
     refine_allreduce,
     shortlist,
+    stage_memory_lines,
 )
 from dapple_lightning.surgery import standing_in
 
@@ -87,6 +89,8 @@ class AutoPlan:
     """Seconds spent profiling, measuring the process group, planning and on trials."""
     trials: tuple[Trial, ...] = ()
     """The close candidates measured, in the order predicted; ``plan`` is the fastest measured."""
+    stage_memory_bytes: tuple[float, ...] = ()
+    """The chosen plan's predicted peak per rank of each stage (the budget is ``cluster.memory_bytes``)."""
 
     def report(self) -> str:
         lines = [
@@ -119,6 +123,9 @@ class AutoPlan:
                 f"predicted {self.predicted_step_s * 1e3:.1f} ms/step vs {self.data_parallel_step_s * 1e3:.1f} ms for "
                 f"pure data parallelism ({self.data_parallel_step_s / self.predicted_step_s:.2f}x)"
             )
+        if self.stage_memory_bytes:
+            lines.append(f"predicted peak memory per rank (budget {format_bytes(self.cluster.memory_bytes)}):")
+            lines += stage_memory_lines(self.plan, self.stage_memory_bytes, self.cluster.memory_bytes)
         return "\n".join(lines)
 
 
@@ -397,6 +404,11 @@ def profile_in_windows(
     return ModelProfile.from_dict(data)
 
 
+def _within(cluster: Cluster, memory_limit: float | None) -> Cluster:
+    """``cluster`` with ``memory_limit`` as its memory per device, when given."""
+    return cluster if memory_limit is None else replace(cluster, memory_bytes=float(memory_limit))
+
+
 def choose_plan(
     layers: Sequence[nn.Module],
     sample_input: Any,
@@ -413,17 +425,17 @@ def choose_plan(
     margin: float = TRIAL_MARGIN,
     objective: str = "time",
     memory_margin: float = 0.1,
+    memory_limit: float | None = None,
 ) -> AutoPlan:
     """Profile, measure and plan (collective on every rank); the plan is rank 0's choice.
 
     ``layers`` run as a chain, each on the previous one's output: a Sequential's layers, or the
     blocks of a ModuleList or the layers of a chain of containers, wrapped to run that way (see
     ``strategy._auto_blocks``).
-    ``sample_input``, the first layer's input, should have about as many rows as a device runs
-    per micro-batch at most; the layers are timed on it and on :func:`small_batch_of` its rows
-    (an eighth). ``optimizer`` (see
-    :func:`optimizer_factory`) lets the profile include each layer's optimizer step;
-    ``step_outside(rows)`` (see :func:`time_step_outside`) the step's own time on ``rows`` rows;
+    ``sample_input``, the first layer's input, should have about as many rows as a device runs per
+    micro-batch at most; the layers are timed on it and on :func:`small_batch_of` its rows (an
+    eighth). ``optimizer`` (:func:`optimizer_factory`) lets the profile include each layer's optimizer
+    step; ``step_outside(rows)`` (:func:`time_step_outside`) the step's own time on ``rows`` rows;
     ``hold`` and ``window_bytes`` profile the layers a window at a time (:func:`profile_in_windows`).
 
     When several plans are predicted within ``margin`` of the best (see ``planner.shortlist``),
@@ -435,11 +447,10 @@ def choose_plan(
     parallelism was among them (see ``planner.refine_allreduce``).
 
     ``objective`` and ``memory_margin`` choose what the planner minimises (see
-    ``planner.plan_dapple``): the fastest plan that fits (``"time"``), the least per-device
-    peak memory (``"memory"``), or the fastest within ``memory_margin`` of that least peak
-    (``"time-within-memory"``). ``DappleStrategy`` does not pass them yet, so ``plan="auto"``
-    runs under ``"time"``.
-    """
+    ``planner.plan_dapple``): the fastest plan that fits (``"time"``), the least per-device peak
+    memory (``"memory"``), or the fastest within ``memory_margin`` of that least peak
+    (``"time-within-memory"``); ``plan="auto"`` runs under ``"time"``. No plan is chosen over
+    ``memory_limit`` bytes per rank (``None``: the device's memory, see ``planner.device_memory``)."""
     start = time.perf_counter()
     if not 0.0 <= margin < 1.0:  # before the profiling, not after
         raise ValueError(f"margin must be in [0, 1), got {margin!r}")
@@ -453,7 +464,7 @@ def choose_plan(
         big = (rows, *step_outside(rows))
         profile = _with_step_outside(profile, big, (small, *step_outside(small)) if small else None)
     profile = _averaged(profile, device)
-    cluster = measure_cluster(device, nodes=nodes)
+    cluster = _within(measure_cluster(device, nodes=nodes), memory_limit)
     close, dp_step = _shortlist_on_rank_zero(
         profile,
         cluster,
@@ -476,4 +487,5 @@ def choose_plan(
         if dp_step is not None:
             dp_plan = Plan.data_parallel(profile.num_layers, cluster.world_size)
             dp_step = estimate(dp_plan, profile, cluster, global_batch, optimizer_factor=optimizer_factor).step_s
-    return AutoPlan(plan, predicted, dp_step, profile, cluster, time.perf_counter() - start, trials)
+    memory = estimate(plan, profile, cluster, global_batch, optimizer_factor=optimizer_factor).memory_bytes
+    return AutoPlan(plan, predicted, dp_step, profile, cluster, time.perf_counter() - start, trials, memory)

@@ -1,7 +1,9 @@
 """Run a function on several CPU processes joined by a gloo process group.
 
 Used by the runtime tests: real processes, real point-to-point traffic, a hard time limit
-so a deadlock fails the test instead of hanging the suite.
+so a deadlock fails the test instead of hanging the suite. Ranks fork from a server process that
+imported torch and Lightning once (what ``DappleStrategy(start_method="forkserver")`` does), so a
+rank starts without importing them again.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from dapple_lightning.strategy import FORKSERVER_PRELOAD
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -27,8 +31,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _worker(rank: int, world_size: int, environ: dict, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
+    # A forked rank has the fork server's environment; give it the test's, as spawn would.
+    os.environ.clear()
+    os.environ.update(environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     result: Any
     try:
@@ -44,13 +50,14 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, a
 
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120) -> list[Any]:
     """``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; their results by rank."""
+    mp.get_context("forkserver").set_forkserver_preload(list(FORKSERVER_PRELOAD))
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.start_processes(
             _worker,
-            args=(world_size, free_port(), out_dir, fn, args),
+            args=(world_size, dict(os.environ), free_port(), out_dir, fn, args),
             nprocs=world_size,
             join=False,
-            start_method="spawn",
+            start_method="forkserver",
         )
         for proc in ctx.processes:
             proc.join(timeout)

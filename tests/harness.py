@@ -34,7 +34,7 @@ def fit(
     model = model_cls()
     if plan is not None:
         placement = {
-            "strategy": DappleStrategy(plan, start_method="spawn", **(strategy_kwargs or {})),
+            "strategy": DappleStrategy(plan, start_method="forkserver", **(strategy_kwargs or {})),
             "devices": plan.world_size,
         }
     else:

@@ -225,7 +225,7 @@ def test_plan_auto_trains_blocks_like_single_device(name, tmp_path, single_devic
     if name == "hf-gpt2":
         pytest.importorskip("transformers")
     # plan="auto", the default; GPT-2's blocks (model.transformer.h) are found without being named.
-    strategy = DappleStrategy(start_method="spawn", sequential=None if name == "hf-gpt2" else path)
+    strategy = DappleStrategy(start_method="forkserver", sequential=None if name == "hf-gpt2" else path)
     got = fit(model_cls, tmp_path, loader=tokens, devices=2, strategy=strategy, callbacks=(WritesAutoPlan(tmp_path),))
     assert_same(got, single_device(model_cls))
     info = json.loads((tmp_path / "auto.json").read_text())

@@ -184,7 +184,7 @@ def single_device(tmp_path_factory):
 
 @pytest.mark.parametrize("devices", [2, 3])
 def test_plan_auto_trains_a_chain_of_containers_like_single_device(devices, tmp_path, single_device):
-    strategy = DappleStrategy(start_method="spawn", sequential=CHAIN)  # plan="auto", the default
+    strategy = DappleStrategy(start_method="forkserver", sequential=CHAIN)  # plan="auto", the default
     got = fit(VGG, tmp_path, loader=images, devices=devices, strategy=strategy, callbacks=(WritesAutoPlan(tmp_path),))
     assert_same(got, single_device)
     info = json.loads((tmp_path / "auto.json").read_text())

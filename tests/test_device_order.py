@@ -155,7 +155,7 @@ class Watch(Callback):
 def fit_watched(tmp_path: Path, plan: Plan | str, trial_margin: float | None = None) -> list[dict]:
     model = models.MLP()
     trainer = quiet_trainer(
-        strategy=DappleStrategy(plan, start_method="spawn"),
+        strategy=DappleStrategy(plan, start_method="forkserver"),
         devices=2,
         max_steps=2,
         callbacks=[Watch(tmp_path, trial_margin)],

@@ -38,7 +38,7 @@ def run(model, strategy, devices, batch_size=models.BATCH, **kwargs):
 
 
 def spawn(p: Plan, **kwargs) -> DappleStrategy:
-    return DappleStrategy(p, start_method="spawn", **kwargs)
+    return DappleStrategy(p, start_method="forkserver", **kwargs)
 
 
 # Refused in every rank before the process group starts.

@@ -102,7 +102,7 @@ def test_early_stopping_and_checkpoint_monitor_decide_alike(tmp_path):
     assert val[2] > val[3], val
     threshold = (val[2] + val[3]) / 2
     want, want_checkpoints = run("single", threshold, devices=1)
-    got, got_checkpoints = run("dapple", threshold, devices=3, strategy=DappleStrategy(PLAN, start_method="spawn"))
+    got, got_checkpoints = run("dapple", threshold, devices=3, strategy=DappleStrategy(PLAN, start_method="forkserver"))
     assert want["epoch"] == got["epoch"] == 4 and len(got["val"]) == 4, (want, got)  # stopped after epoch 3
     torch.testing.assert_close(torch.tensor(got["val"]), torch.tensor(want["val"]), rtol=1e-5, atol=1e-7)
     assert got_checkpoints == want_checkpoints and len(want_checkpoints) == 2
@@ -121,7 +121,7 @@ def test_tensorboard_receives_the_single_device_values(tmp_path):
         return [(e.step, e.value) for e in events.Scalars("train_loss")]
 
     want = scalars("single", devices=1)
-    got = scalars("dapple", devices=3, strategy=DappleStrategy(PLAN, start_method="spawn"))
+    got = scalars("dapple", devices=3, strategy=DappleStrategy(PLAN, start_method="forkserver"))
     assert [s for s, _ in got] == [s for s, _ in want] and len(want) == 4
     torch.testing.assert_close(
         torch.tensor([v for _, v in got]), torch.tensor([v for _, v in want]), rtol=1e-5, atol=1e-7

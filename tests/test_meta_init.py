@@ -64,7 +64,7 @@ def run(plan: Plan, out: Path, model_cls=models.HeadMLP) -> dict:
     out.mkdir(parents=True)
     trainer = quiet_trainer(
         devices=plan.world_size,
-        strategy=DappleStrategy(plan, start_method="spawn"),
+        strategy=DappleStrategy(plan, start_method="forkserver"),
         max_steps=2,
         callbacks=[Record(out)],
     )
@@ -118,7 +118,7 @@ def test_a_meta_model_whose_plan_splits_a_tie_is_refused(tmp_path):
     from test_chains import TiedLM, plan, words
 
     trainer = quiet_trainer(
-        devices=2, strategy=DappleStrategy(plan(((0, 2), 1), ((2, 5), 1)), start_method="spawn"), max_steps=1
+        devices=2, strategy=DappleStrategy(plan(((0, 2), 1), ((2, 5), 1)), start_method="forkserver"), max_steps=1
     )
     with trainer.init_module(empty_init=True):
         model = TiedLM()

@@ -42,7 +42,7 @@ def test_predictions_of_any_pytree_come_back_in_batch_order_on_every_rank(tmp_pa
     # 16 rows: micro-batches of 6, 5 and 5 rows, cut 3+3, 3+2 and 3+2 over the last stage's replicas.
     want = quiet_trainer(devices=1).predict(models.RecordsMLP(), models.loader(16))
     assert set(want[0]) == {"pred", "id", "top", "pair", "fields", "batch"}
-    strategy = DappleStrategy(LAST_REPLICATED, start_method="spawn")
+    strategy = DappleStrategy(LAST_REPLICATED, start_method="forkserver")
     trainer = quiet_trainer(
         devices=LAST_REPLICATED.world_size, strategy=strategy, callbacks=[WritePredictions(tmp_path)]
     )

@@ -68,7 +68,7 @@ def losses(tmp_path, model=None, **placement) -> list[float]:
 def test_random_collation_trains_like_one_device(tmp_path):
     want = losses(tmp_path / "single", devices=1)
     (record := tmp_path / "moved").mkdir()
-    strategy = DappleStrategy(PLAN_2_1, start_method="spawn")
+    strategy = DappleStrategy(PLAN_2_1, start_method="forkserver")
     got = losses(tmp_path / "dapple", RecordsTransfers(record), devices=3, strategy=strategy)
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-7)
     # Each replica of stage 0 moved only its half of each micro-batch (x and y), stage 1's one rank all of it.

@@ -77,7 +77,7 @@ def test_script_launched_plainly_matches_single_device(tmp_path, single_device):
     assert_same(got, single_device(models.MLP))
 
 
-def test_chrome_trace_has_one_track_per_rank(tmp_path):
+def test_chrome_trace_has_one_track_and_memory_counter_per_rank_and_a_plan_over_the_limit_is_warned(tmp_path, capfd):
     import json
 
     from dapple_lightning.runtime import bubble_fractions  # noqa: F401  (used by the benchmark)
@@ -85,10 +85,12 @@ def test_chrome_trace_has_one_track_per_rank(tmp_path):
     plan = make_plan("2:1", "dapple")
     trace = tmp_path / "trace.json"
     model = models.MLP()
+    # spawn, not the forkserver: rank 0's warning must reach this test's captured stderr.
+    strategy = DappleStrategy(plan, start_method="spawn", trace=str(trace), track_memory=True, memory_limit="1KiB")
     trainer = Trainer(
         accelerator="cpu",
         devices=plan.world_size,
-        strategy=DappleStrategy(plan, start_method="spawn", trace=str(trace)),
+        strategy=strategy,
         max_steps=2,
         logger=False,
         enable_progress_bar=False,
@@ -108,6 +110,16 @@ def test_chrome_trace_has_one_track_per_rank(tmp_path):
         assert sum(e["cat"] == "forward" for e in spans if e["pid"] == rank) == 6
         assert sum(e["cat"] == "backward" for e in spans if e["pid"] == rank) == 6
     assert {e["cat"] for e in spans} >= {"forward", "backward", "send", "recv", "allreduce"}
+    # A memory sample after each pass: what the rank's live micro-batches keep, rising through
+    # the warm-up (stage 0 keeps both of its first two micro-batches under 1F1B) and nothing at the end.
+    for rank in range(3):
+        held = [e["args"]["bytes"] for e in events if e["ph"] == "C" and e["pid"] == rank]
+        assert all(e["name"] == "memory" for e in events if e["ph"] == "C")
+        assert len(held) == 2 * 6 and held[5] == held[-1] == 0
+        assert max(held) > 0 and (rank == 2 or held[1] > held[0] > 0)
+    # The hand-given plan was predicted over memory_limit on rank 0: warned, with the stages and numbers.
+    err = capfd.readouterr().err
+    assert "is predicted to need more memory per rank than memory_limit 1.0 KiB: stage 0 (layers 0-3)" in err
 
 
 def test_torchrun_launch_matches_single_device(tmp_path, single_device):
@@ -127,7 +139,7 @@ def test_torchrun_launch_matches_single_device(tmp_path, single_device):
 
 
 def test_auto_plan_profiles_plans_and_trains_like_single_device(tmp_path, single_device):
-    got = fit(models.MLP, tmp_path, plan=None, devices=2, strategy=DappleStrategy(start_method="spawn"))
+    got = fit(models.MLP, tmp_path, plan=None, devices=2, strategy=DappleStrategy(start_method="forkserver"))
     assert_same(got, single_device(models.MLP))
 
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from dapple_lightning.plan import Plan
-from dapple_lightning.runtime import Pipeline, Timeline, _timeline, p2p_groups
+from dapple_lightning.runtime import Pipeline, Timeline, _timeline, p2p_groups, write_chrome_trace
 from dapple_lightning.surgery import partition
 
 from distributed import run_ranks
@@ -130,3 +130,21 @@ def test_cuda_spans_come_from_cuda_events(monkeypatch: pytest.MonkeyPatch) -> No
         timeline.end_step()
     forward, backward = timeline.events
     assert forward.start <= forward.end <= backward.start <= backward.end
+
+
+def test_memory_samples_become_a_counter_track_of_the_rank(tmp_path) -> None:
+    import json
+
+    timeline = Timeline(rank=1, stage=0)
+    with timeline.span("forward", 0):
+        pass
+    timeline.counter("memory", 4096)
+    assert [e.name for e in timeline.events] == ["forward"]  # the spans alone
+    path = write_chrome_trace([*timeline.events, *timeline.counters], tmp_path / "t.json")
+    events = json.loads(path.read_text())["traceEvents"]
+    (sample,) = [e for e in events if e["ph"] == "C"]
+    assert sample["name"] == "memory" and sample["pid"] == 1 and sample["args"] == {"bytes": 4096}
+    assert [e["name"] for e in events if e["ph"] == "X"] == ["forward 0"]
+    disabled = Timeline(rank=0, stage=0, enabled=False)
+    disabled.counter("memory", 1)
+    assert disabled.counters == []

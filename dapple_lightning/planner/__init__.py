@@ -8,6 +8,7 @@ which times the process group's links (both import torch only when called).
 """
 
 from dapple_lightning.planner._baselines import baselines, data_parallel_plan, pipedream_plan, straight_plan
+from dapple_lightning.planner._budget import format_bytes, over_budget, parse_memory, stage_memory_lines
 from dapple_lightning.planner._clock import DeviceEvent, Stopwatch, device_clock
 from dapple_lightning.planner._cluster import GB, Cluster
 from dapple_lightning.planner._cost import CostModel, Estimate, Placement, estimate
@@ -27,6 +28,7 @@ from dapple_lightning.planner._links import (
     node_ranks,
 )
 from dapple_lightning.planner._measure import SETTLE_STEPS, fixed_part, fresh_leaves, map_tensors, profile_layers
+from dapple_lightning.planner._memory import live_bytes
 from dapple_lightning.planner._objective import OBJECTIVES, check_objective, least_memory, peak_limit
 from dapple_lightning.planner._pipedream import REFERENCE_PROFILES, load_profile, read_pipedream
 from dapple_lightning.planner._placement import PLACEMENTS, allocate, place
@@ -80,14 +82,18 @@ __all__ = [
     "device_memory",
     "estimate",
     "fixed_part",
+    "format_bytes",
     "fresh_leaves",
     "least_memory",
+    "live_bytes",
     "load_profile",
     "map_tensors",
     "measure_cluster",
     "measure_in_turns",
     "micro_batch_candidates",
     "node_ranks",
+    "over_budget",
+    "parse_memory",
     "peak_limit",
     "pipedream_plan",
     "place",
@@ -99,5 +105,6 @@ __all__ = [
     "replica_candidates",
     "shortlist",
     "simulate_plan",
+    "stage_memory_lines",
     "straight_plan",
 ]

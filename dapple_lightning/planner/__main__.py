@@ -23,6 +23,7 @@ from typing import Any
 
 from dapple_lightning.plan import SCHEDULES
 from dapple_lightning.planner._baselines import baselines
+from dapple_lightning.planner._budget import parse_memory
 from dapple_lightning.planner._cluster import GB, Cluster
 from dapple_lightning.planner._dp import PlannedPlan, plan_dapple
 from dapple_lightning.planner._objective import OBJECTIVES
@@ -38,6 +39,13 @@ def _ints(text: str) -> list[int]:
     if not values:
         raise argparse.ArgumentTypeError("give at least one integer")
     return values
+
+
+def _memory(text: str) -> float:
+    try:
+        return parse_memory(text, "--memory-limit")
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _bandwidths(text: str) -> tuple[float | None, float]:
@@ -66,7 +74,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--top", type=int, default=5, help="how many plans to list (default 5)")
     parser.add_argument("--json", action="store_true", help="print the best plan as JSON")
     parser.add_argument("--baselines", action="store_true", help="also PipeDream's plan, straight pipeline, DP")
-    parser.add_argument("--memory-gb", type=float, help="device memory in GB (default 16)")
+    memory = parser.add_mutually_exclusive_group()
+    memory.add_argument("--memory-gb", type=float, help="device memory in GB (default 16)")
+    memory.add_argument(
+        "--memory-limit",
+        type=_memory,
+        help="per-device memory budget as bytes or text, e.g. 6GiB or 512MB (instead of --memory-gb)",
+    )
     parser.add_argument(
         "--objective",
         choices=OBJECTIVES,
@@ -109,6 +123,8 @@ def _cluster(args: argparse.Namespace) -> Cluster:
     changes: dict[str, float] = {}
     if args.memory_gb is not None:
         changes["memory_bytes"] = args.memory_gb * GB
+    if args.memory_limit is not None:
+        changes["memory_bytes"] = args.memory_limit
     if args.p2p_gbps is not None:
         intra, inter = args.p2p_gbps
         changes["inter_p2p_bw"] = inter * GB

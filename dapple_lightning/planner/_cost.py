@@ -59,14 +59,9 @@ shorter than the busiest server's compute (every device's ``M (F + B)``, all-red
 over its units: a plan that keeps every process busy, like data parallelism, waits for the
 cores, and one that keeps only as many busy as there are units does not.
 
-**Memory** per device of stage ``s``: parameters + gradients (same size) + optimizer state
-(``optimizer_factor`` x parameters unless the profile gives bytes; Adam keeps 2) + ``K_s``
-micro-batches of the stage's activations at ``n_s`` samples, ``K_s = min(S - s, M)`` for
-DAPPLE and ``M`` for GPipe. A layer's activations are its measured peak (``peak_bytes`` from
-CUDA's allocator: what it saved plus its passes' workspace, counted for every live micro-batch,
-which errs on the side that fits) or else its output (also on CPU, where the live-bytes
-tracker's peak and ``saved_bytes`` are recorded but not yet used: see
-``LayerProfile.activation_memory``).
+**Memory** per device of stage ``s``: parameters, gradients and optimizer state, ``K_s``
+micro-batches kept for the backward (``K_s = min(S - s, M)`` for DAPPLE, ``M`` for GPipe) and
+one micro-batch's transient peak (``_stage_memory`` says what each term counts).
 """
 
 from __future__ import annotations
@@ -80,6 +75,7 @@ from dapple_lightning.plan import SCHEDULES, Plan
 from dapple_lightning.planner._cluster import Cluster
 from dapple_lightning.planner._profile import ModelProfile
 from dapple_lightning.planner._recurrence import Tail, combine, stage_chain
+from dapple_lightning.planner._stage_memory import MemoryParts, StageMemory
 
 __all__ = ["CostModel", "Estimate", "Placement", "chains", "estimate"]
 
@@ -172,9 +168,8 @@ class CostModel:
     """Optimizer state per parameter byte when the profile gives none (Adam: 2, SGD+momentum: 1)."""
     _forward: tuple[float, ...] = field(init=False, repr=False, compare=False)
     _backward: tuple[float, ...] = field(init=False, repr=False, compare=False)
-    _activation: tuple[float, ...] = field(init=False, repr=False, compare=False)
     _params: tuple[float, ...] = field(init=False, repr=False, compare=False)
-    _static: tuple[float, ...] = field(init=False, repr=False, compare=False)
+    _memory: StageMemory = field(init=False, repr=False, compare=False)
     _forward_fixed: tuple[float, ...] = field(init=False, repr=False, compare=False)
     _backward_fixed: tuple[float, ...] = field(init=False, repr=False, compare=False)
     _update: tuple[float, ...] = field(init=False, repr=False, compare=False)
@@ -205,9 +200,8 @@ class CostModel:
         layers = self.profile.layers
         object.__setattr__(self, "_forward", prefix([x.forward_s for x in layers]))
         object.__setattr__(self, "_backward", prefix([x.backward_s for x in layers]))
-        object.__setattr__(self, "_activation", prefix([float(x.activation_memory) for x in layers]))
         object.__setattr__(self, "_params", prefix([float(x.param_bytes) for x in layers]))
-        object.__setattr__(self, "_static", prefix([2.0 * x.param_bytes + x.optimizer_bytes(factor) for x in layers]))
+        object.__setattr__(self, "_memory", StageMemory(self.profile, factor))
         object.__setattr__(self, "_forward_fixed", prefix([x.forward_fixed_s for x in layers]))
         object.__setattr__(self, "_backward_fixed", prefix([x.backward_fixed_s for x in layers]))
         object.__setattr__(self, "_update", prefix([x.update_s for x in layers]))
@@ -227,7 +221,7 @@ class CostModel:
         """Prefix sums over layers of forward s, backward s, activation memory (see
         ``LayerProfile.activation_memory``), parameter bytes and
         static bytes (parameters + gradients + optimizer state), at the profile batch."""
-        return self._forward, self._backward, self._activation, self._params, self._static
+        return self._forward, self._backward, self._memory.activation, self._params, self._memory.static
 
     def affine_prefix_sums(
         self,
@@ -295,11 +289,19 @@ class CostModel:
 
     def static_memory(self, start: int, end: int) -> float:
         """Parameters, gradients and optimizer state of layers ``[start, end)``."""
-        return self._static[end] - self._static[start]
+        return self._memory.static_bytes(start, end)
 
     def activation_memory(self, start: int, end: int, samples: int) -> float:
-        """Outputs of layers ``[start, end)`` for one micro-batch slice of ``samples`` samples."""
-        return (self._activation[end] - self._activation[start]) * samples / self.profile.profile_batch_size
+        """Bytes one micro-batch of ``samples`` samples keeps on a stage of layers ``[start, end)``."""
+        return self._memory.kept_bytes(start, end, samples)
+
+    def memory_parts(self, start: int, end: int, samples: int, replicas: int) -> MemoryParts:
+        """What :func:`peak_bytes` makes a stage's peak of, for any number of micro-batches it keeps."""
+        return self._memory.parts(start, end, samples, replicas)
+
+    def stage_memory(self, start: int, end: int, samples: int, depth: int, replicas: int, micro_batches: int) -> float:
+        """Peak bytes per device of layers ``[start, end)`` keeping ``depth`` micro-batches (``_stage_memory``)."""
+        return self._memory.stage_bytes(start, end, samples, depth, replicas, micro_batches)
 
     def cut_bytes(self, cut: int, micro_batches: int) -> float:
         """Bytes of one micro-batch's tensors crossing the cut before layer ``cut``."""
@@ -355,8 +357,7 @@ class CostModel:
         send = tuple(self.transfer(stages[k].end, m, places[k], places[k + 1]) for k in range(count - 1))
         depth = [min(count - k, m) if plan.schedule == "dapple" else m for k in range(count)]
         memory = tuple(
-            self.static_memory(s.start, s.end) + depth[k] * self.activation_memory(s.start, s.end, samples[k])
-            for k, s in enumerate(stages)
+            self.stage_memory(s.start, s.end, samples[k], depth[k], s.replicas, m) for k, s in enumerate(stages)
         )
         tail: Tail | None = None
         for k in range(count - 1, -1, -1):

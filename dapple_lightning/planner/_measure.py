@@ -13,7 +13,7 @@ from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 from dapple_lightning.planner._clock import Stopwatch
-from dapple_lightning.planner._memory import LayerMemory, optimizer_state_bytes
+from dapple_lightning.planner._memory import LayerMemory, memory_counter, optimizer_state_bytes
 from dapple_lightning.planner._profile import LayerProfile, ModelProfile
 
 if TYPE_CHECKING:
@@ -120,9 +120,10 @@ def profile_layers(
             model then prices small micro-batches at what they really cost.
         optimizer: Builds an optimizer over given parameters (the user's kind and settings);
             each layer's ``update_s`` is then the median time of its ``step()`` over the
-            layer's parameters, and its ``optimizer_state_bytes`` what that optimizer keeps for
+            layer's parameters, its ``optimizer_state_bytes`` what that optimizer keeps for
             them after its steps (:func:`planner._memory.optimizer_state_bytes`; 0 for a layer
-            without parameters). Parameter values and gradients are restored afterwards.
+            without parameters), and its ``update_peak_bytes`` what one more step allocates at
+            its peak beyond that. Parameter values and gradients are restored afterwards.
         in_step: Called before each layer's optimizer steps are timed. Processes that share
             a machine's memory bandwidth (CPU ranks) slow each other's optimizer steps, which
             training runs at the same moment on every rank; ``plan="auto"`` passes a barrier
@@ -165,14 +166,14 @@ def _layer(
     nbytes: int,
     added: float,
     memory: dict[str, Any],
-    update: Callable[[list[torch.nn.Parameter]], tuple[float, int]] | None,
+    update: Callable[[list[torch.nn.Parameter]], tuple[float, int, int]] | None,
 ) -> LayerProfile:
     """One layer's profile from what :func:`profile_layers` measured, its optimizer step timed and
     its optimizer state counted with ``update`` (when given; a layer without parameters has none)."""
     params = [p for p in module.parameters() if p.requires_grad]
-    update_s, state = 0.0, (None if update is None else 0)
+    update_s, state, temporaries = 0.0, (None if update is None else 0), (None if update is None else 0)
     if update is not None and params:
-        update_s, state = update(params)
+        update_s, state, temporaries = update(params)
     return LayerProfile(
         name=f"{index}:{type(module).__name__}",
         forward_s=times[0],
@@ -184,6 +185,7 @@ def _layer(
         backward_fixed_s=fixed_s[1],
         update_s=update_s,
         accumulate_s=added,
+        update_peak_bytes=temporaries,
         **memory,
     )
 
@@ -332,9 +334,10 @@ def _time_update(
     warmup: int,
     device: torch.device,
     in_step: Callable[[], None] | None = None,
-) -> tuple[float, int]:
-    """Median seconds of one ``step()`` of a fresh optimizer over ``params``, and the bytes of the
-    state it then keeps for them (values restored after)."""
+) -> tuple[float, int, int]:
+    """Median seconds of one ``step()`` of a fresh optimizer over ``params``, the bytes of the
+    state it then keeps for them, and the peak bytes one more step allocates beyond that state
+    (its temporaries; values restored after)."""
     import torch
 
     saved = [p.detach().clone() for p in params]
@@ -349,7 +352,12 @@ def _time_update(
                 in_step()
             with watch.span() if run >= settle else nullcontext():
                 opt.step()
-        return statistics.median(watch.seconds()), optimizer_state_bytes(opt, params)
+        with memory_counter(device) as counter:
+            counter.reset_peak()
+            base = counter.live
+            opt.step()
+            temporaries = max(counter.peak - base, 0)
+        return statistics.median(watch.seconds()), optimizer_state_bytes(opt, params), temporaries
     finally:
         with torch.no_grad():
             for p, value, grad in zip(params, saved, grads):

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["LayerMemory", "SavedBytes", "live_bytes", "optimizer_state_bytes"]
+__all__ = ["LayerMemory", "SavedBytes", "live_bytes", "memory_counter", "optimizer_state_bytes"]
 
 
 def _flat_tensors(value: Any) -> list[torch.Tensor]:
@@ -180,6 +180,12 @@ class _CudaCounter:
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
+    def __enter__(self) -> _CudaCounter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
     def reset_peak(self) -> int:
         import torch
 
@@ -199,6 +205,12 @@ class _CudaCounter:
         return torch.cuda.max_memory_allocated(self.device)
 
 
+def memory_counter(device: torch.device) -> Any:
+    """What counts allocations on ``device``, to enter around what is measured: CUDA's allocator
+    counters, elsewhere a live-bytes tracker (both with ``reset_peak()``, ``live`` and ``peak``)."""
+    return _CudaCounter(device) if device.type == "cuda" else live_bytes()
+
+
 class LayerMemory:
     """Each layer's peak memory and saved bytes over one pass of a chain, entered around the pass.
 
@@ -215,20 +227,18 @@ class LayerMemory:
     def __init__(self, modules: list[torch.nn.Module], device: torch.device) -> None:
         count = len(modules)
         self.source = "allocator" if device.type == "cuda" else "tracker"
-        self._counter: Any = _CudaCounter(device) if device.type == "cuda" else live_bytes()
+        self._counter: Any = memory_counter(device)
         self._modules = modules
         self._forward, self._kept, self._backward = [0] * count, [0] * count, [0] * count
         self.saved = [0] * count
         self._grads = [sum(p.numel() * p.element_size() for p in m.parameters() if p.requires_grad) for m in modules]
 
     def __enter__(self) -> LayerMemory:
-        if self.source == "tracker":
-            self._counter.__enter__()
+        self._counter.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.source == "tracker":
-            self._counter.__exit__(*exc)
+        self._counter.__exit__(*exc)
 
     @contextmanager
     def forward(self, index: int) -> Iterator[None]:

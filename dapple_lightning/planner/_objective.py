@@ -106,7 +106,7 @@ def least_memory(
                     for i in range(j - 1, -1, -1):
                         if closing != (i == 0) or (i and cuts is not None and i not in allowed):
                             continue
-                        mem = model.static_memory(i, j) + depth * model.activation_memory(i, j, samples)
+                        mem = model.stage_memory(i, j, samples, depth, r, m)
                         if mem >= best[0]:
                             break
                         value2 = max(value, mem)

@@ -31,7 +31,8 @@ one adds into them, so a stage's backward averages ``accumulate_s * (M - 1) / M`
          "update_s": 0.00002, "accumulate_s": 0.00001,             # optional, default 0
          "peak_bytes": 512000000,         # optional: the measured peak (see LayerProfile)
          "peak_source": "allocator",      # optional: "allocator" (CUDA) or "tracker" (elsewhere)
-         "saved_bytes": 256000000},       # optional: what autograd saved for the backward
+         "saved_bytes": 256000000,        # optional: what autograd saved for the backward
+         "update_peak_bytes": 4096},      # optional: the optimizer step's temporaries
         ...
       ],
       "cut_bytes": [0, 384000000, ..., 0]   # len(layers) + 1 entries, see ModelProfile.cut_bytes
@@ -113,6 +114,10 @@ class LayerProfile:
     counts the layer's input when the layer saves it, so summing it over a stage can count a
     tensor that two neighbouring layers both save (ReLU its output, the next Linear its input)
     twice."""
+    update_peak_bytes: int | None = None
+    """Bytes the optimizer's step over the layer's parameters allocates at its peak beyond its
+    state (temporaries such as Adam's denominator), measured once the state exists; ``None``
+    when not measured."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
@@ -139,7 +144,7 @@ class LayerProfile:
             object.__setattr__(self, f"{part}_fixed_s", fixed)
         for name in ("update_s", "accumulate_s"):
             object.__setattr__(self, name, _number(getattr(self, name), f"layer {self.name!r} {name}"))
-        for name in ("peak_bytes", "saved_bytes"):
+        for name in ("peak_bytes", "saved_bytes", "update_peak_bytes"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, _bytes(getattr(self, name), f"layer {self.name!r} {name}"))
         if self.peak_source not in PEAK_SOURCES:
@@ -151,17 +156,25 @@ class LayerProfile:
 
     @property
     def activation_memory(self) -> int:
-        """Bytes one batch's pass keeps on the device: the allocator's measured peak when there is
-        one, else the output.
-
-        A peak from the live-bytes tracker (CPU) is recorded but not used here: the cost model
-        counts a stage's activations once per live micro-batch, and whether the tracker's peak
-        predicts a CPU stage's memory better than the outputs do is not yet checked against
-        measured runs (issue 17); until it is, CPU plans are priced as before.
-        """
+        """Bytes one batch's pass keeps on the device until its backward: what autograd saved
+        (``saved_bytes``) when measured; else, for profiles written before it, the allocator's
+        peak (which also holds the pass's workspace, counted for every live micro-batch, erring on
+        the side that fits); else the output."""
+        if self.saved_bytes is not None:
+            return self.saved_bytes
         if self.peak_bytes is None or self.peak_source == "tracker":
             return self.activation_bytes
         return self.peak_bytes
+
+    @property
+    def transient_memory(self) -> int:
+        """Bytes the layer's passes take at their peak beyond what it saves (its output, its input's
+        gradient, workspace): ``peak_bytes - saved_bytes`` when both are measured, else 0 (the
+        peak, if any, is then counted in :attr:`activation_memory`). A stage needs it once, for
+        the micro-batch it is computing, on top of the ones it keeps."""
+        if self.saved_bytes is None or self.peak_bytes is None:
+            return 0
+        return max(self.peak_bytes - self.saved_bytes, 0)
 
     def optimizer_bytes(self, factor: float) -> float:
         """Optimizer state bytes: the explicit value, else ``factor * param_bytes`` (Adam: 2)."""
@@ -173,7 +186,9 @@ class LayerProfile:
         # The memory fields only when measured: a profile without them reads as before, in readers
         # that predate them too.
         measured = {
-            k: getattr(self, k) for k in ("peak_bytes", "peak_source", "saved_bytes") if getattr(self, k) is not None
+            k: getattr(self, k)
+            for k in ("peak_bytes", "peak_source", "saved_bytes", "update_peak_bytes")
+            if getattr(self, k) is not None
         }
         return {
             "name": self.name,
@@ -206,6 +221,7 @@ class LayerProfile:
             "peak_bytes",
             "peak_source",
             "saved_bytes",
+            "update_peak_bytes",
         )
         unknown = set(data) - {*required, *optional}
         if unknown:

@@ -30,6 +30,7 @@ from typing import Any
 from dapple_lightning.planner._cost import CostModel, Placement
 from dapple_lightning.planner._placement import allocate, place
 from dapple_lightning.planner._recurrence import Link, prepend, through_link
+from dapple_lightning.planner._stage_memory import peak_bytes
 
 __all__: list[str] = []
 
@@ -333,10 +334,9 @@ class _Search:
         samples = search.samples[stage.replicas]
         for i in starts:
             forward, backward = model.passes(i, j, m, samples)
-            static = model.static_memory(i, j)
-            activation = model.activation_memory(i, j, samples)
-            if static + activation > cap:
-                break  # memory only grows as the stage takes earlier layers
+            memory = model.memory_parts(i, j, samples, stage.replicas)
+            if peak_bytes(memory, 1, m) > cap:
+                break  # memory only grows as the stage takes earlier layers, or keeps more micro-batches
             closing = model.allreduce(i, j, stage) + model.update(i, j)
             bound = top.bound
             if closing + m * (forward + backward) > bound:
@@ -347,7 +347,7 @@ class _Search:
             front: list[_Suffix] | None = None
             front_stages = -1
             for depth, stages, pairs, link, suffix in candidates:
-                if static + depth * activation > cap:
+                if depth > 1 and peak_bytes(memory, depth, m) > cap:
                     continue
                 d, z, round_trip, x, passes = prepend(forward, backward, closing, m, depth, link, pairs, gpipe)
                 if z + head_start > bound:

@@ -39,6 +39,8 @@ from dapple_lightning.schedule import Op, lower
 __all__ = ["Pipeline", "StepStats"]
 
 Forward = Callable[[int, Rows], torch.Tensor | None]
+_PASSES = ("F", "B", "W")
+"""Ops after which the timeline samples the memory in use."""
 
 
 @dataclass
@@ -246,6 +248,8 @@ class Pipeline:
         try:
             for op in program:
                 self._handlers[op.kind](step, op)
+                if self.timeline.enabled and op.kind in _PASSES:
+                    self.timeline.counter("memory", self._memory_in_use(step))
             for outstanding in step.outstanding():
                 outstanding.wait()
         except BaseException:
@@ -285,6 +289,23 @@ class Pipeline:
         for reducer in self.reducers:
             reducer.remove()
         self.module.call = None
+
+    def _memory_in_use(self, step: _Step) -> int:
+        """Bytes this rank holds now: the allocator's count on CUDA; elsewhere (no allocator count)
+        what its live micro-batches keep: with ``track_memory`` what autograd saved for them, else
+        their inputs and outputs."""
+        if self.device.type == "cuda":
+            return torch.cuda.memory_allocated(self.device)
+        total, seen = 0, set()
+        for state in step.live.values():
+            if state.saved_bytes:
+                total += state.saved_bytes
+                continue
+            for storage in (t.untyped_storage() for t in (*state.inputs, *(state.outputs or []))):
+                if storage.data_ptr() not in seen:
+                    seen.add(storage.data_ptr())
+                    total += storage.nbytes()
+        return total
 
     # ---------------------------------------------------------------------- the handlers
 

@@ -1,7 +1,7 @@
 """Per-rank event recording and Chrome trace export (opens in Perfetto and chrome://tracing).
 
 Each rank records spans (forward, backward, send, receive, all-reduce) with its stage and
-micro-batch. :func:`write_chrome_trace` turns the spans of all ranks into one trace-event JSON
+micro-batch, and samples of the memory it holds after each pass (a counter track). :func:`write_chrome_trace` turns the spans of all ranks into one trace-event JSON
 file with one process track per rank, and :func:`bubble_fractions` summarises how much of a
 step each stage spent idle.
 
@@ -42,6 +42,8 @@ class Event:
     start: float
     end: float
     step: int = 0
+    value: float | None = None
+    """Set for a sample of a counter track (``start == end``), not a span: bytes in use."""
 
 
 class Timeline:
@@ -59,6 +61,8 @@ class Timeline:
     ) -> None:
         self.rank, self.stage, self.enabled = rank, stage, enabled
         self.events: list[Event] = []
+        self.counters: list[Event] = []
+        """Samples of counter tracks (:meth:`counter`), apart from the spans in :attr:`events`."""
         self.step = 0
         # perf_counter is monotonic and fine-grained; anchor it to wall time once so that the
         # spans of different processes on one machine line up.
@@ -96,6 +100,13 @@ class Timeline:
                 Event(name, self.rank, self.stage, micro_batch, start + self._offset, end + self._offset, self.step)
             )
 
+    def counter(self, name: str, value: float) -> None:
+        """A sample of the counter track ``name`` (memory in use), timed now on the host's clock:
+        on CUDA, where spans are timed on the device, it marks when the host queued the work."""
+        if self.enabled:
+            now = time.perf_counter() + self._offset
+            self.counters.append(Event(name, self.rank, self.stage, -1, now, now, self.step, value))
+
     def end_step(self) -> None:
         """The step is over: resolve its device spans into :attr:`events`, then count it.
 
@@ -121,7 +132,8 @@ class Timeline:
 
 
 def write_chrome_trace(events: Iterable[Event], path: str | Path) -> Path:
-    """Write the events of every rank as Chrome trace-event JSON, one track (``pid``) per rank."""
+    """Write the events of every rank as Chrome trace-event JSON, one track (``pid``) per rank,
+    with its counter samples (memory) as counter events on that rank's process."""
     events = sorted(events, key=lambda e: (e.rank, e.start))
     origin = min((e.start for e in events), default=0.0)
     trace: list[dict] = []
@@ -138,6 +150,10 @@ def write_chrome_trace(events: Iterable[Event], path: str | Path) -> Path:
         )
         trace.append({"name": "process_sort_index", "ph": "M", "pid": rank, "tid": 0, "args": {"sort_index": rank}})
     for e in events:
+        if e.value is not None:  # a counter track of its own on the rank's process (Perfetto draws it)
+            ts = (e.start - origin) * 1e6
+            trace.append({"name": e.name, "ph": "C", "pid": e.rank, "tid": 0, "ts": ts, "args": {"bytes": e.value}})
+            continue
         label = e.name if e.micro_batch < 0 else f"{e.name} {e.micro_batch}"
         trace.append(
             {

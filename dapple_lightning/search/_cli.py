@@ -112,9 +112,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--timeout", type=float, default=None, help="stop starting trials after this many seconds")
     run.add_argument("--timeout-per-trial", type=float, default=300.0, help="wall-clock limit of one trial (s)")
-    run.add_argument(
-        "--stall-timeout", type=float, default=None, help="kill a trial when no step ends for this long (s)"
-    )
+    run.add_argument("--stall-timeout", type=float, default=None, help="kill a trial when no step ends this long (s)")
     run.add_argument("--warmup", type=int, default=1, help="untimed steps per trial (default: %(default)s)")
     run.add_argument("--steps", type=int, default=3, help="timed steps per trial (default: %(default)s)")
     run.add_argument("--seed", type=int, default=0, help="sampler seed; give each worker of one study its own")
@@ -133,6 +131,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--schedules", type=_schedules, default=SCHEDULES, help="e.g. dapple or dapple,gpipe")
     run.add_argument("--max-stages", type=int, default=None)
     run.add_argument("--planner-seeds", type=int, default=3, help="measure the planner's top K plans first (0: off)")
+    run.add_argument("--memory-limit", help="per-rank budget the planner's seeds fit, e.g. 6GiB (default: RAM/ranks)")
     run.add_argument(
         "--baselines",
         default="data_parallel,straight",
@@ -205,6 +204,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         schedules=args.schedules,
         max_stages=args.max_stages,
         planner_seeds=args.planner_seeds,
+        memory_limit=args.memory_limit,
         baselines=tuple(b for b in args.baselines.split(",") if b),
         confirm_repeats=args.confirm_repeats,
         enqueue=tuple(args.enqueue),

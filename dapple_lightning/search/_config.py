@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from dapple_lightning.plan import SCHEDULES
+from dapple_lightning.planner import parse_memory
 from dapple_lightning.search._redact import redact
 from dapple_lightning.search._space import DEFAULT_MAX_PLANS
 from dapple_lightning.search._trial import TrialConfig
@@ -55,6 +56,9 @@ class SearchConfig:
     """Most stages a plan may have; ``None``: ``min(layers, world size)``."""
     planner_seeds: int = 3
     """Measure the planner's top this-many plans first (once per study; 0: do not ask the planner)."""
+    memory_limit: float | str | None = None
+    """Bytes per rank (or text such as ``"6GiB"``) no planner seed is predicted to exceed;
+    ``None``: the machine's memory shared evenly by the ranks."""
     baselines: tuple[str, ...] = ("data_parallel", "straight")
     """Plans measured before anything else, once per study: data parallelism and a balanced straight
     pipeline (see ``search._seed.baseline_plans``); ``()`` measures none."""
@@ -102,6 +106,8 @@ class SearchConfig:
             raise ValueError(f"confirm_repeats must be a whole number >= 0 (0: no round), got {repeats!r}")
         if self.planner_seeds < 0:
             raise ValueError(f"planner_seeds must be >= 0, got {self.planner_seeds}")
+        if self.memory_limit is not None:
+            object.__setattr__(self, "memory_limit", parse_memory(self.memory_limit, "memory_limit"))
         if not isinstance(self.storage, str) or "://" not in self.storage:
             shown = redact(self.storage) if isinstance(self.storage, str) else self.storage
             raise ValueError(f"storage must be an Optuna storage URL like {DEFAULT_STORAGE!r}, got {shown!r}")

@@ -64,9 +64,10 @@ def compute_units(trial: TrialConfig) -> int | None:
     return max(1, cores() // trial.threads)
 
 
-def local_cluster(world_size: int, units: int | None = None) -> Any:
+def local_cluster(world_size: int, units: int | None = None, memory_limit: float | None = None) -> Any:
     """One node of ``world_size`` devices joined by loopback: ~2 GB/s point to point, ~1 GB/s
-    all-reduce links, 50 us per message, the machine's memory shared evenly (rough figures: the
+    all-reduce links, 50 us per message, the machine's memory shared evenly or ``memory_limit``
+    bytes per rank (rough figures: the
     planner's ranking matters here, not its absolute times), ``units`` compute units shared by
     the devices (``None``: independent devices, see :func:`compute_units`)."""
     from dapple_lightning.planner import Cluster
@@ -79,7 +80,7 @@ def local_cluster(world_size: int, units: int | None = None) -> Any:
         intra_allreduce_bw=1e9,
         inter_allreduce_bw=1e9,
         latency_s=50e-6,
-        memory_bytes=_memory_bytes() / world_size,
+        memory_bytes=_memory_bytes() / world_size if memory_limit is None else memory_limit,
         compute_units=units,
     )
 
@@ -96,8 +97,11 @@ def _runs_as(plan: Plan) -> tuple[Any, ...]:
     return (plan.stages, plan.micro_batches, None if alike else plan.schedule)
 
 
-def planner_seeds(profile: dict[str, Any], space: PlanSpace, top: int, units: int | None = None) -> list[SeedPlan]:
-    """The cost model's best ``top`` plans of ``space``, best first, on :func:`local_cluster`.
+def planner_seeds(
+    profile: dict[str, Any], space: PlanSpace, top: int, units: int | None = None, memory_limit: float | None = None
+) -> list[SeedPlan]:
+    """The cost model's best ``top`` plans of ``space``, best first, on :func:`local_cluster`;
+    none predicted over ``memory_limit`` bytes per rank (``None``: the machine's memory shared).
 
     A space of up to :data:`EXHAUSTIVE` plans is ranked whole (each estimate takes microseconds);
     a larger one is searched by :func:`~dapple_lightning.planner.plan_dapple`, which knows nothing
@@ -110,7 +114,7 @@ def planner_seeds(profile: dict[str, Any], space: PlanSpace, top: int, units: in
     from dapple_lightning.planner import CostModel, ModelProfile, plan_dapple
 
     model_profile = ModelProfile.from_dict(profile)
-    cluster = local_cluster(space.world_size, units)
+    cluster = local_cluster(space.world_size, units, memory_limit)
     if space.size <= EXHAUSTIVE:
         model = CostModel(model_profile, cluster, space.global_batch)
         estimates = [model.estimate(plan) for plan in space.plans()]
@@ -152,6 +156,7 @@ def enqueue_planner_seeds(
     units: int | None,
     say: Callable[[str], None],
     missing: str = "no profile",
+    memory_limit: float | None = None,
 ) -> None:
     """Queue the planner's ``top`` picks (:func:`planner_seeds`) with their predictions as trial
     attributes, and record in the study what was seeded, or why nothing was (``missing``: why
@@ -160,7 +165,7 @@ def enqueue_planner_seeds(
         reason = missing
     else:
         try:
-            seeds = planner_seeds(profile, space, top, units)
+            seeds = planner_seeds(profile, space, top, units, memory_limit)
         except ImportError as e:
             reason = f"planner not available ({e})"
         except ValueError as e:

@@ -121,7 +121,9 @@ class PlanSearch:
         if want_profile:
             missing = f"no profile ({info.profile_error})"
             units = compute_units(cfg.trial)
-            enqueue_planner_seeds(study, space, info.profile, cfg.planner_seeds, units, self._say, missing)
+            enqueue_planner_seeds(
+                study, space, info.profile, cfg.planner_seeds, units, self._say, missing, cfg.memory_limit
+            )
         if cfg.sampler == "grid":
             self._enqueue_grid(study, space)
         return study

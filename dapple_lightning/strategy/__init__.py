@@ -8,10 +8,11 @@ and the spawn launcher (``_launcher``).
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from dapple_lightning.strategy._launcher import FORKSERVER_PRELOAD
 from dapple_lightning.strategy._sharded import consolidate_checkpoint
 from dapple_lightning.strategy._strategy import DappleStrategy
 
-__all__ = ["DappleStrategy", "consolidate_checkpoint"]
+__all__ = ["FORKSERVER_PRELOAD", "DappleStrategy", "consolidate_checkpoint"]
 
 if "dapple" not in StrategyRegistry:
     StrategyRegistry.register(

@@ -49,6 +49,8 @@ class AutoSetting:
     steps: MicroBatches
     context: Callable
     """The precision plugin's training-step context."""
+    memory_limit: float | None = None
+    """Bytes per rank no chosen plan may be predicted to exceed (``None``: the device's memory)."""
 
 
 def choose_automatically(setting: AutoSetting, batch: Any, chain: Chain) -> AutoPlan:
@@ -115,6 +117,7 @@ def choose_automatically(setting: AutoSetting, batch: Any, chain: Chain) -> Auto
                 optimizer=optimizer,
                 step_outside=step_outside,
                 trial=trials,
+                memory_limit=setting.memory_limit,
             )
         finally:
             trials.close()

@@ -51,14 +51,15 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from dapple_lightning.plan import Plan
-from dapple_lightning.runtime import Pipeline, StepStats, Timeline, write_chrome_trace
+from dapple_lightning.runtime import Pipeline, StepStats, Timeline
 from dapple_lightning.strategy._auto import AutoSetting, choose_automatically, draw_global_batch
 from dapple_lightning.strategy._batch import RankBatches, same_order
-from dapple_lightning.strategy._checkpoint import Checkpoints, gather_on_zero, group_names, keep_local
+from dapple_lightning.strategy._checkpoint import Checkpoints, group_names, keep_local
 from dapple_lightning.strategy._failures import PEER_LOST, as_timeout, host_group, peer_lost_message, prepare_backend
 from dapple_lightning.strategy._finetuning import adapt_finetuning
 from dapple_lightning.strategy._launcher import STATE_LEFT_IN_SPAWNED_RANKS, SpawnLauncher
 from dapple_lightning.strategy._materialize import STAYS_CUT, materialize, meta_context, on_meta, unmoved_on_meta
+from dapple_lightning.strategy._memory import parse_memory, warn_if_over_budget, write_trace
 from dapple_lightning.strategy._pipelines import Buffers, Pipelines, broadcast_module
 from dapple_lightning.strategy._refusals import check_before_start
 from dapple_lightning.strategy._step import MicroBatches, clip_grad_norm_over_stages
@@ -84,11 +85,14 @@ class DappleStrategy(ParallelStrategy):
             dead or stuck peer ends the job after at most this long. Under NCCL it is the watchdog's limit for each
             collective; barriers wait on the host, for at least 30 minutes (a checkpoint write).
         start_method: ``"popen"`` re-launches the script once per rank (Lightning's default for
-            scripts); ``"spawn"`` starts ranks with multiprocessing (notebooks, pytest).
+            scripts); ``"spawn"`` starts ranks with multiprocessing (notebooks, pytest);
+            ``"forkserver"`` is ``"spawn"`` with ranks forked from a server process that imported
+            torch and Lightning once, so each rank starts without importing them again.
         trace: write a Chrome trace (Perfetto) of every rank's forwards, backwards, sends,
             receives and all-reduces to this path when training ends.
         track_memory: count the activation bytes autograd keeps alive per micro-batch; the
             last step's peak is in ``strategy.step_stats.peak_live_bytes``.
+        memory_limit: per-rank budget, bytes or ``"6GiB"``, for the plan's predicted peak (:mod:`._memory`).
         state_dict_type: ``"full"`` writes one single-device checkpoint file, streamed by rank
             0 one tensor at a time; ``"sharded"`` writes a torch.distributed.checkpoint
             directory in which each stage's first replica writes its own state (resumable
@@ -107,9 +111,10 @@ class DappleStrategy(ParallelStrategy):
         *,
         sequential: str | Sequence[str] | None = None,
         timeout: timedelta | float = timedelta(seconds=120),
-        start_method: Literal["popen", "spawn"] = "popen",
+        start_method: Literal["popen", "spawn", "forkserver"] = "popen",
         trace: str | None = None,
         track_memory: bool = False,
+        memory_limit: float | str | None = None,
         state_dict_type: Literal["full", "sharded"] = "full",
         async_save: bool = False,
         accelerator: Any = None,
@@ -126,8 +131,8 @@ class DappleStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        if start_method not in ("popen", "spawn"):
-            raise ValueError(f"start_method must be 'popen' or 'spawn', got {start_method!r}")
+        if start_method not in ("popen", "spawn", "forkserver"):
+            raise ValueError(f"start_method must be 'popen', 'spawn' or 'forkserver', got {start_method!r}")
         if isinstance(plan, str) and plan.strip().startswith("optuna://"):
             raise ValueError(
                 f"plan={plan!r} names a plan search's study; build the strategy with "
@@ -141,6 +146,7 @@ class DappleStrategy(ParallelStrategy):
         self._start_method = start_method
         self._trace_path = trace
         self._track_memory = track_memory
+        self._memory_limit = None if memory_limit is None else parse_memory(memory_limit, "memory_limit")
         self._process_group_backend = process_group_backend
         self._num_nodes = 1
         self.plan: Plan | None = None
@@ -297,6 +303,7 @@ class DappleStrategy(ParallelStrategy):
 
     def _resolve_plan(self, trainer: Trainer, chain: Chain, pipelines: Pipelines) -> Plan:
         if isinstance(self._plan_spec, Plan):
+            warn_if_over_budget(self.lightning_module, chain, self._plan_spec, trainer, self._memory_limit)
             return self._plan_spec
         if trainer.state.fn != TrainerFn.FITTING:
             # Forward-only loops have no training batch to profile; every rank holds every layer.
@@ -310,9 +317,9 @@ class DappleStrategy(ParallelStrategy):
             pipelines,
             self._steps,
             self.precision_plugin.train_step_context,
+            self._memory_limit,
         )
-        batch = draw_global_batch(trainer, self.batch_to_device)
-        chosen = choose_automatically(setting, batch, chain)
+        chosen = choose_automatically(setting, draw_global_batch(trainer, self.batch_to_device), chain)
         rank_zero_info(chosen.report())
         self.auto_plan = chosen
         return chosen.plan
@@ -470,7 +477,7 @@ class DappleStrategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         if self._pipeline is not None and self._trace_path is not None and not self._failed:
-            self._write_trace()
+            write_trace(self._pipeline.timeline, self._trace_path)
         if self._steps is not None:
             self._steps.shared.abandon() if self._failed else self._steps.shared.wait()
         if self._pipeline is not None:
@@ -487,12 +494,6 @@ class DappleStrategy(ParallelStrategy):
                 self._checkpoints.detach()
         with unmoved_on_meta(self.lightning_module):
             super().teardown()
-
-    def _write_trace(self) -> None:
-        assert self._pipeline is not None
-        if (gathered := gather_on_zero(self._pipeline.timeline.events)) is not None:
-            path = write_chrome_trace([e for part in gathered for e in part], self._trace_path)
-            rank_zero_info(f"dapple: wrote Chrome trace to {path}")
 
 
 def _is_auto(plan: Any) -> bool:

@@ -136,3 +136,18 @@ def test_bad_objective_or_margin_is_refused(tmp_path, capsys):
     assert "invalid choice: 'speed'" in capsys.readouterr().err
     assert main([*args, "--objective", "time-within-memory", "--memory-margin", "-0.5"]) == 2
     assert "memory_margin must be a finite number >= 0" in capsys.readouterr().err
+
+
+def test_a_memory_limit_as_text_keeps_the_fastest_plan_out_when_it_does_not_fit(tmp_path, capsys):
+    args = [*_memory_unbalanced(tmp_path)[:-2], "--json"]  # without --memory-gb 8
+    assert main([*args, "--memory-limit", "3GB"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    # The time-balanced plan's 3.60 GB stage is over the limit: a plan that fits is chosen.
+    assert data["memory_budget_bytes"] == 3e9 and max(data["stage_memory_bytes"]) <= 3e9
+    assert [s["layers"] for s in data["plan"]["stages"]] != [[0, 1], [1, 4]]
+    with pytest.raises(SystemExit):
+        main([*args, "--memory-limit", "3 parsecs"])
+    assert "--memory-limit='3 parsecs' is not a size" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*args, "--memory-limit", "3GB", "--memory-gb", "3"])
+    assert "not allowed with argument" in capsys.readouterr().err

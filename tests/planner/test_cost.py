@@ -166,3 +166,42 @@ def test_measured_peaks_replace_the_outputs_in_memory():
     assert est.memory_bytes == (4e9 + 2 * 300, 4e9 + 1 * 100)
     # time does not change, nor do the bytes that cross the cut
     assert est.step_s == estimate(Plan(TWO_BY_TWO, 2), PROFILE, SLOW, 8).step_s
+
+
+def test_measured_memory_prices_saved_bytes_per_micro_batch_and_the_largest_excess_once():
+    # Layers 0 and 1 measured: each keeps 40 saved bytes per profile batch of 4, peaks at 100 and
+    # 300 (excess 60 and 260); layers 2 and 3 only have their 100-byte outputs.
+    measured = tuple(
+        dataclasses.replace(x, saved_bytes=40, peak_bytes=peak, peak_source="tracker")
+        for x, peak in zip(PROFILE.layers[:2], (100, 300))
+    )
+    profile = ModelProfile(measured + PROFILE.layers[2:], profile_batch_size=4)
+    est = estimate(Plan(TWO_BY_TWO, 2), profile, SLOW, 8)
+    # Stage 0 at half the profile batch: K = 2 micro-batches of (40 + 40 saved + its 100-byte
+    # output, which the runtime keeps), plus the larger excess, 260, once.
+    assert est.memory_bytes[0] == 4e9 + 2 * (80 + 100) / 2 + 260 / 2
+    # Stage 1 is priced as before: its layers' outputs per micro-batch, no transient.
+    assert est.memory_bytes[1] == 4e9 + 1 * 100
+    model = CostModel(profile, SLOW, 8)
+    transient = [model.memory_parts(i, j, 4, 1)[2] for i, j in ((0, 1), (1, 4), (2, 4))]
+    assert transient == [60, 260, 0]
+
+
+def test_a_profile_measured_with_its_optimizer_prices_the_runtime_s_gradients_and_closing():
+    # Two layers of 1000 parameter bytes, 2000 of optimizer state, 100 saved and a peak of 150
+    # (excess 50) per profile batch of 4, outputs of 40, an optimizer step that makes 300 more.
+    layer = LayerProfile("l", 1.0, 1.0, 40, 1000, optimizer_state_bytes=2000, peak_bytes=150, saved_bytes=100,
+                         update_peak_bytes=300)  # fmt: skip
+    profile = ModelProfile((layer, dataclasses.replace(layer, name="m")), profile_batch_size=4)
+    # Two stages, M = 2, 2 samples each (half the profile batch).
+    est = estimate(Plan.straight(2, 2, micro_batches=2), profile, SLOW, 4)
+    # Stage 0: K = 2 = M, so after its first backward one micro-batch stays beside both sets of
+    # gradients: 4000 static + max(2 x 70, 1000 + 1 x 70) + 25, where a micro-batch keeps
+    # (100 saved + its 40-byte output) / 2.
+    assert est.memory_bytes[0] == 4000 + 1000 + 70 + 25
+    # Stage 1 keeps no output (the loss): 4000 + max(50, 1000 + 50) + 25.
+    assert est.memory_bytes[1] == 4000 + 1000 + 50 + 25
+    # Data parallelism on 2 replicas, M = 1: nothing is alive after the backward, but the
+    # all-reduce copies the parameters beside both sets of gradients: 8000 + max(2025, 4000, 600).
+    dp = estimate(Plan.data_parallel(2, 2, 1), profile, SLOW, 4)
+    assert dp.memory_bytes == (8000 + 4000,)

@@ -74,6 +74,16 @@ def profiles(draw):
         forward, backward = draw(st.floats(0.0, 5e-3)), draw(st.floats(0.0, 1e-2))
         # Half the profiles have per-call time that does not scale with samples, and optimizer steps.
         affine = draw(st.booleans())
+        # Half the layers have measured memory: saved bytes kept per micro-batch, and a peak whose
+        # excess over them a stage needs once (its largest layer's), its output kept as well.
+        measured = {}
+        if draw(st.booleans()):
+            saved = draw(st.integers(0, 400_000_000))
+            measured = {
+                "saved_bytes": saved,
+                "peak_bytes": saved + draw(st.integers(0, 800_000_000)),
+                "update_peak_bytes": draw(st.integers(0, 3_000_000_000)),
+            }
         layers.append(
             LayerProfile(
                 f"l{i}",
@@ -85,6 +95,7 @@ def profiles(draw):
                 backward_fixed_s=backward * draw(st.floats(0.0, 1.0)) if affine else 0.0,
                 update_s=draw(st.floats(0.0, 5e-3)) if affine else 0.0,
                 accumulate_s=draw(st.floats(0.0, 2e-3)) if affine else 0.0,
+                **measured,
             )
         )
     layers = tuple(layers)

@@ -108,11 +108,11 @@ def test_a_layer_that_changes_its_input_in_place_is_profiled_on_a_copy():
     assert all(x.forward_s > 0 for x in profile.layers) and profile.layers[1].backward_s > 0
 
 
-def test_cpu_peaks_come_from_the_tracker_and_do_not_change_the_activation_memory():
+def test_cpu_peaks_come_from_the_tracker_and_the_saved_bytes_are_what_a_micro_batch_keeps():
     profile = profile_layers(nn.Sequential(nn.Linear(4, 8), nn.Tanh()), torch.randn(8, 4), repeats=1, warmup=0)
     assert [x.peak_source for x in profile.layers] == ["tracker", "tracker"]
     assert all(x.peak_bytes >= x.activation_bytes for x in profile.layers)
-    assert [x.activation_memory for x in profile.layers] == [x.activation_bytes for x in profile.layers]
+    assert [x.activation_memory for x in profile.layers] == [x.saved_bytes for x in profile.layers]
 
 
 class Saves(nn.Module):
@@ -133,7 +133,9 @@ def test_cuda_peaks_count_what_a_layer_saves_not_only_its_output():
     assert linear.peak_source == saves.peak_source == "allocator"
     assert saves.saved_bytes == 4 * saves.activation_bytes and linear.saved_bytes == 512 * 256 * 4
     assert saves.peak_bytes >= 4 * saves.activation_bytes
-    assert saves.activation_memory == saves.peak_bytes  # the allocator's peak is what the planner counts
+    # what it saved is kept per micro-batch, the rest of the allocator's peak once
+    assert saves.activation_memory == saves.saved_bytes
+    assert saves.transient_memory == saves.peak_bytes - saves.saved_bytes
     # the linear layer keeps its output and makes its input's gradient (as large); its parameters'
     # gradients are counted with the parameters, not here
     assert linear.activation_bytes <= linear.peak_bytes <= 2 * linear.activation_bytes + 4096

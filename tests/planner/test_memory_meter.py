@@ -173,7 +173,7 @@ def test_sgd_state_is_its_momentum_and_only_the_given_parameters_count():
 # ------------------------------------------------------------------------ the profile
 
 
-def test_a_cpu_profile_records_saved_bytes_and_tracker_peaks_and_prices_as_before():
+def test_a_cpu_profile_records_saved_bytes_and_tracker_peaks_and_prices_them():
     torch.manual_seed(0)
     layers = nn.Sequential(nn.Linear(16, 32), Saves())
     profile = profile_layers(layers, torch.randn(8, 16), repeats=1, warmup=0)
@@ -184,7 +184,10 @@ def test_a_cpu_profile_records_saved_bytes_and_tracker_peaks_and_prices_as_befor
     # are counted with the parameters.
     assert linear.peak_bytes == linear.activation_bytes + 8 * 16 * F32
     assert saves.peak_bytes >= 4 * saves.activation_bytes
-    assert [x.activation_memory for x in profile.layers] == [x.activation_bytes for x in profile.layers]
+    # What a micro-batch keeps is what the layer saved; the rest of its peak is needed once.
+    assert [x.activation_memory for x in profile.layers] == [8 * 16 * F32, 4 * saves.activation_bytes]
+    assert linear.transient_memory == linear.activation_bytes  # its output beyond the saved input
+    assert saves.transient_memory == saves.peak_bytes - 4 * saves.activation_bytes
     assert all(p.grad is None for p in layers.parameters())
 
 
@@ -194,8 +197,12 @@ def test_the_profile_holds_the_optimizer_state_the_optimizer_allocates():
     linear, tanh = profile.layers
     assert linear.optimizer_state_bytes == 2 * linear.param_bytes + 2 * F32
     assert tanh.optimizer_state_bytes == 0
+    # Adam's step makes temporaries (its denominator) at least as large as the weight, freed after
+    assert 32 * 16 * F32 <= linear.update_peak_bytes <= 2 * linear.param_bytes
+    assert tanh.update_peak_bytes == 0
     without = profile_layers(layers, torch.randn(8, 16), repeats=1, warmup=0)
     assert [x.optimizer_state_bytes for x in without.layers] == [None, None]
+    assert [x.update_peak_bytes for x in without.layers] == [None, None]
 
 
 def test_the_memory_fields_round_trip_through_json(tmp_path):

@@ -51,3 +51,22 @@ def test_plans_that_run_alike_under_every_schedule_are_seeded_once():
     assert all(p.schedule == "dapple" for p in seeds if p.num_stages == 1 or p.micro_batches == 1)
     # With two stages and two micro-batches the schedules differ: both may be seeded.
     assert {p.schedule for p in seeds if p.num_stages == 2 and p.micro_batches == 2} == {"dapple", "gpipe"}
+
+
+def test_no_seed_is_predicted_over_the_memory_limit():
+    # Data parallelism holds all four layers per rank: 0.4 GB of weights x (1 + 1 + Adam's 2).
+    model = CostModel(ModelProfile.from_dict(PROFILE), local_cluster(4, None, 1e9), 8)
+    seeds = planner_seeds(PROFILE, SPACE, 10, None, memory_limit=1e9)
+    assert seeds and all(max(model.estimate(s.plan).memory_bytes) <= 1e9 for s in seeds)
+    assert Plan.data_parallel(4, 4) not in [s.plan for s in seeds]
+    with pytest.raises(ValueError, match=r"no plan of the space fits in 0\.1 GB per rank"):
+        planner_seeds(PROFILE, SPACE, 10, None, memory_limit=1e8)
+
+
+def test_the_search_reads_its_memory_limit_as_text():
+    from dapple_lightning.search import SearchConfig
+
+    trial = TrialConfig("m:f", world_size=4, global_batch=8)
+    assert SearchConfig(trial, memory_limit="1.5GiB").memory_limit == 1.5 * 2**30
+    with pytest.raises(ValueError, match="memory_limit='lots' is not a size"):
+        SearchConfig(trial, memory_limit="lots")

@@ -103,7 +103,7 @@ def test_best_and_export_round_trip(mlp_study, tmp_path, capsys):
 def test_strategy_from_study_trains_the_best_plan(mlp_study):
     config, _ = mlp_study
     best = best_plan(config.storage, "mlp")
-    strategy = strategy_from_study(config.storage, "mlp", start_method="spawn")
+    strategy = strategy_from_study(config.storage, "mlp", start_method="forkserver")
     from plan_model import factory
 
     model, loader = factory(8)

@@ -1,0 +1,146 @@
+"""What one device of a stage holds at its peak, from the profile: the cost model's memory.
+
+For a stage of layers ``[i, j)`` on ``r`` replicas running ``n`` samples per micro-batch (a
+profile quantity ``q`` at the profile batch ``P`` counts ``q n / P``), keeping ``K`` of the
+step's ``M`` micro-batches alive::
+
+    static + max(K kept + transient,                 # up to its first backward
+                 grads + K' kept + transient,        # after it: K' = K if M > K else K - 1
+                 closing)                            # after the last backward
+
+- ``static``: parameters + gradients (as many bytes) + optimizer state (what the user's
+  optimizer allocated when the profile measured it, else ``optimizer_factor`` x parameters).
+- ``kept``: what one micro-batch leaves on the stage until its backward: what its layers saved
+  for the backward (``LayerProfile.saved_bytes``, ``saved_tensors_hooks``) plus, where that was
+  measured, the stage's output, which the runtime holds until its gradient comes back (the last
+  stage holds a loss). Layers without ``saved_bytes`` count their allocator peak, else their
+  output (``LayerProfile.activation_memory``).
+- ``transient``: the micro-batch being computed needs, on top, its largest layer's peak beyond
+  what that layer saves (``LayerProfile.transient_memory``: output, input gradient, workspace).
+- ``grads``: a second set of gradients. Under Lightning the strategy sets the step's fresh
+  gradients aside while the previous step's stay in ``.grad`` until Lightning zeroes them after
+  the training step, so once the first backward has made fresh ones, both are alive; under
+  1F1B the stage then runs another forward while micro-batches remain (``K'``).
+- ``closing``: after the last backward, the gradient all-reduce's flat buckets on a stage of
+  ``r > 1`` replicas (a copy of the parameters, beside both sets of gradients; parameters of
+  4 MiB and more are summed in place, so this errs on the side that fits), then, once Lightning
+  has dropped the previous gradients, the optimizer step's temporaries
+  (``LayerProfile.update_peak_bytes``, summed over the stage).
+
+``grads`` and ``closing`` are this runtime's: they are counted for layers whose optimizer step
+was measured (``update_peak_bytes``); other profiles (the papers', hand-written ones) are priced
+as ``static + K kept + transient``. Each term only grows as a stage takes more layers or keeps
+more micro-batches, which the planner's searches rely on (they stop lengthening a stage once it
+no longer fits).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from dapple_lightning.planner._profile import ModelProfile
+
+__all__ = ["MemoryParts", "StageMemory", "peak_bytes", "range_max", "sparse_max"]
+
+
+def _prefix(values: Sequence[float]) -> tuple[float, ...]:
+    out = [0.0]
+    for v in values:
+        out.append(out[-1] + v)
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Prefix sums and a range-maximum table over a profile's layers: any stage's bytes in O(1)."""
+
+    profile: ModelProfile
+    optimizer_factor: float
+    static: tuple[float, ...] = field(init=False, repr=False)
+    """Prefix sums of parameters + gradients + optimizer state."""
+    activation: tuple[float, ...] = field(init=False, repr=False)
+    """Prefix sums of what each layer keeps per micro-batch at the profile batch."""
+    output: tuple[float, ...] = field(init=False, repr=False)
+    """``output[j]``: what a stage ending before layer ``j`` keeps of its output per micro-batch."""
+    transient: tuple[tuple[float, ...], ...] = field(init=False, repr=False)
+    update: tuple[float, ...] = field(init=False, repr=False)
+    """Prefix sums of the optimizer step's temporaries."""
+    grads: tuple[float, ...] = field(init=False, repr=False)
+    """Prefix sums of the parameter bytes of layers priced with this runtime's extra gradients."""
+
+    def __post_init__(self) -> None:
+        layers = self.profile.layers
+        factor = self.optimizer_factor
+        set_ = object.__setattr__
+        set_(self, "static", _prefix([2.0 * x.param_bytes + x.optimizer_bytes(factor) for x in layers]))
+        set_(self, "activation", _prefix([float(x.activation_memory) for x in layers]))
+        # An unmeasured layer's own count already holds its output.
+        output = [0.0] * (len(layers) + 1)
+        for j in range(1, len(layers)):
+            if layers[j - 1].saved_bytes is not None:
+                output[j] = float(self.profile.cut_bytes[j])
+        set_(self, "output", tuple(output))
+        set_(self, "transient", sparse_max([float(x.transient_memory) for x in layers]))
+        set_(self, "update", _prefix([float(x.update_peak_bytes or 0) for x in layers]))
+        set_(self, "grads", _prefix([float(x.param_bytes if x.update_peak_bytes is not None else 0) for x in layers]))
+
+    def static_bytes(self, start: int, end: int) -> float:
+        return self.static[end] - self.static[start]
+
+    def kept_bytes(self, start: int, end: int, samples: int) -> float:
+        kept = self.activation[end] - self.activation[start] + self.output[end]
+        return kept * samples / self.profile.profile_batch_size
+
+    def transient_bytes(self, start: int, end: int, samples: int) -> float:
+        return range_max(self.transient, start, end) * samples / self.profile.profile_batch_size
+
+    def closing_bytes(self, start: int, end: int, replicas: int) -> float:
+        update = self.update[end] - self.update[start]
+        grads = self.grads[end] - self.grads[start]
+        return max(update, 2 * grads) if replicas > 1 else update
+
+    def parts(self, start: int, end: int, samples: int, replicas: int) -> MemoryParts:
+        """The terms of a stage's peak that do not depend on how many micro-batches it keeps."""
+        grads = self.grads[end] - self.grads[start]
+        return (
+            self.static_bytes(start, end),
+            self.kept_bytes(start, end, samples),
+            self.transient_bytes(start, end, samples),
+            grads,
+            self.closing_bytes(start, end, replicas),
+        )
+
+    def stage_bytes(self, start: int, end: int, samples: int, depth: int, replicas: int, micro_batches: int) -> float:
+        return peak_bytes(self.parts(start, end, samples, replicas), depth, micro_batches)
+
+
+MemoryParts = tuple[float, float, float, float, float]
+"""``(static, kept, transient, grads, closing)`` of one stage (see the module docstring)."""
+
+
+def peak_bytes(parts: MemoryParts, depth: int, micro_batches: int) -> float:
+    """A stage's peak from its :class:`StageMemory.parts` when it keeps ``depth`` of ``micro_batches``
+    alive: what the cost model and the searches both compute, so their comparisons agree exactly."""
+    static, kept, transient, grads, closing = parts
+    after = depth if micro_batches > depth else depth - 1
+    return static + max(max(depth * kept, grads + after * kept) + transient, closing)
+
+
+def sparse_max(values: Sequence[float]) -> tuple[tuple[float, ...], ...]:
+    """Table ``t`` with ``t[k][i] = max(values[i : i + 2**k])``: any range's maximum in two lookups."""
+    table = [tuple(values)]
+    width = 1
+    while 2 * width <= len(values):
+        row = table[-1]
+        table.append(tuple(max(row[i], row[i + width]) for i in range(len(values) - 2 * width + 1)))
+        width *= 2
+    return tuple(table)
+
+
+def range_max(table: tuple[tuple[float, ...], ...], start: int, end: int) -> float:
+    """``max(values[start:end])`` from :func:`sparse_max`'s table (0 for an empty range)."""
+    if end <= start:
+        return 0.0
+    k = (end - start).bit_length() - 1
+    return max(table[k][start], table[k][end - (1 << k)])

@@ -1,0 +1,96 @@
+"""What the strategy says about memory: a given plan against ``memory_limit``, and the trace.
+
+**The budget.** ``DappleStrategy(memory_limit=...)`` takes bytes or text (``"6GiB"``,
+``planner.parse_memory``); ``None`` is the device's memory (``planner.device_memory``: on a GPU
+what is free plus what this process holds, less 10% of the total; on CPU the machine's RAM
+shared evenly by the node's ranks).
+
+``plan="auto"`` never chooses a plan predicted over the budget (the planner caps every stage at
+it). A plan given by hand is the user's call, so it is not refused: rank 0 profiles the layers
+once on a micro-batch of the first training batch (the meters of ``planner._memory``: saved
+bytes, peaks, the optimizer's real state), prices the plan with the cost model and warns, naming
+each stage over the budget with its numbers. It runs where the module is when the strategy sets
+up (before the cut, so usually the CPU); it is a prediction, not a measurement of the device.
+
+**The trace.** :func:`write_trace` gathers every rank's timeline on rank 0 and writes the Chrome
+trace (``runtime.write_chrome_trace``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from functools import partial
+from typing import Any
+
+from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+
+from dapple_lightning.autoplan import draw_batch, optimizer_factory
+from dapple_lightning.microbatch import Rows, batch_size_of, slice_batch
+from dapple_lightning.plan import Plan
+from dapple_lightning.planner import Cluster, estimate, over_budget, parse_memory, profile_layers, stage_memory_lines
+from dapple_lightning.runtime import Timeline, write_chrome_trace
+from dapple_lightning.strategy._auto_blocks import BlockChain
+from dapple_lightning.strategy._checkpoint import gather_on_zero
+from dapple_lightning.surgery import Chain, capture_input, set_submodule, unchanged
+
+__all__ = ["parse_memory", "predicted_memory", "warn_if_over_budget", "write_trace"]
+
+
+def predicted_memory(module: nn.Module, chain: Chain, plan: Plan, batch: Any) -> tuple[float, ...]:
+    """Predicted peak bytes per rank of each stage of ``plan`` for the global ``batch``, from a
+    profile of ``chain``'s layers on one micro-batch of it (the module left as it was)."""
+    rows = batch_size_of(batch)
+    sample_rows = max(1, -(-rows // plan.micro_batches))
+    sample = slice_batch(batch, Rows(0, sample_rows))
+
+    def step_on(n: int) -> Any:
+        return module.training_step(slice_batch(sample, Rows(0, n)), 0)
+
+    try:
+        optimizer = optimizer_factory(module)
+    except Exception:  # the cost model's optimizer factor stands in for the real state
+        optimizer = None
+    with unchanged(module):
+        if chain.called_whole:
+            path, container = chain.single()
+            layers = list(container)
+            sample_input = capture_input(
+                module, partial(set_submodule, module, path), container, lambda: step_on(sample_rows)
+            )
+        else:
+            blocks = BlockChain(module, chain, step_on, sample_rows)
+            layers, sample_input = blocks.layers, blocks.sample_input
+        profile = profile_layers(layers, sample_input, repeats=1, warmup=0, optimizer=optimizer)
+    # Only memory is read from the estimate: the links' figures do not matter.
+    cluster = Cluster(1, plan.world_size, 1e9, 1e9, 1e9, 1e9, latency_s=0.0)
+    return estimate(plan, profile, cluster, rows).memory_bytes
+
+
+def warn_if_over_budget(module: Any, chain: Chain, plan: Plan, trainer: Any, limit: float | None) -> None:
+    """When fitting with a ``limit``, on rank 0: warn when ``plan`` is predicted over ``limit``
+    bytes per rank on the first training batch (the loader's order is left as it was); say the
+    prediction otherwise."""
+    if limit is None or trainer.state.fn != TrainerFn.FITTING or trainer.global_rank != 0:
+        return
+    if any(p.is_meta for p in module.parameters()):
+        rank_zero_info("dapple memory_limit: the model is on the meta device, so the plan's memory is not predicted")
+        return
+    device = next(module.parameters()).device
+    batch = move_data_to_device(draw_batch(trainer.fit_loop._data_source.dataloader()), device)
+    peaks = predicted_memory(module, chain, plan, batch)
+    problem = over_budget(plan, peaks, limit)
+    if problem is not None:
+        warnings.warn(f"dapple: {problem}", UserWarning, stacklevel=2)
+    else:
+        lines = "\n".join(stage_memory_lines(plan, peaks, limit))
+        rank_zero_info(f"dapple plan's predicted peak memory per rank, within memory_limit:\n{lines}")
+
+
+def write_trace(timeline: Timeline, path: str) -> None:
+    """Gather every rank's events on rank 0 and write them as a Chrome trace to ``path`` (collective)."""
+    if (gathered := gather_on_zero([*timeline.events, *timeline.counters])) is not None:
+        written = write_chrome_trace([e for part in gathered for e in part], path)
+        rank_zero_info(f"dapple: wrote Chrome trace to {written}")

@@ -1,0 +1,76 @@
+"""``memory_limit``: read as bytes or text, never exceeded by plan="auto", warned about for a plan
+given by hand (with the stage and the numbers)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dapple_lightning import Plan
+from dapple_lightning.autoplan import choose_plan
+from dapple_lightning.planner import format_bytes, over_budget, parse_memory
+from dapple_lightning.strategy._memory import predicted_memory
+from dapple_lightning.surgery import find_chain
+
+import models
+
+TWO_STAGES = Plan.coerce({"micro_batches": 2, "stages": [{"layers": [0, 5]}, {"layers": [5, 7]}]})
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("6GiB", 6 * 2**30), ("512 MB", 512e6), ("1.5gb", 1.5e9), ("2048", 2048.0), (4096, 4096.0), (1e9, 1e9)],
+)
+def test_memory_limits_read_as_bytes(text, expected):
+    assert parse_memory(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "match"),
+    [
+        ("6 parsecs", ValueError, r"memory_limit='6 parsecs' is not a size; .* e\.g\. '6GiB'"),
+        ("GiB", ValueError, "is not a size"),
+        (0, ValueError, "finite number of bytes > 0, got 0"),
+        (float("inf"), ValueError, "finite number of bytes > 0"),
+        (True, TypeError, "bytes .* or text like '6GiB', got True"),
+        ([6], TypeError, "got \\[6\\]"),
+    ],
+)
+def test_bad_memory_limits_are_refused_with_the_value(value, error, match):
+    with pytest.raises(error, match=match):
+        parse_memory(value)
+
+
+def test_the_strategy_refuses_a_bad_limit_up_front():
+    from dapple_lightning import DappleStrategy
+
+    with pytest.raises(ValueError, match="memory_limit='lots'"):
+        DappleStrategy(Plan.straight(7, 2), memory_limit="lots")
+
+
+def test_auto_never_chooses_a_plan_over_the_limit():
+    layers = models.MLP().layers
+    x = torch.randn(8, models.IN)
+    roomy = choose_plan(layers, x, torch.device("cpu"), global_batch=8, memory_limit=2**30)
+    peak = max(roomy.stage_memory_bytes)
+    assert 0 < peak <= 2**30
+    assert "predicted peak memory per rank (budget 1.00 GiB):" in roomy.report()
+    assert "stage 0 (layers 0-6, 1 replica):" in roomy.report()
+    # Below what the only plan of one rank needs: refused, naming the least need.
+    with pytest.raises(ValueError, match=r"no plan fits in .* the least memory any plan needs is"):
+        choose_plan(layers, x, torch.device("cpu"), global_batch=8, memory_limit=peak / 2)
+
+
+def test_a_given_plan_is_priced_per_stage_and_the_stages_over_the_limit_are_named():
+    module = models.MLP()
+    x, y = next(iter(models.loader()))
+    plan = TWO_STAGES
+    peaks = predicted_memory(module, find_chain(module), plan, (x, y))
+    # Stage 0 holds 3 of the 4 Linear layers and keeps 2 micro-batches: the larger.
+    assert peaks[0] > peaks[1] > 0
+    assert all(p.grad is None for p in module.parameters())  # the module is left as it was
+    limit = (peaks[0] + peaks[1]) / 2
+    message = over_budget(plan, peaks, limit)
+    assert message is not None and "stage 0 (layers 0-4)" in message and "stage 1" not in message
+    assert format_bytes(peaks[0]) in message and "more micro-batches" in message
+    assert over_budget(plan, peaks, peaks[0]) is None

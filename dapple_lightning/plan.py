@@ -10,12 +10,14 @@ The stable, documented serialised form (what the search stores and the YAML file
     schedule: dapple          # or gpipe
     stages:
       - {layers: [0, 6], replicas: 2}     # layers 0..5 on ranks 0, 1
-      - {layers: [6, 10], replicas: 1}    # layers 6..9 on rank 2
+      - {layers: [6, 10], replicas: 1, recompute: true}   # layers 6..9 on rank 2
 
 ``layers`` is a half-open range ``[start, end)`` of indices into the module's
 ``nn.Sequential``. A stage may also name its ranks explicitly (``ranks: [0, 2]``), which is how
 a placement other than "consecutive ranks" is written; by default stage ``s`` takes the next
-``replicas`` ranks after stage ``s - 1``.
+``replicas`` ranks after stage ``s - 1``. ``recompute: true`` (default false) makes the stage
+recompute its activations in the backward (each layer under ``torch.utils.checkpoint``): it keeps
+only each layer's input per micro-batch, for one more forward per micro-batch.
 """
 
 from __future__ import annotations
@@ -55,9 +57,15 @@ class Stage:
     """Number of devices that each hold a copy of the stage and split its micro-batches."""
     ranks: tuple[int, ...] | None = None
     """Explicit global ranks of the replicas, or ``None`` for consecutive ranks."""
+    recompute: bool = False
+    """Recompute the stage's activations in the backward rather than keep them: each layer runs
+    under non-reentrant ``torch.utils.checkpoint``, so a micro-batch keeps only its layers' inputs
+    until its backward, which runs the stage's forward again first."""
 
     def __post_init__(self) -> None:
         _as_int(self.start, "stage start layer")
+        if not isinstance(self.recompute, bool):
+            raise TypeError(f"stage `recompute` must be true or false, got {self.recompute!r}")
         _as_int(self.end, "stage end layer")
         _as_int(self.replicas, "stage replicas")
         if self.start < 0:
@@ -88,6 +96,8 @@ class Stage:
         out: dict[str, Any] = {"layers": [self.start, self.end], "replicas": self.replicas}
         if self.ranks is not None:
             out["ranks"] = list(self.ranks)
+        if self.recompute:
+            out["recompute"] = True
         return out
 
     @classmethod
@@ -98,9 +108,11 @@ class Stage:
             raise TypeError(
                 f"a stage must be a mapping like {{layers: [0, 4], replicas: 1}}, got {type(data).__name__}"
             )
-        unknown = set(data) - {"layers", "replicas", "ranks"}
+        unknown = set(data) - {"layers", "replicas", "ranks", "recompute"}
         if unknown:
-            raise ValueError(f"unknown stage keys {sorted(map(str, unknown))}; allowed: layers, replicas, ranks")
+            raise ValueError(
+                f"unknown stage keys {sorted(map(str, unknown))}; allowed: layers, replicas, ranks, recompute"
+            )
         if "layers" not in data:
             raise ValueError("a stage needs `layers: [start, end)`, e.g. {layers: [0, 4], replicas: 1}")
         layers = data["layers"]
@@ -114,6 +126,7 @@ class Stage:
             end=layers[1],
             replicas=data.get("replicas", 1),
             ranks=None if ranks is None else tuple(ranks),
+            recompute=data.get("recompute", False),
         )
 
 
@@ -284,15 +297,28 @@ class Plan:
     def describe(self) -> str:
         """One short line: replicas, cut points, micro-batches, schedule (``"2:2 cuts=5 M=4 dapple"``)."""
         cuts = ",".join(str(s.start) for s in self.stages[1:]) or "-"
-        return f"{self.notation} cuts={cuts} M={self.micro_batches} {self.schedule}"
+        recompute = ",".join(str(k) for k, s in enumerate(self.stages) if s.recompute)
+        tail = f" recompute={recompute}" if recompute else ""
+        return f"{self.notation} cuts={cuts} M={self.micro_batches} {self.schedule}{tail}"
 
     def table(self) -> str:
-        """The plan as an aligned text table."""
-        rows = [("stage", "layers", "replicas", "ranks")]
+        """The plan as an aligned text table (a ``recompute`` column when a stage recomputes)."""
+        recompute = any(s.recompute for s in self.stages)
+        rows = [("stage", "layers", "replicas", "ranks", "recompute")]
         for index, stage in enumerate(self.stages):
             ranks = ",".join(map(str, self.stage_ranks(index)))
-            rows.append((str(index), f"[{stage.start}, {stage.end})", str(stage.replicas), ranks))
-        widths = [max(len(r[c]) for r in rows) for c in range(4)]
+            rows.append(
+                (
+                    str(index),
+                    f"[{stage.start}, {stage.end})",
+                    str(stage.replicas),
+                    ranks,
+                    "yes" if stage.recompute else "",
+                )
+            )
+        columns = 5 if recompute else 4
+        rows = [row[:columns] for row in rows]
+        widths = [max(len(r[c]) for r in rows) for c in range(columns)]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
         lines.append(
             f"{self.num_stages} stage(s) [{self.notation}] on {self.world_size} rank(s), "

@@ -240,10 +240,11 @@ def partition(layers: Container | Chain, plan: Plan, rank: int) -> StageModule:
             [(str(i), named[i][1]) for i in range(stage.start, stage.end)],
             blocks=len(layers),
             names=[name for name, _ in named],
+            recompute=stage.recompute,
         )
     named = list(layers.named_children())
     blocks = len(layers) if isinstance(layers, nn.ModuleList) else None
-    return StageModule(named[stage.start : stage.end], blocks=blocks)
+    return StageModule(named[stage.start : stage.end], blocks=blocks, recompute=stage.recompute)
 
 
 @dataclass

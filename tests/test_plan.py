@@ -32,6 +32,26 @@ def test_ranks_and_table() -> None:
     )
 
 
+def test_recompute_is_a_stage_field() -> None:
+    data = {"stages": [{"layers": [0, 6], "replicas": 2, "recompute": True}, {"layers": [6, 10]}]}
+    plan = Plan.coerce(data)
+    assert [s.recompute for s in plan.stages] == [True, False]
+    assert plan.to_dict()["stages"] == [
+        {"layers": [0, 6], "replicas": 2, "recompute": True},
+        {"layers": [6, 10], "replicas": 1},
+    ]
+    assert Plan.from_yaml(plan.to_yaml()) == plan and plan != Plan.coerce(
+        {"stages": [{"layers": [0, 6], "replicas": 2}, {"layers": [6, 10]}]}
+    )
+    assert plan.table().splitlines()[:2] == [
+        "stage  layers   replicas  ranks  recompute",
+        "0      [0, 6)   2         0,1    yes",
+    ]
+    assert plan.describe() == "2:1 cuts=6 M=1 dapple recompute=0"
+    with pytest.raises(TypeError, match="recompute` must be true or false"):
+        Plan.coerce({"stages": [{"layers": [0, 6], "recompute": "yes"}]})
+
+
 def test_explicit_ranks_place_replicas() -> None:
     plan = Plan.coerce(
         {

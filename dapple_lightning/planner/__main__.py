@@ -95,6 +95,11 @@ def _parser() -> argparse.ArgumentParser:
         help="share above the least peak that time-within-memory allows (default 0.1: 1.1x)",
     )
     parser.add_argument(
+        "--recompute",
+        action="store_true",
+        help="let a stage that would not fit otherwise recompute its activations in the backward",
+    )
+    parser.add_argument(
         "--p2p-gbps",
         type=_bandwidths,
         help="point-to-point bandwidth in GB/s (1e9 bytes/s): INTER, or INTRA,INTER (default 25,1)",
@@ -197,7 +202,7 @@ def _memory_lines(best: PlannedPlan, cluster: Cluster, objective: str) -> str:
         share = f"{peak / budget:.0%}" if budget > 0 else "n/a"
         lines.append(
             f"  stage {index} (layers {stage.start}-{stage.end - 1}, {stage.replicas} "
-            f"{'replica' if stage.replicas == 1 else 'replicas'}): "
+            f"{'replica' if stage.replicas == 1 else 'replicas'}{', recomputing' if stage.recompute else ''}): "
             f"{peak / GB:.2f} GB of {budget / GB:.2f} GB ({share})"
         )
     return "\n".join(lines)
@@ -224,6 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             exact={"auto": None, "yes": True, "no": False}[args.exact],
             objective=args.objective,
             memory_margin=args.memory_margin,
+            recompute=args.recompute,
         )
         seconds = time.perf_counter() - started
         others = (

@@ -73,7 +73,7 @@ def stage_memory_lines(plan: Plan, stage_bytes: Sequence[float], budget: float) 
         mark = "  OVER BUDGET" if peak > budget else ""
         lines.append(
             f"  stage {index} (layers {stage.start}-{stage.end - 1}, {stage.replicas} "
-            f"{'replica' if stage.replicas == 1 else 'replicas'}): "
+            f"{'replica' if stage.replicas == 1 else 'replicas'}{', recomputing' if stage.recompute else ''}): "
             f"{format_bytes(peak)} of {format_bytes(budget)} ({share}){mark}"
         )
     return lines
@@ -92,5 +92,6 @@ def over_budget(plan: Plan, stage_bytes: Sequence[float], budget: float) -> str 
     return (
         f"plan {plan.describe()} is predicted to need more memory per rank than memory_limit "
         f"{format_bytes(budget)}: {named}. Give the heavy stages fewer layers or more replicas, use more "
-        "micro-batches (each keeps fewer rows alive), or let plan='auto' choose a plan that fits"
+        "micro-batches (each keeps fewer rows alive), make them recompute (recompute: true), or let "
+        "plan='auto' choose a plan that fits"
     )

@@ -61,7 +61,9 @@ cores, and one that keeps only as many busy as there are units does not.
 
 **Memory** per device of stage ``s``: parameters, gradients and optimizer state, ``K_s``
 micro-batches kept for the backward (``K_s = min(S - s, M)`` for DAPPLE, ``M`` for GPipe) and
-one micro-batch's transient peak (``_stage_memory`` says what each term counts).
+one micro-batch's transient peak (``_stage_memory`` says what each term counts). A stage that
+recomputes (``Stage.recompute``) keeps only its layers' inputs and runs its forward again in
+each backward: ``B_s`` grows by ``F_s``.
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ from dapple_lightning.plan import SCHEDULES, Plan
 from dapple_lightning.planner._cluster import Cluster
 from dapple_lightning.planner._profile import ModelProfile
 from dapple_lightning.planner._recurrence import Tail, combine, stage_chain
-from dapple_lightning.planner._stage_memory import MemoryParts, StageMemory
+from dapple_lightning.planner._stage_memory import MemoryParts, StageMemory, cumulative
 
 __all__ = ["CostModel", "Estimate", "Placement", "chains", "estimate"]
 
@@ -190,13 +192,7 @@ class CostModel:
         factor = self.optimizer_factor
         if isinstance(factor, bool) or not isinstance(factor, int | float) or not (0 <= factor < math.inf):
             raise ValueError(f"optimizer_factor must be a number >= 0 (Adam: 2), got {factor!r}")
-
-        def prefix(values: Sequence[float]) -> tuple[float, ...]:
-            out = [0.0]
-            for v in values:
-                out.append(out[-1] + v)
-            return tuple(out)
-
+        prefix = cumulative
         layers = self.profile.layers
         object.__setattr__(self, "_forward", prefix([x.forward_s for x in layers]))
         object.__setattr__(self, "_backward", prefix([x.backward_s for x in layers]))
@@ -263,12 +259,15 @@ class CostModel:
             + (self._backward_var[end] - self._backward_var[start]) * scale,
         )
 
-    def passes(self, start: int, end: int, micro_batches: int, samples: int) -> tuple[float, float]:
+    def passes(
+        self, start: int, end: int, micro_batches: int, samples: int, recompute: bool = False
+    ) -> tuple[float, float]:
         """Forward and backward seconds of one micro-batch of ``samples`` samples through layers
         ``[start, end)`` in a step of ``micro_batches``, the backward with its average cost of
-        adding into gradients (:meth:`accumulate`)."""
+        adding into gradients (:meth:`accumulate`) and, when the stage ``recompute``s, its forward."""
         forward, backward = self.compute(start, end, samples)
-        return forward, backward + self.accumulate(start, end, micro_batches)
+        backward = backward + self.accumulate(start, end, micro_batches)
+        return forward, backward + forward if recompute else backward
 
     @staticmethod
     def accumulating(micro_batches: int) -> float:
@@ -295,13 +294,15 @@ class CostModel:
         """Bytes one micro-batch of ``samples`` samples keeps on a stage of layers ``[start, end)``."""
         return self._memory.kept_bytes(start, end, samples)
 
-    def memory_parts(self, start: int, end: int, samples: int, replicas: int) -> MemoryParts:
+    def memory_parts(self, start: int, end: int, samples: int, replicas: int, recompute: bool = False) -> MemoryParts:
         """What :func:`peak_bytes` makes a stage's peak of, for any number of micro-batches it keeps."""
-        return self._memory.parts(start, end, samples, replicas)
+        return self._memory.parts(start, end, samples, replicas, recompute)
 
-    def stage_memory(self, start: int, end: int, samples: int, depth: int, replicas: int, micro_batches: int) -> float:
+    def stage_memory(
+        self, start: int, end: int, samples: int, depth: int, replicas: int, micro_batches: int, recompute: bool = False
+    ) -> float:
         """Peak bytes per device of layers ``[start, end)`` keeping ``depth`` micro-batches (``_stage_memory``)."""
-        return self._memory.stage_bytes(start, end, samples, depth, replicas, micro_batches)
+        return self._memory.stage_bytes(start, end, samples, depth, replicas, micro_batches, recompute)
 
     def cut_bytes(self, cut: int, micro_batches: int) -> float:
         """Bytes of one micro-batch's tensors crossing the cut before layer ``cut``."""
@@ -350,14 +351,15 @@ class CostModel:
         stages = plan.stages
         count = len(stages)
         samples = tuple(self.samples(m, s.replicas) for s in stages)
-        fwd, bwd = zip(*(self.passes(s.start, s.end, m, n) for s, n in zip(stages, samples)))
+        fwd, bwd = zip(*(self.passes(s.start, s.end, m, n, s.recompute) for s, n in zip(stages, samples)))
         ar = tuple(self.allreduce(s.start, s.end, p) for s, p in zip(stages, places))
         update = tuple(self.update(s.start, s.end) for s in stages)
         closing = tuple(a + u for a, u in zip(ar, update))
         send = tuple(self.transfer(stages[k].end, m, places[k], places[k + 1]) for k in range(count - 1))
         depth = [min(count - k, m) if plan.schedule == "dapple" else m for k in range(count)]
         memory = tuple(
-            self.stage_memory(s.start, s.end, samples[k], depth[k], s.replicas, m) for k, s in enumerate(stages)
+            self.stage_memory(s.start, s.end, samples[k], depth[k], s.replicas, m, s.recompute)
+            for k, s in enumerate(stages)
         )
         tail: Tail | None = None
         for k in range(count - 1, -1, -1):

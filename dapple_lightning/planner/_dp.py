@@ -17,7 +17,8 @@ The search space, for a profile of ``L`` layers on a cluster of ``W`` devices:
 
 Plans whose stages exceed the device memory (``_cost``) are left out; under a memory objective
 (``objective="memory"`` or ``"time-within-memory"``, see ``_objective``), so are those over the
-peak it allows.
+peak it allows. With ``recompute=True`` a stage over that cap recomputes its activations when
+that brings it under (and only then: ``_objective`` says why the search stays exact).
 
 The search runs per (micro-batch count, placement policy): first with cuts at 16 points only
 (cheap, and its plans bound the rest), then in full, best-looking pairs first, then, for
@@ -195,11 +196,11 @@ def _even_cuts(model: CostModel, count: int) -> list[int]:
     return sorted(cuts)
 
 
-def _build(spec: Sequence[tuple[int, int, int]], ranks: Sequence[tuple[int, ...]], m: int, schedule: str) -> Plan:
-    consecutive = list(range(sum(r for _, _, r in spec)))
+def _build(spec: Sequence[tuple[int, int, int, bool]], ranks: Sequence[tuple[int, ...]], m: int, schedule: str) -> Plan:
+    consecutive = list(range(sum(r for _, _, r, _ in spec)))
     flat = [rank for group in ranks for rank in group]
     explicit = flat != consecutive
-    stages = tuple(Stage(a, b, r, tuple(rk) if explicit else None) for (a, b, r), rk in zip(spec, ranks))
+    stages = tuple(Stage(a, b, r, tuple(rk) if explicit else None, again) for (a, b, r, again), rk in zip(spec, ranks))
     return Plan(stages=stages, micro_batches=m, schedule=schedule)
 
 
@@ -218,6 +219,7 @@ def plan_dapple(
     exact: bool | None = None,
     objective: str = "time",
     memory_margin: float = 0.1,
+    recompute: bool = False,
 ) -> list[PlannedPlan]:
     """The ``top`` best plans under the cost model of ``_cost`` for ``objective``, fastest first.
 
@@ -244,6 +246,9 @@ def plan_dapple(
             (mCAP's); ``"time-within-memory"``: the fastest plans whose peak is at most
             ``1 + memory_margin`` times the least (see ``_objective``).
         memory_margin: Share above the least peak that ``"time-within-memory"`` allows.
+        recompute: Let a stage recompute its activations (``Stage.recompute``) where it would
+            not fit otherwise: it then keeps only its layers' inputs per micro-batch, and its
+            backward runs its forward again. Stages that fit never recompute (it is only slower).
 
     Raises:
         ValueError: When no plan fits in device memory; the message gives the least memory
@@ -256,20 +261,21 @@ def plan_dapple(
     limit = cluster.memory_bytes
     seeds: list[tuple[float, tuple[Any, ...], tuple[Any, ...]]] = []
     if objective != "time":
-        least, frugal = least_memory(model, candidates, counts, schedule, cuts)
+        least, frugal = least_memory(model, candidates, counts, schedule, cuts, recompute)
         if frugal is None or not least <= limit:
-            raise ValueError(_no_fit_message(model, candidates, counts, schedule, cuts))
+            raise ValueError(_no_fit_message(model, candidates, counts, schedule, cuts, recompute))
         limit = peak_limit(least, limit, objective, memory_margin)
-        seeds = _seeds(model, frugal, placements)
+        seeds = _seeds(model, frugal, placements, limit)
     if exact is None:
         exact = cluster.world_size <= 16
     runs = [(m, policy) for m in candidates for policy in placements]
     # The dynamic program minimises the pipeline's latency; where devices share compute units the
     # cost model's step also has a bound from total work, so more plans are kept and re-ranked.
     wide = 4 * top + 16 if cluster.shares_compute else top
-    search = _search(model, runs, cuts, counts, schedule, wide, None if exact else _BEAM, limit, seeds)
+    beam = None if exact else _BEAM
+    search = _search(model, runs, cuts, counts, schedule, wide, beam, limit, seeds, recompute)
     if not search.top.items:
-        raise ValueError(_no_fit_message(model, candidates, counts, schedule, cuts))
+        raise ValueError(_no_fit_message(model, candidates, counts, schedule, cuts, recompute))
     planned = _planned(model, search, _data_parallel_step(model, candidates), schedule)
     planned = [dataclasses.replace(p, peak_limit_bytes=limit) for p in planned]
     return sorted(planned, key=lambda p: p.predicted_step_s)[:top]
@@ -316,6 +322,7 @@ def _search(
     beam: int | None,
     memory_cap: float,
     seeds: Sequence[tuple[float, tuple[Any, ...], tuple[Any, ...]]] = (),
+    recompute: bool = False,
 ) -> _Search:
     """The search over every (micro-batch count, placement policy) of ``runs``, its ``top`` best
     plans in its ``top``; stages over ``memory_cap`` bytes per device are left out.
@@ -328,7 +335,7 @@ def _search(
     may find none, and without them the full pass would start unbounded.
     """
     runs = list(runs)
-    search = _Search(model, 1, counts, schedule, beam, memory_cap)
+    search = _Search(model, 1, counts, schedule, beam, memory_cap, recompute)
     for z, key, payload in seeds:
         search.top.offer(z, key, payload)
     rank: dict[tuple[int, str], float] = {}
@@ -351,7 +358,7 @@ def _search(
     # second search from the start; and a run is skipped when the first search found all of
     # its plans below that bound (its own bound never fell under it) and none was.
     seen = search.top.seen
-    search = _Search(model, top, counts, schedule, beam, memory_cap)
+    search = _Search(model, top, counts, schedule, beam, memory_cap, recompute)
     for key, (z, payload) in seen.items():
         search.top.offer(z, key, payload)
     bound = search.top.bound
@@ -363,15 +370,19 @@ def _search(
 
 
 def _seeds(
-    model: CostModel, plan: Plan, placements: Sequence[str]
+    model: CostModel, plan: Plan, placements: Sequence[str], cap: float
 ) -> list[tuple[float, tuple[Any, ...], tuple[Any, ...]]]:
     """``plan`` (consecutive ranks) under each placement policy, as the search offers plans
-    (latency, key, payload): real plans of the space whose latencies bound the search."""
-    spec = tuple((s.start, s.end, s.replicas) for s in plan.stages)
+    (latency, key, payload): real plans of the space whose latencies bound the search. As in
+    the search, a stage of it recomputes only when it would not fit under ``cap`` otherwise."""
+    plain = model.estimate(
+        dataclasses.replace(plan, stages=[dataclasses.replace(s, recompute=False) for s in plan.stages])
+    )
+    spec = tuple((s.start, s.end, s.replicas, mem > cap) for s, mem in zip(plan.stages, plain.memory_bytes))
     m = plan.micro_batches
     out: list[tuple[float, tuple[Any, ...], tuple[Any, ...]]] = []
     for policy in placements:
-        ranks = place(model.cluster, policy, [r for _, _, r in spec])
+        ranks = place(model.cluster, policy, [r for _, _, r, _ in spec])
         est = model.estimate(_build(spec, ranks, m, plan.schedule))
         out.append((est.pipeline_s, (m, spec, ranks), (policy, m, spec, ranks)))
     return out
@@ -407,9 +418,14 @@ def _micro_batches(micro_batches: Sequence[int] | None, global_batch: int) -> tu
 
 
 def _no_fit_message(
-    model: CostModel, candidates: Sequence[int], replicas: Sequence[int], schedule: str, cuts: Sequence[int] | None
+    model: CostModel,
+    candidates: Sequence[int],
+    replicas: Sequence[int],
+    schedule: str,
+    cuts: Sequence[int] | None,
+    recompute: bool = False,
 ) -> str:
-    need, plan = least_memory(model, candidates, replicas, schedule, cuts)
+    need, plan = least_memory(model, candidates, replicas, schedule, cuts, recompute)
     cap = model.cluster.memory_bytes
     if plan is None:
         return (

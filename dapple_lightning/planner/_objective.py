@@ -28,6 +28,13 @@ the same cap that is at least as fast. The cap only removes plans, each checked 
 with the same float expressions as :meth:`CostModel.estimate`, so ``P`` itself passes. The plan
 :func:`least_memory` returns is one of the space under any such cap, so its latency bounds the
 search from the start (``_dp`` offers it first).
+
+**Recomputation** (``recompute=True``): a stage may also recompute its activations
+(``Stage.recompute``), which lowers its peak and lengthens its backward by its forward. The
+least peak then takes, per stage, the lesser of its two peaks; the time search lets a stage
+recompute exactly when it would exceed the cap otherwise. That keeps it exact: whether a stage
+fits either way depends only on the stage and its ``K``, and where it fits as it is, recomputing
+gives the same plan with a longer backward, never a faster one (latency only grows with ``B``).
 """
 
 from __future__ import annotations
@@ -73,8 +80,12 @@ def least_memory(
     replicas: Sequence[int],
     schedule: str = "dapple",
     cuts: Sequence[int] | None = None,
+    recompute: bool = False,
 ) -> tuple[float, Plan | None]:
     """The smallest per-device peak memory of any plan in the search space, and one such plan.
+
+    With ``recompute``, each stage takes the lesser of its peaks keeping and recomputing its
+    activations (the plan's stages say which).
 
     Placement does not change memory, so this is a min-max dynamic program over stages,
     replica counts, stage counts and micro-batch counts. ``cuts`` restricts where stages begin.
@@ -89,7 +100,7 @@ def least_memory(
         most = model.max_replicas(m)
         counts = [r for r in replicas if r <= most]
         # peak[j][(used, n)] = (smallest peak of a suffix [j, L) on `used` devices, n stages, its stages)
-        peak: list[dict[tuple[int, int], tuple[float, tuple[tuple[int, int, int], ...]]]] = [
+        peak: list[dict[tuple[int, int], tuple[float, tuple[tuple[int, int, int, bool], ...]]]] = [
             {} for _ in range(layers + 1)
         ]
         peak[layers][(0, 0)] = (0.0, ())
@@ -107,13 +118,15 @@ def least_memory(
                         if closing != (i == 0) or (i and cuts is not None and i not in allowed):
                             continue
                         mem = model.stage_memory(i, j, samples, depth, r, m)
-                        if mem >= best[0]:
+                        lean = model.stage_memory(i, j, samples, depth, r, m, True) if recompute else mem
+                        # The lesser of two peaks that only grow with the stage grows too.
+                        if min(mem, lean) >= best[0]:
                             break
-                        value2 = max(value, mem)
-                        spec = ((i, j, r), *stages)
+                        value2 = max(value, min(mem, lean))
+                        spec = ((i, j, r, lean < mem), *stages)
                         if closing:
                             if value2 < best[0]:
-                                plan = Plan(tuple(Stage(a, b, c) for a, b, c in spec), m, schedule)
+                                plan = Plan(tuple(Stage(a, b, c, None, d) for a, b, c, d in spec), m, schedule)
                                 best = (value2, plan)
                         else:
                             key = (used + r, min(n + 1, m))

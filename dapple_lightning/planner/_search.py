@@ -49,6 +49,7 @@ class _Suffix:
     start: int
     end: int
     replicas: int
+    recompute: bool
     rest: _Suffix | None
 
 
@@ -203,8 +204,11 @@ class _Search:
         schedule: str,
         beam: int | None = None,
         memory_cap: float | None = None,
+        recompute: bool = False,
     ) -> None:
         self.model = model
+        self.recompute = recompute
+        """Whether a stage that would not fit under the cap may recompute its activations."""
         self.memory_cap = model.cluster.memory_bytes if memory_cap is None else memory_cap
         """Most bytes a stage may take per device: the device memory, or less for a memory
         objective (``_objective`` says why the search stays exact under it)."""
@@ -335,7 +339,8 @@ class _Search:
         for i in starts:
             forward, backward = model.passes(i, j, m, samples)
             memory = model.memory_parts(i, j, samples, stage.replicas)
-            if peak_bytes(memory, 1, m) > cap:
+            lean = model.memory_parts(i, j, samples, stage.replicas, True) if self.recompute else None
+            if peak_bytes(memory, 1, m) > cap and (lean is None or peak_bytes(lean, 1, m) > cap):
                 break  # memory only grows as the stage takes earlier layers, or keeps more micro-batches
             closing = model.allreduce(i, j, stage) + model.update(i, j)
             bound = top.bound
@@ -347,12 +352,15 @@ class _Search:
             front: list[_Suffix] | None = None
             front_stages = -1
             for depth, stages, pairs, link, suffix in candidates:
-                if depth > 1 and peak_bytes(memory, depth, m) > cap:
+                # Recomputing only makes the backward longer: a stage recomputes when it must.
+                recompute = peak_bytes(memory, depth, m) > cap
+                if recompute and (lean is None or peak_bytes(lean, depth, m) > cap):
                     continue
-                d, z, round_trip, x, passes = prepend(forward, backward, closing, m, depth, link, pairs, gpipe)
+                b = backward + forward if recompute else backward
+                d, z, round_trip, x, passes = prepend(forward, b, closing, m, depth, link, pairs, gpipe)
                 if z + head_start > bound:
                     continue
-                new = _Suffix(stages, d, z, round_trip, x, passes, i, j, stage.replicas, suffix)
+                new = _Suffix(stages, d, z, round_trip, x, passes, i, j, stage.replicas, recompute, suffix)
                 if i == 0:
                     self._offer(new, search.policy, m)
                     bound = top.bound
@@ -365,13 +373,13 @@ class _Search:
                 _insert(front, new, top.k, beam)
 
     def _offer(self, plan: _Suffix, policy: str, m: int) -> None:
-        spec: list[tuple[int, int, int]] = []
+        spec: list[tuple[int, int, int, bool]] = []
         node: _Suffix | None = plan
         while node is not None:
-            spec.append((node.start, node.end, node.replicas))
+            spec.append((node.start, node.end, node.replicas, node.recompute))
             node = node.rest
         # The policy places the same replica counts the same way up to renaming servers, so
         # the costs are those the search computed (plan_dapple checks).
-        ranks = place(self.model.cluster, policy, [r for _, _, r in spec])
+        ranks = place(self.model.cluster, policy, [r for _, _, r, _ in spec])
         self.best_offered = min(self.best_offered, plan.z)
         self.top.offer(plan.z, (m, tuple(spec), ranks), (policy, m, tuple(spec), ranks))

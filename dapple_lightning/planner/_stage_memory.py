@@ -27,6 +27,11 @@ step's ``M`` micro-batches alive::
   has dropped the previous gradients, the optimizer step's temporaries
   (``LayerProfile.update_peak_bytes``, summed over the stage).
 
+A stage that **recomputes** (``Stage.recompute``: each layer under ``torch.utils.checkpoint``)
+keeps per micro-batch only each layer's input (``cut_bytes``) and its output; its ``transient``
+is, once, its largest layer's whole peak (what that layer saves, made again in the backward,
+plus its transient).
+
 ``grads`` and ``closing`` are this runtime's: they are counted for layers whose optimizer step
 was measured (``update_peak_bytes``); other profiles (the papers', hand-written ones) are priced
 as ``static + K kept + transient``. Each term only grows as a stage takes more layers or keeps
@@ -41,10 +46,11 @@ from dataclasses import dataclass, field
 
 from dapple_lightning.planner._profile import ModelProfile
 
-__all__ = ["MemoryParts", "StageMemory", "peak_bytes", "range_max", "sparse_max"]
+__all__ = ["MemoryParts", "StageMemory", "cumulative", "peak_bytes", "range_max", "sparse_max"]
 
 
-def _prefix(values: Sequence[float]) -> tuple[float, ...]:
+def cumulative(values: Sequence[float]) -> tuple[float, ...]:
+    """Prefix sums ``(0, v0, v0 + v1, ...)``: any range's sum in one subtraction."""
     out = [0.0]
     for v in values:
         out.append(out[-1] + v)
@@ -68,13 +74,17 @@ class StageMemory:
     """Prefix sums of the optimizer step's temporaries."""
     grads: tuple[float, ...] = field(init=False, repr=False)
     """Prefix sums of the parameter bytes of layers priced with this runtime's extra gradients."""
+    inputs: tuple[float, ...] = field(init=False, repr=False)
+    """Prefix sums of each layer's input bytes (``cut_bytes``): what a recomputing stage keeps."""
+    whole: tuple[tuple[float, ...], ...] = field(init=False, repr=False)
+    """Range-maximum table of each layer's whole peak: a recomputing stage's transient."""
 
     def __post_init__(self) -> None:
         layers = self.profile.layers
         factor = self.optimizer_factor
         set_ = object.__setattr__
-        set_(self, "static", _prefix([2.0 * x.param_bytes + x.optimizer_bytes(factor) for x in layers]))
-        set_(self, "activation", _prefix([float(x.activation_memory) for x in layers]))
+        set_(self, "static", cumulative([2.0 * x.param_bytes + x.optimizer_bytes(factor) for x in layers]))
+        set_(self, "activation", cumulative([float(x.activation_memory) for x in layers]))
         # An unmeasured layer's own count already holds its output.
         output = [0.0] * (len(layers) + 1)
         for j in range(1, len(layers)):
@@ -82,37 +92,48 @@ class StageMemory:
                 output[j] = float(self.profile.cut_bytes[j])
         set_(self, "output", tuple(output))
         set_(self, "transient", sparse_max([float(x.transient_memory) for x in layers]))
-        set_(self, "update", _prefix([float(x.update_peak_bytes or 0) for x in layers]))
-        set_(self, "grads", _prefix([float(x.param_bytes if x.update_peak_bytes is not None else 0) for x in layers]))
+        set_(self, "update", cumulative([float(x.update_peak_bytes or 0) for x in layers]))
+        set_(
+            self, "grads", cumulative([float(x.param_bytes if x.update_peak_bytes is not None else 0) for x in layers])
+        )
+        set_(self, "inputs", cumulative([float(c) for c in self.profile.cut_bytes[:-1]]))
+        set_(self, "whole", sparse_max([float(x.activation_memory + x.transient_memory) for x in layers]))
 
     def static_bytes(self, start: int, end: int) -> float:
         return self.static[end] - self.static[start]
 
-    def kept_bytes(self, start: int, end: int, samples: int) -> float:
-        kept = self.activation[end] - self.activation[start] + self.output[end]
+    def kept_bytes(self, start: int, end: int, samples: int, recompute: bool = False) -> float:
+        if recompute:
+            output = self.profile.cut_bytes[end] if end < len(self.profile.layers) else 0.0
+            kept = self.inputs[end] - self.inputs[start] + output
+        else:
+            kept = self.activation[end] - self.activation[start] + self.output[end]
         return kept * samples / self.profile.profile_batch_size
 
-    def transient_bytes(self, start: int, end: int, samples: int) -> float:
-        return range_max(self.transient, start, end) * samples / self.profile.profile_batch_size
+    def transient_bytes(self, start: int, end: int, samples: int, recompute: bool = False) -> float:
+        table = self.whole if recompute else self.transient
+        return range_max(table, start, end) * samples / self.profile.profile_batch_size
 
     def closing_bytes(self, start: int, end: int, replicas: int) -> float:
         update = self.update[end] - self.update[start]
         grads = self.grads[end] - self.grads[start]
         return max(update, 2 * grads) if replicas > 1 else update
 
-    def parts(self, start: int, end: int, samples: int, replicas: int) -> MemoryParts:
+    def parts(self, start: int, end: int, samples: int, replicas: int, recompute: bool = False) -> MemoryParts:
         """The terms of a stage's peak that do not depend on how many micro-batches it keeps."""
         grads = self.grads[end] - self.grads[start]
         return (
             self.static_bytes(start, end),
-            self.kept_bytes(start, end, samples),
-            self.transient_bytes(start, end, samples),
+            self.kept_bytes(start, end, samples, recompute),
+            self.transient_bytes(start, end, samples, recompute),
             grads,
             self.closing_bytes(start, end, replicas),
         )
 
-    def stage_bytes(self, start: int, end: int, samples: int, depth: int, replicas: int, micro_batches: int) -> float:
-        return peak_bytes(self.parts(start, end, samples, replicas), depth, micro_batches)
+    def stage_bytes(
+        self, start: int, end: int, samples: int, depth: int, replicas: int, micro_batches: int, recompute: bool = False
+    ) -> float:
+        return peak_bytes(self.parts(start, end, samples, replicas, recompute), depth, micro_batches)
 
 
 MemoryParts = tuple[float, float, float, float, float]

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 __all__ = ["StageCall", "StageExit", "StageModule"]
 
@@ -169,8 +170,14 @@ class StageModule(nn.Sequential):
         *,
         blocks: int | None = None,
         names: Sequence[str] | None = None,
+        recompute: bool = False,
     ) -> None:
         super().__init__(OrderedDict(layers))
+        if recompute:
+            _check_recomputable(self, blocks)
+        self.recompute = recompute
+        """Run each layer under non-reentrant ``torch.utils.checkpoint`` while autograd records:
+        a micro-batch keeps only the layers' inputs, and its backward runs each layer again."""
         # A plain attribute, not a submodule: the executor sets it around each micro-batch.
         self.call: StageCall | None = None
         self.blocks = blocks
@@ -194,10 +201,33 @@ class StageModule(nn.Sequential):
                 "block's forward, or use transformers' gradient_checkpointing_enable())"
             )
         if self.call is None:
+            return self._layers(input)
+        return self.call.run(self._layers, input)
+
+    def _layers(self, input: Any) -> Any:
+        if not (self.recompute and torch.is_grad_enabled()):
             return super().forward(input)
-        return self.call.run(super().forward, input)
+        for layer in self:
+            # The RNG state is kept for the recomputation, so dropout drops the same units.
+            input = checkpoint(layer, input, use_reentrant=False)
+        return input
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state["call"] = None  # a step's tensors are not the module's state
         return state
+
+
+def _check_recomputable(stage: nn.Module, blocks: int | None) -> None:
+    """Refuse a recomputing stage the runtime cannot recompute faithfully."""
+    if blocks is not None:
+        raise ValueError(
+            "a stage with recompute: true needs the pipelined layers in one nn.Sequential; with a ModuleList "
+            "or a chain of containers your code calls the layers, so checkpoint inside them instead"
+        )
+    for name, module in stage.named_modules():
+        if getattr(module, "track_running_stats", False) and getattr(module, "running_mean", None) is not None:
+            raise ValueError(
+                f"layer {name!r} of a stage with recompute: true tracks running statistics ({type(module).__name__}), "
+                "which its recomputation would update twice; leave recompute off for that stage"
+            )

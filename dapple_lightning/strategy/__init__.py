@@ -2,8 +2,8 @@
 
 The strategy keeps Lightning's lifecycle and hands the work to small modules: the micro-batch
 step and its gradient set-aside (``_step``), checkpoints in the single-device layout,
-full (``_checkpoint``, streamed by ``_stream``) or sharded (``_sharded``), ``plan="auto"``'s setup (``_auto``), the process groups (``_pipelines``)
-and the spawn launcher (``_launcher``).
+full (``_checkpoint``, streamed by ``_stream``) or sharded (``_sharded``), ``plan="auto"``'s setup (``_auto``), the process groups (``_pipelines``),
+the spawn launcher (``_launcher``) and the heartbeat that ends every rank when one is lost (``_heartbeat``).
 """
 
 from lightning.pytorch.strategies import StrategyRegistry

@@ -10,6 +10,12 @@ the communicators only: the collective in flight (or the next one) raises
 ``DistBackendError`` in Python ("NCCL communicator was aborted ... Watchdog caught collective
 operation timeout"), and the failure path is the one gloo takes.
 
+Under torchrun with restarts (``--max-restarts``), the agent serves one c10d store for every
+attempt, and the keys through which the ranks of the first attempt published their gloo
+addresses are still there when the restarted ranks meet: a restarted rank can read a dead
+predecessor's address and fail with "Gloo connectFullMesh failed ... Connection refused" (plain
+torch does the same, checked with torch 2.13). :func:`attempt_store` gives each attempt keys of its own.
+
 The timeout is then the watchdog's limit for any one collective, so a wait that is not GPU work
 (other ranks waiting while rank 0 writes a checkpoint file) must not sit in an NCCL collective:
 :func:`host_group` gives those waits a gloo group with a limit of their own.
@@ -21,12 +27,16 @@ import os
 from datetime import timedelta
 
 import torch.distributed as dist
+from lightning.fabric.plugins import ClusterEnvironment
+from lightning.fabric.utilities.distributed import _init_dist_connection
 
 __all__ = [
     "ASYNC_ERROR_HANDLING",
     "HOST_WAIT",
     "PEER_LOST",
     "as_timeout",
+    "attempt_store",
+    "connect",
     "host_group",
     "peer_lost_message",
     "prepare_backend",
@@ -68,6 +78,28 @@ def prepare_backend(backend: str) -> None:
     """Before the process group exists: with NCCL, failed collectives raise (see the module docstring)."""
     if backend == "nccl":
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", ASYNC_ERROR_HANDLING)
+
+
+def connect(env: ClusterEnvironment, backend: str, timeout: timedelta, world_size: int) -> None:
+    """Lightning's ``_init_dist_connection``, after :func:`prepare_backend`, on this attempt's keys under torchrun;
+    refuses a process group of another size than the Trainer's."""
+    prepare_backend(backend)
+    _init_dist_connection(env, backend, timeout=timeout, **attempt_store(timeout))
+    if dist.get_world_size() != world_size:
+        raise RuntimeError(
+            f"the process group has {dist.get_world_size()} ranks but this Trainer expects {world_size}; a "
+            "process group left over from an earlier run in this process (e.g. a Hydra multirun with "
+            "start_method='popen') cannot be reused for another size: use DappleStrategy(start_method='spawn')"
+        )
+
+
+def attempt_store(timeout: timedelta) -> dict[str, dist.Store]:
+    """``init_process_group``'s ``store=`` under torchrun's agent store: its keys under this restart's prefix;
+    nothing otherwise (the store is then new for each launch)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "TORCHELASTIC_RESTART_COUNT" not in os.environ:
+        return {}
+    agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    return {"store": dist.PrefixStore(f"dapple/attempt/{os.environ['TORCHELASTIC_RESTART_COUNT']}", agent)}
 
 
 def host_group(backend: str, timeout: timedelta) -> dist.ProcessGroup | None:

@@ -33,7 +33,6 @@ from lightning.fabric.utilities.distributed import (
     _destroy_dist_connection,
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
-    _init_dist_connection,
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -55,8 +54,9 @@ from dapple_lightning.runtime import Pipeline, StepStats, Timeline
 from dapple_lightning.strategy._auto import AutoSetting, choose_automatically, draw_global_batch
 from dapple_lightning.strategy._batch import RankBatches, same_order
 from dapple_lightning.strategy._checkpoint import Checkpoints, group_names, keep_local
-from dapple_lightning.strategy._failures import PEER_LOST, as_timeout, host_group, peer_lost_message, prepare_backend
+from dapple_lightning.strategy._failures import PEER_LOST, as_timeout, connect, host_group, peer_lost_message
 from dapple_lightning.strategy._finetuning import adapt_finetuning
+from dapple_lightning.strategy._heartbeat import SILENT, watch_peers
 from dapple_lightning.strategy._launcher import STATE_LEFT_IN_SPAWNED_RANKS, SpawnLauncher
 from dapple_lightning.strategy._materialize import STAYS_CUT, materialize, meta_context, on_meta, unmoved_on_meta
 from dapple_lightning.strategy._memory import parse_memory, warn_if_over_budget, write_trace
@@ -165,6 +165,7 @@ class DappleStrategy(ParallelStrategy):
         self._failed = False
         self._shuffle_seed = 0
         self._host_group: Any = None  # gloo, for barriers, when the world's backend is not gloo
+        self._heartbeat = SILENT  # ends this rank within seconds of a peer's loss (see _heartbeat)
         self.staged: Any = None
         """How rank 0's initial weights reached this rank (see ``_pipelines.Staged``)."""
 
@@ -218,19 +219,15 @@ class DappleStrategy(ParallelStrategy):
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         self._process_group_backend = backend
         assert self.cluster_environment is not None
-        prepare_backend(backend)
-        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+        connect(self.cluster_environment, backend, self._timeout, self.world_size)
         if self._host_group is None:
             self._host_group = host_group(backend, self._timeout)
         if not self._leaves_at_exit:
             atexit.register(self._leave)
             self._leaves_at_exit = True
-        if dist.get_world_size() != self.world_size:
-            raise RuntimeError(
-                f"the process group has {dist.get_world_size()} ranks but this Trainer expects {self.world_size}; a "
-                "process group left over from an earlier run in this process (e.g. a Hydra multirun with "
-                "start_method='popen') cannot be reused for another size: use DappleStrategy(start_method='spawn')"
-            )
+        self._heartbeat = watch_peers(
+            self.cluster_environment, self.global_rank, self.world_size, backend, self._timeout
+        )
 
     def _leave(self) -> None:
         """At exit, finish a save in flight, then leave the group (or gloo aborts the process)."""
@@ -472,6 +469,7 @@ class DappleStrategy(ParallelStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True
+        self._heartbeat.report_failure(type(exception).__name__)
         _augment_message(exception, pattern=PEER_LOST, new_message=peer_lost_message(self.global_rank, self._timeout))
 
     @override
@@ -494,6 +492,7 @@ class DappleStrategy(ParallelStrategy):
                 self._checkpoints.detach()
         with unmoved_on_meta(self.lightning_module):
             super().teardown()
+        self._heartbeat.stop(failed=self._failed)
 
 
 def _is_auto(plan: Any) -> bool:

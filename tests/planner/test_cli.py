@@ -151,3 +151,17 @@ def test_a_memory_limit_as_text_keeps_the_fastest_plan_out_when_it_does_not_fit(
     with pytest.raises(SystemExit):
         main([*args, "--memory-limit", "3GB", "--memory-gb", "3"])
     assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_recompute_lets_a_stage_fit_that_would_not(tmp_path, capsys):
+    # Each layer saves 2 GB for its backward and passes on 1 MB (tests/planner/test_dp.py).
+    layer = LayerProfile("l", 1e-3, 2e-3, 10**6, 10**6, saved_bytes=2 * 10**9, peak_bytes=2 * 10**9)
+    path = tmp_path / "saves.json"
+    ModelProfile((layer,) * 4, 1, cut_bytes=(0, 10**6, 10**6, 10**6, 0)).save(path)
+    args = ["--profile", str(path), "--cluster", "1x2", "--global-batch", "1", "--memory-gb", "3"]
+    assert main(args) == 2
+    assert "no plan fits" in capsys.readouterr().err
+    assert main([*args, "--recompute"]) == 0
+    assert "  stage 1 (layers 1-3, 1 replica, recomputing): 2.02 GB of 3.00 GB" in capsys.readouterr().out
+    assert main([*args, "--recompute", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["plan"]["stages"][1]["recompute"] is True

@@ -185,6 +185,13 @@ def test_measured_memory_prices_saved_bytes_per_micro_batch_and_the_largest_exce
     model = CostModel(profile, SLOW, 8)
     transient = [model.memory_parts(i, j, 4, 1)[2] for i, j in ((0, 1), (1, 4), (2, 4))]
     assert transient == [60, 260, 0]
+    # Recomputing, stage 0 keeps per micro-batch only its layers' inputs (the model's, 0, and
+    # layer 1's, 100) and its 100-byte output; its largest layer's whole peak, 300, comes once.
+    lean = estimate(Plan((dataclasses.replace(TWO_BY_TWO[0], recompute=True), TWO_BY_TWO[1]), 2), profile, SLOW, 8)
+    assert lean.memory_bytes == (4e9 + 2 * (0 + 100 + 100) / 2 + 300 / 2, est.memory_bytes[1])
+    # and its backward runs its forward again.
+    assert lean.backward_s[0] == pytest.approx(est.backward_s[0] + est.forward_s[0])
+    assert lean.forward_s == est.forward_s and lean.backward_s[1] == est.backward_s[1]
 
 
 def test_a_profile_measured_with_its_optimizer_prices_the_runtime_s_gradients_and_closing():

@@ -58,12 +58,28 @@ def estimates(profile, cluster, batch, candidates, policies, schedule="dapple"):
     return found
 
 
-def brute_force(profile, cluster, batch, candidates, policies, schedule="dapple"):
+def brute_force(profile, cluster, batch, candidates, policies, schedule="dapple", recompute=False):
+    model = CostModel(profile, cluster, batch)
     found = {}
     for plan, est in estimates(profile, cluster, batch, candidates, policies, schedule).items():
+        if recompute:
+            est = recomputing_where_needed(model, plan, est, cluster.memory_bytes)
         if est.fits:
             found[plan] = est.step_s
     return sorted(found.values())
+
+
+def recomputing_where_needed(model, plan, plain, cap):
+    """The estimate of ``plan`` with exactly its stages over ``cap`` (in ``plain``, its estimate
+    keeping activations) recomputing: the planner's search space when it may recompute."""
+    stages = [dataclasses.replace(s, recompute=mem > cap) for s, mem in zip(plan.stages, plain.memory_bytes)]
+    return model.estimate(dataclasses.replace(plan, stages=stages))
+
+
+def all_recomputing(model, plan):
+    return model.estimate(
+        dataclasses.replace(plan, stages=[dataclasses.replace(s, recompute=True) for s in plan.stages])
+    )
 
 
 @st.composite
@@ -117,16 +133,18 @@ clusters = st.sampled_from([(1, 1), (1, 2), (2, 1), (1, 3), (2, 2), (2, 2), (1, 
     schedule=st.sampled_from(["dapple", "gpipe"]),
     # One policy alone makes the search go through the renamed-server states of that policy.
     policies=st.sampled_from([("append", "fresh", "scatter"), ("fresh",), ("scatter",)]),
+    recompute=st.booleans(),
 )
-def test_planner_matches_brute_force(profile, shape, batch, memory_gb, top, schedule, policies):
+def test_planner_matches_brute_force(profile, shape, batch, memory_gb, top, schedule, policies, recompute):
     cluster = Cluster.v100(*shape, memory_bytes=memory_gb * GB)
     candidates = micro_batch_candidates(batch)
-    expected = brute_force(profile, cluster, batch, candidates, policies, schedule)
+    expected = brute_force(profile, cluster, batch, candidates, policies, schedule, recompute)
+    kwargs = dict(top=top, placements=policies, schedule=schedule, recompute=recompute)
     if not expected:
         with pytest.raises(ValueError, match="no plan fits"):
-            plan_dapple(profile, cluster, batch, top=top, placements=policies, schedule=schedule)
+            plan_dapple(profile, cluster, batch, **kwargs)
         return
-    got = plan_dapple(profile, cluster, batch, top=top, placements=policies, schedule=schedule)
+    got = plan_dapple(profile, cluster, batch, **kwargs)
     assert [p.predicted_step_s for p in got] == pytest.approx(expected[:top], rel=1e-9, abs=1e-15)
     assert len({(p.plan.stages, p.plan.micro_batches) for p in got}) == len(got)
 
@@ -267,10 +285,15 @@ def test_shared_compute_units_rerank_the_plans():
     assert got[0].plan.num_stages > 1
 
 
-def peaks_and_steps(profile, cluster, batch, candidates, policies, schedule="dapple"):
-    """(largest per-device peak, step) of every plan of the search space, fitting or not."""
-    found = estimates(profile, cluster, batch, candidates, policies, schedule)
-    return [(max(est.memory_bytes), est.step_s) for est in found.values()]
+def least_peaks(profile, cluster, batch, candidates, policies, schedule="dapple", recompute=False):
+    """(plan, its estimate keeping activations, its least per-device peak) of every plan of the
+    search space, fitting or not; with ``recompute`` each stage recomputes if that needs less."""
+    model = CostModel(profile, cluster, batch)
+    for plan, est in estimates(profile, cluster, batch, candidates, policies, schedule).items():
+        peaks = est.memory_bytes
+        if recompute:
+            peaks = [min(a, b) for a, b in zip(peaks, all_recomputing(model, plan).memory_bytes)]
+        yield plan, est, max(peaks)
 
 
 @settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
@@ -284,21 +307,25 @@ def peaks_and_steps(profile, cluster, batch, candidates, policies, schedule="dap
     policies=st.sampled_from([("append", "fresh", "scatter"), ("scatter",)]),
     objective=st.sampled_from(["memory", "time-within-memory"]),
     margin=st.sampled_from([0.0, 0.1, 0.5]),
+    recompute=st.booleans(),
 )
 def test_memory_objectives_match_brute_force(
-    profile, shape, batch, memory_gb, top, schedule, policies, objective, margin
+    profile, shape, batch, memory_gb, top, schedule, policies, objective, margin, recompute
 ):
     cluster = Cluster.v100(*shape, memory_bytes=memory_gb * GB)
     candidates = micro_batch_candidates(batch)
-    found = peaks_and_steps(profile, cluster, batch, candidates, policies, schedule)
-    least = min(peak for peak, _ in found)
+    found = list(least_peaks(profile, cluster, batch, candidates, policies, schedule, recompute))
+    least = min(peak for _, _, peak in found)
     kwargs = dict(top=top, placements=policies, schedule=schedule, objective=objective, memory_margin=margin)
+    kwargs["recompute"] = recompute
     if least > cluster.memory_bytes:
         with pytest.raises(ValueError, match="no plan fits"):
             plan_dapple(profile, cluster, batch, **kwargs)
         return
     limit = least if objective == "memory" else min(cluster.memory_bytes, least * (1 + margin))
-    expected = sorted(step for peak, step in found if peak <= limit)
+    model = CostModel(profile, cluster, batch)
+    planned = (recomputing_where_needed(model, plan, est, limit) if recompute else est for plan, est, _ in found)
+    expected = sorted(est.step_s for est in planned if max(est.memory_bytes) <= limit)
     got = plan_dapple(profile, cluster, batch, **kwargs)
     assert [p.predicted_step_s for p in got] == pytest.approx(expected[:top], rel=1e-9, abs=1e-15)
     assert all(max(p.stage_memory_bytes) <= limit and p.peak_limit_bytes == limit for p in got)
@@ -354,3 +381,23 @@ def test_memory_objective_with_nothing_that_fits_names_the_least_need():
     cluster = Cluster.v100(1, 4, memory_bytes=6 * GB)
     with pytest.raises(ValueError, match=r"least memory any plan needs is 8\.00 GB"):
         plan_dapple(ModelProfile(layers, 8), cluster, 8, objective="memory")
+
+
+def test_recomputation_fits_what_would_not_fit_otherwise():
+    # Each layer saves 2 GB for its backward but passes on 1 MB: a stage of one layer fits in
+    # 3 GB, one of more only when it recomputes (then it needs one layer's 2 GB at a time).
+    layers = tuple(
+        LayerProfile(f"l{i}", 1e-3, 2e-3, 10**6, 10**6, saved_bytes=2 * 10**9, peak_bytes=2 * 10**9) for i in range(4)
+    )
+    profile = ModelProfile(layers, 1, cut_bytes=(0, 10**6, 10**6, 10**6, 0))
+    cluster = Cluster.v100(1, 2, memory_bytes=3 * GB)
+    with pytest.raises(ValueError, match="no plan fits"):
+        plan_dapple(profile, cluster, 1)
+    best = plan_dapple(profile, cluster, 1, recompute=True)[0]
+    # Recomputing costs a forward per backward: 1 + 2 + 3 x (1 + 3) ms beats 2 x (2 + 6) ms. The
+    # stage of one layer fits as it is, so it does not recompute.
+    assert [(s.start, s.end, s.recompute) for s in best.plan.stages] == [(0, 1, False), (1, 4, True)]
+    est = CostModel(profile, cluster, 1).estimate(best.plan)
+    assert est.fits and est.step_s == best.predicted_step_s
+    assert est.backward_s == pytest.approx((2e-3, 9e-3))
+    assert "recompute" in best.plan.table() and "recompute=1" in best.plan.describe()

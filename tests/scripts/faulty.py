@@ -1,9 +1,11 @@
 """Trains a small MLP with dapple, launched plainly, and fails on purpose on one rank.
 
-Usage: python faulty.py OUT_DIR WHERE RANK
-WHERE: layer | step | callback | data | kill. Every rank writes a `pid-<rank>` file for the test
+Usage: python faulty.py OUT_DIR WHERE RANK [once]
+WHERE: layer | step | callback | data | kill | stop (SIGSTOP: a hung process or a lost host). Every rank writes a `pid-<rank>` file for the test
 to check that no process is left behind; the failing rank writes `failed-at` (the time it fails)
-for the test to measure how long the others take to end.
+for the test to measure how long the others take to end. With ``once`` (under torchrun with
+restarts) only the first attempt fails, and every rank of the attempt that trains to the end writes
+``done-<rank>``: its global step and attempt number.
 """
 
 import os
@@ -23,7 +25,8 @@ import models
 from dapple_lightning import DappleStrategy
 
 out, where, bad_rank = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
-FAIL_AT_STEP = 2
+ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+FAIL_AT_STEP = 2 if ATTEMPT == 0 or sys.argv[4:] != ["once"] else -1
 MESSAGE = f"injected failure ({where}) on rank {bad_rank}"
 
 
@@ -33,8 +36,8 @@ def rank() -> int:
 
 def fail() -> None:
     (out / "failed-at").write_text(repr(time.time()))
-    if where == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
+    if where in ("kill", "stop"):
+        os.kill(os.getpid(), signal.SIGKILL if where == "kill" else signal.SIGSTOP)
     raise ValueError(MESSAGE)
 
 
@@ -58,7 +61,7 @@ class Faulty(models.MLP):
         Bomb.step = batch_idx
         if where == "step" and rank() == bad_rank and batch_idx == FAIL_AT_STEP:
             fail()
-        if where == "kill" and rank() == bad_rank and batch_idx == FAIL_AT_STEP:
+        if where in ("kill", "stop") and rank() == bad_rank and batch_idx == FAIL_AT_STEP:
             fail()
         return super().training_step(batch, batch_idx)
 
@@ -97,3 +100,4 @@ trainer = Trainer(
     callbacks=[FailInCallback()],
 )
 trainer.fit(Faulty(), train_dataloaders=DataLoader(Rows(), batch_size=models.BATCH))
+(out / f"done-{rank()}").write_text(f"{trainer.global_step} {ATTEMPT}")

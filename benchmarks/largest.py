@@ -1,0 +1,235 @@
+"""The largest transformer each planner objective fits under a fixed per-rank memory budget.
+
+The search benchmark's transformer (embedding 512x256, ``N`` ``TransformerEncoderLayer(256, 4,
+1024)``, head to 512; ``N + 2`` layers) with Adam, global batch 8 x sequence 256, on ``--ranks``
+CPU processes (one thread each). For each objective the depth ``N`` grows until no plan fits
+the budget; the largest fitting size is reported with its plan and predicted step:
+
+    straight        the time-balanced straight pipeline (one stage per rank, cut so stages
+                    carry equal forward + backward time), its best micro-batch count that fits
+    time            ``plan_dapple(objective="time")``: DAPPLE's fastest plan under the budget
+    memory          ``plan_dapple(objective="memory")``: mCAP's least per-rank peak
+    memory+recompute  the same, stages allowed to recompute (``plan_dapple(recompute=True)``)
+
+The profile comes from one run of ``profile_layers`` on a model of 2 blocks (the blocks are
+alike, so a model of any depth is that profile's block repeated). Then each objective's plan at
+its largest size is trained for a few steps by Lightning; each rank's live-bytes tracker
+(``planner.live_bytes``, from the start of training to its end, plus the rank's parameters)
+gives its measured peak, which must be under the budget.
+
+    python benchmarks/largest.py                       # plan, then one run per objective
+    python benchmarks/largest.py --plan-only           # the planning table alone (seconds)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+if "--worker" in sys.argv:  # before torch is imported: one intra-op thread per rank
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("MKL_NUM_THREADS", "1")
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks._harness import bare_trainer, launch, lightning_timer, median, step_times, write_record  # noqa: E402
+
+MiB = 2**20
+BATCH, SEQ = 8, 256
+OBJECTIVES = ("straight", "time", "memory", "memory+recompute")
+
+
+# ============================================================================ models
+
+
+def build(blocks: int, steps: int) -> tuple[Any, Any]:
+    """The transformer of ``blocks`` blocks with Adam, and a loader of ``steps`` global batches."""
+    import torch
+
+    from benchmarks import search_models
+
+    module, loader = search_models.transformer(BATCH, seq=SEQ, batches=steps, blocks=blocks)
+
+    def configure_optimizers(self: Any) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+    # A subclass rather than an attribute on the instance: Lightning looks at the class.
+    module.__class__ = type(type(module).__name__, (type(module),), {"configure_optimizers": configure_optimizers})
+    return module, loader
+
+
+def profile(rows: int) -> Any:
+    """The profile of a 2-block model on ``rows`` rows, with Adam."""
+    import torch
+
+    from dapple_lightning.planner import profile_layers
+
+    torch.set_num_threads(1)
+    module, loader = build(2, 1)
+    first = next(iter(loader))[0][:rows]
+    return profile_layers(list(module.layers), first, repeats=3, warmup=1, optimizer=torch.optim.Adam)
+
+
+def deepen(base: Any, blocks: int) -> Any:
+    """``base`` (embedding, block, block, head) as a model of ``blocks`` alike blocks."""
+    import dataclasses
+
+    from dapple_lightning.planner import ModelProfile
+
+    emb, block, _, head = base.layers
+    layers = (emb, *(dataclasses.replace(block, name=f"block{i}") for i in range(blocks)), head)
+    cuts = (0, base.cut_bytes[1], *([base.cut_bytes[2]] * blocks), 0)
+    return ModelProfile(layers, base.profile_batch_size, cut_bytes=cuts)
+
+
+# ============================================================================ planning
+
+
+def plan_for(objective: str, prof: Any, cluster: Any) -> Any:
+    """The objective's plan (a ``PlannedPlan``) for ``prof`` under the cluster's memory, or ``None``."""
+    from dapple_lightning.planner import plan_dapple, straight_plan
+
+    if objective == "straight":
+        return straight_plan(prof, cluster, BATCH)
+    kind = "time" if objective == "time" else "memory"
+    try:
+        return plan_dapple(prof, cluster, BATCH, objective=kind, recompute=objective == "memory+recompute")[0]
+    except ValueError:
+        return None  # no plan fits
+
+
+def largest(objective: str, base: Any, cluster: Any, most: int) -> tuple[int, Any]:
+    """The most blocks (up to ``most``) the objective fits, and its plan there (0, None if none)."""
+    found: tuple[int, Any] = (0, None)
+    for blocks in range(1, most + 1):
+        planned = plan_for(objective, deepen(base, blocks), cluster)
+        if planned is None:
+            break  # a deeper model needs at least as much memory per rank
+        found = (blocks, planned)
+    return found
+
+
+# ============================================================================ workers
+
+
+def worker(args: argparse.Namespace) -> None:
+    import lightning.pytorch as pl
+    import torch
+    import torch.distributed as dist
+
+    from dapple_lightning import DappleStrategy
+    from dapple_lightning.planner import live_bytes
+
+    torch.set_num_threads(1)
+
+    class Probe(pl.Callback):
+        """The live-bytes tracker from the start of training to its end."""
+
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            self.before = sum(t.untyped_storage().nbytes() for t in [*pl_module.parameters(), *pl_module.buffers()])
+            self.tracker = live_bytes()
+            self.tracker.__enter__()
+
+        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            self.tracker.__exit__(None, None, None)
+
+    module, loader = build(args.blocks, args.steps)
+    probe, timer = Probe(), lightning_timer()
+    plan = json.loads(args.plan)
+    strategy = DappleStrategy(plan, start_method="popen")
+    trainer = bare_trainer(strategy, args.ranks, args.steps, [probe, timer])
+    trainer.fit(module, train_dataloaders=loader)
+    rank = trainer.global_rank
+    record = {"stage": strategy.plan.stage_of(rank), "peak": probe.before + probe.tracker.peak, **timer.rec.data}
+    write_record(rank, record)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def run(objective: str, blocks: int, planned: Any, args: argparse.Namespace) -> dict[str, Any]:
+    plan = planned.plan.to_dict()
+    spec = ["--worker", "--blocks", str(blocks), "--plan", json.dumps(plan), "--steps", str(args.steps)]
+    spec += ["--ranks", str(args.ranks)]
+    records = launch(__file__, spec, args.ranks, timeout=args.timeout, what=f"{objective} at {blocks} blocks")
+    periods, _ = step_times(records[0], args.warmup)
+    peaks = [r["peak"] for r in records]
+    return {"step_s": median(periods), "peaks": peaks, "stages": [r["stage"] for r in records]}
+
+
+# ======================================================================= orchestration
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--blocks", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--plan", help=argparse.SUPPRESS)
+    parser.add_argument("--ranks", type=int, default=4, help="CPU rank processes (default 4)")
+    parser.add_argument("--budget-mib", type=float, default=160.0, help="memory budget per rank in MiB (160)")
+    parser.add_argument("--most", type=int, default=48, help="deepest model tried, in blocks (48)")
+    parser.add_argument("--steps", type=int, default=5, help="training steps per run (default 5)")
+    parser.add_argument("--warmup", type=int, default=2, help="steps left out of the step time (default 2)")
+    parser.add_argument("--plan-only", action="store_true", help="plan, do not train")
+    parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--out", help="also write the rows as JSON here")
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    from dapple_lightning.planner import cores
+    from dapple_lightning.search import local_cluster
+
+    # The ranks share the machine's cores: the time objectives know it (Cluster.compute_units).
+    units = min(cores(), args.ranks)
+    cluster = local_cluster(args.ranks, units if units < args.ranks else None, args.budget_mib * MiB)
+    base = profile(BATCH // 2)
+    rows = []
+    for objective in OBJECTIVES:
+        blocks, planned = largest(objective, base, cluster, args.most)
+        row: dict[str, Any] = {"objective": objective, "blocks": blocks}
+        if planned is not None:
+            plan = planned.plan
+            recompute = ",".join(str(k) for k, s in enumerate(plan.stages) if s.recompute) or "-"
+            row.update(
+                plan=plan.describe(),
+                recompute=recompute,
+                params_m=sum(x.param_bytes for x in deepen(base, blocks).layers) / 4e6,
+                predicted_step_s=planned.predicted_step_s,
+                predicted_mib=[m / MiB for m in planned.stage_memory_bytes],
+            )
+            if not args.plan_only:
+                row.update(run(objective, blocks, planned, args))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    report(rows, args.budget_mib)
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+
+
+def report(rows: list[dict[str, Any]], budget_mib: float) -> None:
+    print(f"\n| objective | largest N (blocks) | parameters | plan | predicted step s | measured step s | "
+          f"predicted peak MiB per stage | measured peak MiB per rank (budget {budget_mib:.0f}) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if not r["blocks"]:
+            print(f"| {r['objective']} | none fits | | | | | | |")
+            continue
+        measured = "; ".join(f"{p / MiB:.1f}" for p in r.get("peaks", [])) or "not run"
+        under = "" if "peaks" not in r else (" (all under)" if max(r["peaks"]) <= budget_mib * MiB else " (OVER)")
+        step = f"{r['step_s']:.3f}" if "step_s" in r else "not run"
+        predicted = "; ".join(f"{m:.1f}" for m in r["predicted_mib"])
+        print(
+            f"| {r['objective']} | {r['blocks']} | {r['params_m']:.1f} M | {r['plan']} | "
+            f"{r['predicted_step_s']:.3f} | {step} | {predicted} | {measured}{under} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

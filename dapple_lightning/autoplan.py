@@ -44,12 +44,14 @@ from dapple_lightning.planner import (
     Cluster,
     Measured,
     ModelProfile,
+    Stopwatch,
     Trial,
     check_objective,
     estimate,
     fixed_part,
     format_bytes,
     fresh_leaves,
+    map_tensors,
     measure_cluster,
     measure_in_turns,
     profile_layers,
@@ -212,7 +214,7 @@ def time_step_outside(
     with torch.no_grad():
         output = sequential(sequential_input)
     with standing_in(module, set_sequential, sequential, _Replay(output)):
-        return _time_step(module, step, repeats, warmup)
+        return _time_step(module, step, repeats, warmup, _device_of(sequential_input))
 
 
 def time_step_around(
@@ -232,28 +234,33 @@ def time_step_around(
     the containers) is what is timed; the forward of code between containers is counted, its
     backward is not (it ends at the last layer's replay)."""
     with standing_in(module, put, tuple(containers), _replaying(containers, outputs)):
-        return _time_step(module, step, repeats, warmup)
+        return _time_step(module, step, repeats, warmup, _device_of(outputs))
 
 
-def _time_step(module: nn.Module, step: Callable[[], Any], repeats: int, warmup: int) -> tuple[float, float]:
-    """Median forward and backward seconds of ``step`` and its loss's backward."""
-    forward: list[float] = []
-    backward: list[float] = []
+def _device_of(value: Any) -> torch.device:
+    found: list[torch.device] = []
+    map_tensors(lambda t: found.append(t.device), value)
+    return found[0] if found else torch.device("cpu")
+
+
+def _time_step(
+    module: nn.Module, step: Callable[[], Any], repeats: int, warmup: int, device: torch.device
+) -> tuple[float, float]:
+    """Median forward and backward seconds of ``step`` and its loss's backward (CUDA events on
+    CUDA, read once at the end; see ``planner.Stopwatch``)."""
+    watch = Stopwatch(device)
     try:
-        for run in range(warmup + repeats):
-            t0 = time.perf_counter()
-            result = step()
-            t1 = time.perf_counter()
+        for _ in range(warmup + repeats):
+            with watch.span():
+                result = step()
             loss = result.get("loss") if isinstance(result, dict) else result
-            if isinstance(loss, torch.Tensor) and loss.requires_grad:
-                loss.backward()
-            t2 = time.perf_counter()
-            if run >= warmup:
-                forward.append(t1 - t0)
-                backward.append(t2 - t1)
+            with watch.span():
+                if isinstance(loss, torch.Tensor) and loss.requires_grad:
+                    loss.backward()
+        spans = watch.seconds()[2 * warmup :]
     finally:
         module.zero_grad(set_to_none=True)
-    return statistics.median(forward), statistics.median(backward)
+    return statistics.median(spans[0::2]), statistics.median(spans[1::2])
 
 
 def _with_step_outside(
@@ -346,6 +353,57 @@ def _shortlist_on_rank_zero(
     return [(Plan.coerce(plan), predicted) for plan, predicted in box[0][0]], box[0][1]
 
 
+def windows(param_bytes: Sequence[int], window_bytes: int | None) -> list[range]:
+    """Consecutive layers whose parameters take at most ``window_bytes`` together (a layer larger
+    than that alone); one window of every layer when ``window_bytes`` is ``None``."""
+    if window_bytes is None:
+        return [range(len(param_bytes))]
+    out, start, total = [], 0, 0
+    for index, size in enumerate(param_bytes):
+        if index > start and total + size > window_bytes:
+            out.append(range(start, index))
+            start, total = index, 0
+        total += size
+    return [*out, range(start, len(param_bytes))]
+
+
+def profile_in_windows(
+    layers: Sequence[nn.Module],
+    sample_input: Any,
+    *,
+    hold: Callable[[Sequence[int]], None] | None = None,
+    window_bytes: int | None = None,
+    **kwargs: Any,
+) -> ModelProfile:
+    """``planner.profile_layers`` over the chain ``layers`` one window of them at a time (see
+    :func:`windows`), ``hold(window)`` bringing that window's layers to the device first: profiling
+    then holds one window, not the model. Each window runs as a chain of its own, on the previous
+    window's output (computed without autograd); the profiles are joined in order, each layer
+    named by its index in the whole chain."""
+    parts = windows([sum(p.numel() * p.element_size() for p in m.parameters()) for m in layers], window_bytes)
+    profiles, value = [], sample_input
+    for window in parts:
+        if hold is not None:
+            hold(window)
+        modules = [layers[i] for i in window]
+        profiles.append(profile_layers(modules, value, **kwargs))
+        if window is not parts[-1]:
+            with torch.no_grad():
+                value = map_tensors(lambda t: t.clone(), value)  # a layer that changes its input in place
+                for module in modules:
+                    value = module(value)
+    if hold is not None:
+        hold([])
+    if len(profiles) == 1:
+        return profiles[0]
+    data = profiles[0].to_dict()
+    data["layers"] = [layer.to_dict() for part in profiles for layer in part.layers]
+    for index, layer in enumerate(data["layers"]):
+        layer["name"] = f"{index}:{layer['name'].partition(':')[2]}"
+    data["cut_bytes"] = None  # the chain's, from the layers' outputs, as one window gives
+    return ModelProfile.from_dict(data)
+
+
 def _within(cluster: Cluster, memory_limit: float | None) -> Cluster:
     """``cluster`` with ``memory_limit`` as its memory per device, when given."""
     return cluster if memory_limit is None else replace(cluster, memory_bytes=float(memory_limit))
@@ -357,6 +415,8 @@ def choose_plan(
     device: torch.device,
     *,
     nodes: int = 1,
+    hold: Callable[[Sequence[int]], None] | None = None,
+    window_bytes: int | None = None,
     global_batch: int,
     optimizer_factor: float = 2.0,
     optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
@@ -372,11 +432,11 @@ def choose_plan(
     ``layers`` run as a chain, each on the previous one's output: a Sequential's layers, or the
     blocks of a ModuleList or the layers of a chain of containers, wrapped to run that way (see
     ``strategy._auto_blocks``).
-    ``sample_input``, the first layer's input, should have about as many rows as a device runs
-    per micro-batch at most; the layers are timed on it and on :func:`small_batch_of` its rows
-    (an eighth). ``optimizer`` (see
-    :func:`optimizer_factory`) lets the profile include each layer's optimizer step;
-    ``step_outside(rows)`` (see :func:`time_step_outside`) the step's own time on ``rows`` rows.
+    ``sample_input``, the first layer's input, should have about as many rows as a device runs per
+    micro-batch at most; the layers are timed on it and on :func:`small_batch_of` its rows (an
+    eighth). ``optimizer`` (:func:`optimizer_factory`) lets the profile include each layer's optimizer
+    step; ``step_outside(rows)`` (:func:`time_step_outside`) the step's own time on ``rows`` rows;
+    ``hold`` and ``window_bytes`` profile the layers a window at a time (:func:`profile_in_windows`).
 
     When several plans are predicted within ``margin`` of the best (see ``planner.shortlist``),
     the prediction cannot tell them apart; with ``trial`` (a collective that runs a plan for a
@@ -387,11 +447,10 @@ def choose_plan(
     parallelism was among them (see ``planner.refine_allreduce``).
 
     ``objective`` and ``memory_margin`` choose what the planner minimises (see
-    ``planner.plan_dapple``): the fastest plan that fits (``"time"``), the least per-device
-    peak memory (``"memory"``), or the fastest within ``memory_margin`` of that least peak
-    (``"time-within-memory"``). ``DappleStrategy`` does not pass them yet, so ``plan="auto"``
-    runs under ``"time"``. No plan is chosen over ``memory_limit`` bytes per rank (``None``: the
-    device's memory, see ``planner.device_memory``)."""
+    ``planner.plan_dapple``): the fastest plan that fits (``"time"``), the least per-device peak
+    memory (``"memory"``), or the fastest within ``memory_margin`` of that least peak
+    (``"time-within-memory"``); ``plan="auto"`` runs under ``"time"``. No plan is chosen over
+    ``memory_limit`` bytes per rank (``None``: the device's memory, see ``planner.device_memory``)."""
     start = time.perf_counter()
     if not 0.0 <= margin < 1.0:  # before the profiling, not after
         raise ValueError(f"margin must be in [0, 1), got {margin!r}")
@@ -399,9 +458,8 @@ def choose_plan(
     rows = _batch_rows(sample_input)
     small = small_batch_of(rows)
     together = dist.barrier if dist.is_initialized() and dist.get_world_size() > 1 else None
-    profile = profile_layers(
-        list(layers), sample_input, repeats=5, warmup=2, small_batch=small, optimizer=optimizer, in_step=together
-    )
+    timing = {"repeats": 5, "warmup": 2, "small_batch": small, "optimizer": optimizer, "in_step": together}
+    profile = profile_in_windows(list(layers), sample_input, hold=hold, window_bytes=window_bytes, **timing)
     if step_outside is not None:
         big = (rows, *step_outside(rows))
         profile = _with_step_outside(profile, big, (small, *step_outside(small)) if small else None)

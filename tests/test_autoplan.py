@@ -7,9 +7,18 @@ import pytest
 import torch
 from torch import nn
 
-from dapple_lightning.autoplan import AutoPlan, _with_step_outside, optimizer_factory, time_step_outside
+from dapple_lightning.autoplan import (
+    AutoPlan,
+    _with_step_outside,
+    optimizer_factory,
+    profile_in_windows,
+    time_step_outside,
+    windows,
+)
 from dapple_lightning.plan import Plan
-from dapple_lightning.planner import GB, Cluster, LayerProfile, ModelProfile, Trial
+from dapple_lightning.planner import GB, Cluster, LayerProfile, ModelProfile, Trial, _clock, profile_layers
+from dapple_lightning.strategy._resident import Resident, parameter_bytes
+from dapple_lightning.surgery import Chain
 
 
 class Model(nn.Module):
@@ -77,6 +86,29 @@ def test_step_outside_times_the_loss_and_puts_everything_back():
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_on_an_event_clock_the_step_outside_is_timed_by_events(monkeypatch):
+    # What happens on CUDA, on the CPU: device events stand in for CUDA's (one second per record),
+    # and the host's clock must not be read.
+    from test_timeline import DeviceClock
+
+    clock = DeviceClock(step=1.0)
+    monkeypatch.setattr(_clock, "device_clock", lambda device: clock.event)
+    monkeypatch.setattr(_clock.time, "perf_counter", _no_host_clock)
+    model = Model(adamw)
+    x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
+
+    def set_sequential(module):
+        model.layers = module
+
+    step = lambda: model.training_step((x, y), 0)  # noqa: E731
+    assert time_step_outside(model, set_sequential, model.layers, step, x) == (1.0, 1.0)
+    assert clock.waits == 1  # read once, after every run
+
+
+def _no_host_clock() -> float:
+    raise AssertionError("a span on an event clock read the host's perf_counter")
+
+
 class Pair(nn.Module):
     def forward(self, x):
         return x, x.tanh()
@@ -125,3 +157,60 @@ def test_report_shows_the_measured_plans_and_the_choice():
     assert "measured 2 close plans" in report
     lines = [line for line in report.splitlines() if line.startswith("  ") and "measured" in line]
     assert len(lines) == 2 and lines[1].endswith("(3 turns)  <- chosen") and "130.0 (1 turn)" in lines[0]
+
+
+def test_windows_hold_consecutive_layers_up_to_the_bytes_given_and_a_larger_layer_alone():
+    assert windows([4, 4, 0, 4, 9, 1], 8) == [range(0, 3), range(3, 4), range(4, 5), range(5, 6)]
+    assert windows([4, 4, 0, 4, 9, 1], None) == [range(0, 6)]
+
+
+class Wide(nn.Module):
+    """Seven layers, their parameters unevenly spread, one that changes its input in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(6, 16)  # outside the pipelined layers: always on the device
+        self.layers = nn.Sequential(
+            nn.Linear(16, 64), nn.ReLU(inplace=True), nn.Linear(64, 16), nn.Tanh(), nn.Linear(16, 16), nn.Linear(16, 4)
+        )
+
+
+def test_profiling_a_window_at_a_time_holds_at_most_the_window_and_profiles_every_layer_as_the_chain():
+    model = Wide()
+    layers = list(model.layers)
+    x = torch.randn(8, 16)
+    resident = Resident(model, Chain.of("layers", model.layers), torch.device("cpu"))
+    seen: list[tuple[list[int], int]] = []
+
+    def hold(window):
+        resident.hold(window)
+        seen.append((list(window), resident.held_bytes))
+
+    budget = parameter_bytes(layers) // 2
+    windowed = profile_in_windows(layers, x, hold=hold, window_bytes=budget, repeats=1, warmup=0)
+    whole = profile_layers(layers, x, repeats=1, warmup=0)
+    assert [w for w, _ in seen] == [[0, 1], [2, 3], [4, 5], []]
+    assert all(held <= budget for _, held in seen) and resident.peak_bytes <= budget
+    assert [layer.name for layer in windowed.layers] == [layer.name for layer in whole.layers]
+    for got, want in zip(windowed.layers, whole.layers):
+        assert (got.activation_bytes, got.param_bytes, got.saved_bytes) == (
+            want.activation_bytes,
+            want.param_bytes,
+            want.saved_bytes,
+        )
+    assert windowed.cut_bytes == whole.cut_bytes
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_only_the_held_layers_and_the_code_outside_them_are_on_the_device():
+    model = Wide()
+    layers = list(model.layers)
+    resident = Resident(model, Chain.of("layers", model.layers), torch.device("cuda", 0))
+    ids = {id(p) for p in model.layers.parameters()}
+    assert all(p.is_cuda for p in model.parameters() if id(p) not in ids)  # the code outside the chain
+    for window in ([0, 1], [2, 3, 4], []):
+        resident.hold(window)
+        on_device = [i for i, layer in enumerate(layers) if any(p.is_cuda for p in layer.parameters())]
+        assert on_device == [i for i in window if list(layers[i].parameters())]
+        assert resident.held_bytes == parameter_bytes([layers[i] for i in window])

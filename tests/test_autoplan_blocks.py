@@ -137,6 +137,7 @@ def trials_of_blocks(rank: int, world_size: int) -> dict:
     from dapple_lightning.autoplan import optimizer_factory
     from dapple_lightning.strategy._auto import AutoSetting, Trials
     from dapple_lightning.strategy._pipelines import Pipelines
+    from dapple_lightning.strategy._resident import parameter_bytes
     from dapple_lightning.strategy._step import MicroBatches
 
     model, device = TinyGPT(), torch.device("cpu")
@@ -149,12 +150,21 @@ def trials_of_blocks(rank: int, world_size: int) -> dict:
     with unchanged(model):
         trials = Trials(setting, next(iter(tokens(12))), Chain.of("blocks", blocks), optimizer_factory(model))
         try:
-            measured = [trials(plan) for plan in (pipe, dp, pipe)]
+            measured, on_device = [], []
+            for plan in (pipe, dp, pipe):
+                measured.append(trials(plan))
+                stage = plan.stages[plan.stage_of(rank)]
+                # The blocks on the device after the plan's turn, against the stage's share of them.
+                on_device.append((trials.resident.held_bytes, parameter_bytes(list(blocks)[stage.start : stage.end])))
             held = [type(b).__name__ for b in model.blocks]  # the 2-stage plan's stand-in, last in turn
         finally:
             trials.close()
     return {
         "measured": measured,
+        "on_device": on_device,
+        "peak": trials.resident.peak_bytes,
+        "released": trials.resident.held_bytes,
+        "block_bytes": parameter_bytes(list(blocks)),
         "held": held,
         "restored": model.blocks is blocks and hooks(blocks) == 0,
         "unchanged": all(torch.equal(v, before[k]) for k, v in model.state_dict().items()),
@@ -172,6 +182,11 @@ def test_trials_run_a_two_stage_plan_on_the_stages_blocks_and_put_the_list_back(
         assert len(pipe.forward_s) == 2 and all(t > 0 for t in (*pipe.forward_s, *pipe.backward_s))
         assert len(dp.forward_s) == 1 and pipe.step_s > 0 and dp.step_s > 0 and again.step_s > 0
         assert r["restored"] and r["unchanged"]
+        # Each turn holds its stage's blocks on the device and no others (data parallelism's stage is all of
+        # them); none stay once the trials are over.
+        half, whole = r["block_bytes"] // 2, r["block_bytes"]
+        assert r["on_device"] == [(half, half), (whole, whole), (half, half)]
+        assert r["peak"] == whole and r["released"] == 0
 
 
 class WritesAutoPlan(Callback):

@@ -9,6 +9,7 @@ which times the process group's links (both import torch only when called).
 
 from dapple_lightning.planner._baselines import baselines, data_parallel_plan, pipedream_plan, straight_plan
 from dapple_lightning.planner._budget import format_bytes, over_budget, parse_memory, stage_memory_lines
+from dapple_lightning.planner._clock import DeviceEvent, Stopwatch, device_clock
 from dapple_lightning.planner._cluster import GB, Cluster
 from dapple_lightning.planner._cost import CostModel, Estimate, Placement, estimate
 from dapple_lightning.planner._dp import (
@@ -59,6 +60,7 @@ __all__ = [
     "TRIAL_ROUNDS",
     "Cluster",
     "CostModel",
+    "DeviceEvent",
     "Estimate",
     "Event",
     "LayerProfile",
@@ -67,6 +69,7 @@ __all__ = [
     "Placement",
     "PlannedPlan",
     "Simulation",
+    "Stopwatch",
     "Trial",
     "allocate",
     "baselines",
@@ -75,6 +78,7 @@ __all__ = [
     "compute_units",
     "cores",
     "data_parallel_plan",
+    "device_clock",
     "device_memory",
     "estimate",
     "fixed_part",

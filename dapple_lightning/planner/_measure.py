@@ -1,17 +1,18 @@
 """Measure a layer profile by running the layers on the current device (one process).
 
 Kept apart from the pure planning modules: it is the only one that imports torch, and only
-when called.
+when called. Times come from a :class:`~planner._clock.Stopwatch`: CUDA events on a CUDA device,
+read once per pass through the chain, the host's clock on the CPU.
 """
 
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
+from dapple_lightning.planner._clock import Stopwatch
 from dapple_lightning.planner._memory import LayerMemory, memory_counter, optimizer_state_bytes
 from dapple_lightning.planner._profile import LayerProfile, ModelProfile
 
@@ -82,15 +83,6 @@ def _forward(module: Any, inputs: Any, index: int, on_copy: set[int]) -> Any:
             raise
         on_copy.add(index)
         return module(map_tensors(lambda t: t.clone(), inputs))
-
-
-def _sync(device: torch.device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type != "cpu" and hasattr(torch, "accelerator") and torch.accelerator.is_available():
-        torch.accelerator.synchronize()
 
 
 def profile_layers(
@@ -283,35 +275,31 @@ def _chain(
     ``memory`` (when given) measures around each forward and backward."""
     import torch
 
-    count = len(modules)
-    forward_s: list[float] = []
+    count, watch = len(modules), Stopwatch(device)
     outputs: list[Any] = []
     value = sample_input
     for index, module in enumerate(modules):
         # A fresh leaf per layer: its backward computes the input gradient too, as every stage
         # but the first must, and goes no further.
         inputs = fresh_leaves(value)
-        _sync(device)
-        start = time.perf_counter()
-        with nullcontext() if memory is None else memory.forward(index):
+        with watch.span(), nullcontext() if memory is None else memory.forward(index):
             output = _forward(module, inputs, index, on_copy)
-        _sync(device)
-        forward_s.append(time.perf_counter() - start)
         outputs.append(output)
         value = _detached(output)
-    backward_s = [0.0] * count
+    timed_backward = []
     for k in reversed(range(count)):
         outs = [t for t in _tensors(outputs[k]) if t.requires_grad]
         if outs:
             grads = [torch.randn(t.shape, generator=generator, device=t.device, dtype=t.dtype) for t in outs]
-            _sync(device)
-            start = time.perf_counter()
-            with nullcontext() if memory is None else memory.backward(k):
+            with watch.span(), nullcontext() if memory is None else memory.backward(k):
                 torch.autograd.backward(outs, grads)
-            _sync(device)
-            backward_s[k] = time.perf_counter() - start
+            timed_backward.append(k)
         outputs[k] = _detached(outputs[k])  # frees the layer's graph
-    return forward_s, backward_s, [sum(t.numel() * t.element_size() for t in _tensors(o)) for o in outputs]
+    seconds = watch.seconds()  # the pass's one wait for the device
+    backward_s = [0.0] * count
+    for k, spent in zip(timed_backward, seconds[count:]):
+        backward_s[k] = spent
+    return seconds[:count], backward_s, [sum(t.numel() * t.element_size() for t in _tensors(o)) for o in outputs]
 
 
 def _measure_memory(modules: list[torch.nn.Module], sample_input: Any, device: torch.device) -> list[dict[str, Any]]:
@@ -357,24 +345,19 @@ def _time_update(
     try:
         for p in params:
             p.grad = torch.zeros_like(p)
-        opt = optimizer(params)
-        times = []
+        opt, watch = optimizer(params), Stopwatch(device)
         settle = max(warmup, SETTLE_STEPS)
         for run in range(settle + repeats):
             if in_step is not None and run in (0, settle):
                 in_step()
-            _sync(device)
-            start = time.perf_counter()
-            opt.step()
-            _sync(device)
-            if run >= settle:
-                times.append(time.perf_counter() - start)
+            with watch.span() if run >= settle else nullcontext():
+                opt.step()
         with memory_counter(device) as counter:
             counter.reset_peak()
             base = counter.live
             opt.step()
             temporaries = max(counter.peak - base, 0)
-        return statistics.median(times), optimizer_state_bytes(opt, params), temporaries
+        return statistics.median(watch.seconds()), optimizer_state_bytes(opt, params), temporaries
     finally:
         with torch.no_grad():
             for p, value, grad in zip(params, saved, grads):

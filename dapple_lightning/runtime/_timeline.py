@@ -7,8 +7,9 @@ step each stage spent idle.
 
 On CUDA the host only queues work: a span timed on the host's clock would measure kernel
 launches, and the trials that time plans with these spans (``plan="auto"``) would choose by
-them. There a span records two CUDA events on the current stream instead, and the step's spans
-are resolved when it ends (:meth:`Timeline.end_step`), with one wait for the device per step.
+them. There a span records two CUDA events on the current stream instead (the profiler's clock,
+``planner.device_clock``), and the step's spans are resolved when it ends
+(:meth:`Timeline.end_step`), with one wait for the device per step.
 """
 
 from __future__ import annotations
@@ -19,11 +20,11 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from functools import partial
 from pathlib import Path
-from typing import Any, Protocol
 
 import torch
+
+from dapple_lightning.planner import DeviceEvent, device_clock
 
 __all__ = ["DeviceEvent", "Event", "Timeline", "bubble_fractions", "write_chrome_trace"]
 
@@ -43,18 +44,6 @@ class Event:
     step: int = 0
     value: float | None = None
     """Set for a sample of a counter track (``start == end``), not a span: bytes in use."""
-
-
-class DeviceEvent(Protocol):
-    """What a span needs of a device event (``torch.cuda.Event(enable_timing=True)`` has it)."""
-
-    def record(self) -> Any: ...
-
-    def synchronize(self) -> Any: ...
-
-    def elapsed_time(self, end_event: Any) -> float:
-        """Milliseconds from this event to ``end_event``."""
-        ...
 
 
 class Timeline:
@@ -84,8 +73,8 @@ class Timeline:
 
     def time_on(self, device: torch.device) -> None:
         """Time spans with CUDA events when the work runs on a CUDA device (unless given a clock)."""
-        if self._clock is None and device.type == "cuda":
-            self._clock = partial(torch.cuda.Event, enable_timing=True)
+        if self._clock is None:
+            self._clock = device_clock(device)
 
     @contextmanager
     def span(self, name: str, micro_batch: int = -1) -> Iterator[None]:

@@ -29,6 +29,7 @@ from dapple_lightning.planner import SETTLE_STEPS, Measured
 from dapple_lightning.runtime import Pipeline, StageModule, Timeline, stand_in_layers
 from dapple_lightning.strategy._auto_blocks import BlockChain, put_in_place
 from dapple_lightning.strategy._pipelines import Pipelines
+from dapple_lightning.strategy._resident import Resident, parameter_bytes
 from dapple_lightning.strategy._step import MicroBatches
 from dapple_lightning.surgery import Chain, capture_input, partition, set_submodule, split_ties, unchanged
 
@@ -53,14 +54,23 @@ class AutoSetting:
 
 
 def choose_automatically(setting: AutoSetting, batch: Any, chain: Chain) -> AutoPlan:
-    """Profile the layers of ``chain`` on a slice of ``batch`` (a global batch on the device, as is
-    the module), measure close plans in real steps, and return the choice (collective on every rank).
+    """Profile the layers of ``chain`` on a slice of ``batch`` (a global batch on the device), measure
+    close plans in real steps, and return the choice (collective on every rank).
 
     One Sequential's layers are profiled as they are; the blocks of a ModuleList, or the layers of
     several containers with the user's code between them, as the chain that the user's step makes
     of them (see :class:`~dapple_lightning.strategy._auto_blocks.BlockChain`).
+
+    The module comes on the host (the CPU) and leaves with the chain's layers there, the rest on the
+    device: meanwhile the device holds one layer while the step is recorded, a window of layers
+    (at most a rank's share of an even split) while they are profiled, and the rank's stage while a
+    plan is tried (:class:`~._resident.Resident`), so that a model that needs the pipeline for
+    memory can be planned.
     """
     module = setting.module
+    resident = Resident(module, chain, setting.device)
+    share = parameter_bytes(resident.layers) // dist.get_world_size()
+    window = None if setting.device == resident.home else max(share, 1)
     rows = batch_size_of(batch)
     # Profile on a micro-batch-sized slice: whole global batches make profiling slow, and the
     # cost model scales times with the micro-batch size.
@@ -87,18 +97,22 @@ def choose_automatically(setting: AutoSetting, batch: Any, chain: Chain) -> Auto
 
             def step_outside(n: int) -> tuple[float, float]:
                 part_input = slice_batch(sample_input, Rows(0, n))
-                return time_step_outside(module, set_container, container, lambda: step_on(n), part_input)
+                with resident.one_at_a_time():  # the container's output, without autograd
+                    return time_step_outside(module, set_container, container, lambda: step_on(n), part_input)
 
         else:
-            blocks = BlockChain(module, chain, step_on, sample_rows)
+            with resident.one_at_a_time():
+                blocks = BlockChain(module, chain, step_on, sample_rows)
             layers, sample_input, step_outside = blocks.layers, blocks.sample_input, blocks.step_outside
-        trials = Trials(setting, batch, chain, optimizer)
+        trials = Trials(setting, batch, chain, optimizer, resident)
         try:
             chosen = choose_plan(
                 layers,
                 sample_input,
                 setting.device,
                 nodes=setting.nodes,
+                hold=resident.hold,
+                window_bytes=window,
                 global_batch=rows,
                 optimizer=optimizer,
                 step_outside=step_outside,
@@ -107,6 +121,7 @@ def choose_automatically(setting: AutoSetting, batch: Any, chain: Chain) -> Auto
             )
         finally:
             trials.close()
+    resident.release()
     return chosen if blocks is None else replace(chosen, profile=blocks.named(chosen.profile))
 
 
@@ -123,9 +138,10 @@ class Trials:
     once and never counted. The steps train: the caller puts the weights back
     (``surgery.unchanged``); :meth:`close` detaches the pipelines and puts the container back.
 
-    Every rank holds every layer throughout, on its device (nothing moves to the meta device); the
-    copy that puts the weights back (``surgery.unchanged``) is kept on the CPU. A plan's stage
-    stands in for the containers while that plan runs, built as training's cut builds it
+    While a plan runs, the device holds that plan's stage of this rank, the chain's other layers
+    wait on the host (``resident``), and the optimizer (made anew for each turn, its first steps
+    untimed) holds state for the stage alone; the copy that puts the weights back
+    (``surgery.unchanged``) is kept on the CPU. A plan's stage stands in for the containers while that plan runs, built as training's cut builds it
     (``surgery.Cut``): for one Sequential the stage itself; for a ModuleList, or a chain of
     several containers, one stand-in per container holding the stage's layers among placeholders
     (``runtime.stand_in_layers``), whose hooks come off when another plan takes its turn.
@@ -137,38 +153,36 @@ class Trials:
         batch: Any,
         chain: Chain,
         optimizer: Callable[[list[nn.Parameter]], Optimizer] | None,
+        resident: Resident | None = None,
         *,
         steps: int = 2,
         budget_s: float = 0.25,
     ) -> None:
         self._setting, self._batch = setting, batch
         self._chain, self._put = chain, put_in_place(setting.module, chain)
+        self.resident = resident if resident is not None else Resident(setting.module, chain, setting.device)
         self._unhook: Callable[[], None] = lambda: None  # the hooks of the stage standing in now
         self._make_optimizer = optimizer
         self._steps, self._budget_s = steps, budget_s
         # Per plan: its stage, pipeline, the parameters its rank holds, and its steps per turn.
         self._built: dict[Plan, tuple[StageModule, Pipeline, list[nn.Parameter], int]] = {}
         self._pipelines: list[Pipeline] = []  # every one built, to detach, even one whose warm-up failed
-        self._covered: dict[int, nn.Parameter] = {}  # what the optimizer steps
         self._step: Callable[[], Any] = lambda: None
 
     def _cover(self, params: list[nn.Parameter]) -> None:
-        """Have the optimizer step ``params`` too: a fresh one of the user's kind over every
-        parameter a measured plan held on this rank, no more (a stage needs no state for the
-        others). A fresh optimizer's first steps create its state and fault its pages in (see
-        planner.SETTLE_STEPS): it takes those steps here, over zero gradients, so that the plan
-        measured first does not pay for them."""
-        missing = [p for p in params if id(p) not in self._covered]
-        if self._make_optimizer is None or not missing:
+        """Have the optimizer step ``params``, the plan's on this rank, and no others: a fresh one of
+        the user's kind, whose state lives on the device only while the stage does. A fresh
+        optimizer's first steps create its state and fault its pages in (see planner.SETTLE_STEPS):
+        it takes those steps here, over zero gradients, untimed."""
+        self._step = lambda: None  # the previous plan's state goes first
+        if self._make_optimizer is None or not params:
             return
-        self._covered.update((id(p), p) for p in missing)
-        covered = list(self._covered.values())
-        self._step = self._make_optimizer(covered).step
-        for p in covered:
+        self._step = self._make_optimizer(params).step
+        for p in params:
             p.grad = torch.zeros_like(p)
         for _ in range(SETTLE_STEPS):
             self._step()
-        for p in covered:
+        for p in params:
             p.grad = None
 
     def _train_step(self, pipeline: Pipeline, params: list[nn.Parameter]) -> None:
@@ -211,6 +225,7 @@ class Trials:
                 self._built[plan] = self._build(plan)
             stage, pipeline, params, count = self._built[plan]
             self._stand_in(plan, stage)
+            self._cover(params)
             dist.barrier()
             timeline = pipeline.timeline
             timeline.events.clear()
@@ -246,15 +261,17 @@ class Trials:
         self._unhook()
         self._unhook = lambda: None
         self._put(self._chain.containers)
+        self.resident.release()
 
     def _stand_in(self, plan: Plan, stage: StageModule) -> None:
         """Put ``plan``'s stage of this rank where the containers are."""
         self._unhook()
         self._unhook = lambda: None
+        layers = plan.stages[plan.stage_of(self._setting.rank)]
+        self.resident.hold(range(layers.start, layers.end))  # the stage on the device, the other layers home
         if self._chain.called_whole:
             self._put((stage,))
             return
-        layers = plan.stages[plan.stage_of(self._setting.rank)]
         stand_ins, self._unhook = stand_in_layers(self._chain.containers, stage, layers.start, layers.end)
         self._put(stand_ins)
 

@@ -52,7 +52,7 @@ from typing_extensions import override
 from dapple_lightning.plan import Plan
 from dapple_lightning.runtime import Pipeline, StepStats, Timeline
 from dapple_lightning.strategy._auto import AutoSetting, choose_automatically, draw_global_batch
-from dapple_lightning.strategy._batch import SameBatch, same_order
+from dapple_lightning.strategy._batch import RankBatches, same_order
 from dapple_lightning.strategy._checkpoint import Checkpoints, group_names, keep_local
 from dapple_lightning.strategy._failures import PEER_LOST, as_timeout, connect, host_group, peer_lost_message
 from dapple_lightning.strategy._finetuning import adapt_finetuning
@@ -157,7 +157,7 @@ class DappleStrategy(ParallelStrategy):
         self._buffers: Buffers | None = None
         self._steps: MicroBatches | None = None
         self._checkpoints = Checkpoints(state_dict_type, async_save, timeout)
-        self._same_batch = SameBatch()
+        self._batches = RankBatches()
         self._full_state_keys: list[str] = []
         self._spawned_ranks_kept_state = False
         self._leaves_at_exit = False
@@ -247,10 +247,8 @@ class DappleStrategy(ParallelStrategy):
 
     def _validate(self) -> Chain:
         """Check the module and an explicit plan; raises before any process group exists."""
-        precision = str(getattr(self.precision_plugin, "precision", "32-true"))
-        return check_before_start(
-            self.lightning_module, precision, self._sequential_name, self._plan_spec, self.world_size
-        )
+        module, precision = self.lightning_module, str(getattr(self.precision_plugin, "precision", "32-true"))
+        return check_before_start(module, precision, self._sequential_name, self._plan_spec, self.world_size)
 
     @override
     def setup(self, trainer: Trainer) -> None:
@@ -270,7 +268,7 @@ class DappleStrategy(ParallelStrategy):
         self._full_state_keys = list(module.state_dict().keys())
         fitting = trainer.state.fn == TrainerFn.FITTING
         pipelines = Pipelines(module, self.global_rank, self.root_device, self._timeout)
-        self._steps = MicroBatches(module, self.root_device)
+        self._steps = MicroBatches(module, self.root_device, self._batches.rows_of)
         self.plan = self._resolve_plan(trainer, chain, pipelines)
         pipelines.keep_only(self.plan)
         self._cut = Cut.apply(module, chain, self.plan, rank := self.global_rank)
@@ -318,9 +316,7 @@ class DappleStrategy(ParallelStrategy):
             self.precision_plugin.train_step_context,
             self._memory_limit,
         )
-        batch = draw_global_batch(trainer, self.batch_to_device)
-        self.model_to_device()  # profiled and tried where it trains; the cut then frees what others hold
-        chosen = choose_automatically(setting, batch, chain)
+        chosen = choose_automatically(setting, draw_global_batch(trainer, self.batch_to_device), chain)
         rank_zero_info(chosen.report())
         self.auto_plan = chosen
         return chosen.plan
@@ -343,6 +339,12 @@ class DappleStrategy(ParallelStrategy):
         self.model.to(self.root_device)
 
     @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        """Rank 0's batch, compared on the host, of which only this rank's rows move (``_batch``); whole before setup."""
+        batch = self._batches.narrow(batch, self._pipeline if device is None else None, self._host_group)
+        return self._batches.keep(super().batch_to_device(batch, device, dataloader_idx))
+
+    @override
     def process_dataloader(self, dataloader: object) -> object:
         return same_order(dataloader, self._shuffle_seed)
 
@@ -351,7 +353,6 @@ class DappleStrategy(ParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
         assert self._steps is not None and self._pipeline is not None and self._buffers is not None
-        args = (self._same_batch(args[0], self.root_device), *args[1:]) if args else args
         loss = self._steps.train(self._pipeline, args, kwargs, self.precision_plugin.train_step_context)
         self._buffers.agree()
         return loss
@@ -384,7 +385,6 @@ class DappleStrategy(ParallelStrategy):
 
     def _evaluate(self, hook: str, args: tuple, kwargs: dict, context: Callable) -> Any:
         assert self._steps is not None and self._pipeline is not None
-        args = (self._same_batch(args[0], self.root_device), *args[1:]) if args else args
         return self._steps.evaluate(self._pipeline, hook, args, kwargs, context)
 
     # --------------------------------------------------------------------- collectives

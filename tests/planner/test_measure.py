@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from dapple_lightning.planner import _clock
 from dapple_lightning.planner._measure import profile_layers
 
 
@@ -138,3 +139,61 @@ def test_cuda_peaks_count_what_a_layer_saves_not_only_its_output():
     # the linear layer keeps its output and makes its input's gradient (as large); its parameters'
     # gradients are counted with the parameters, not here
     assert linear.activation_bytes <= linear.peak_bytes <= 2 * linear.activation_bytes + 4096
+
+
+class _EventClock:
+    """Device events on a clock that moves one second at each record; counts the host's waits."""
+
+    def __init__(self) -> None:
+        self.now, self.waits = 0.0, 0
+
+    def event(self) -> _Event:
+        return _Event(self)
+
+
+class _Event:
+    def __init__(self, clock: _EventClock) -> None:
+        self.clock, self.at = clock, None
+
+    def record(self) -> None:
+        self.at, self.clock.now = self.clock.now, self.clock.now + 1.0
+
+    def synchronize(self) -> None:
+        self.clock.waits += 1
+
+    def elapsed_time(self, end: _Event) -> float:
+        assert self.at is not None and end.at is not None, "an event read before it was recorded"
+        return (end.at - self.at) * 1e3
+
+
+def test_on_an_event_clock_layers_and_steps_are_timed_by_events_read_once_per_pass(monkeypatch):
+    # What the profiler does on CUDA, run on the CPU: events stand in for CUDA's, and the host's
+    # clock must not be read. Every span is one second of the fake device clock.
+    clock = _EventClock()
+    monkeypatch.setattr(_clock, "device_clock", lambda device: clock.event)
+    monkeypatch.setattr(_clock.time, "perf_counter", _no_host_clock)
+    torch.manual_seed(0)
+    layers = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
+    profile = profile_layers(layers, torch.randn(4, 8), repeats=2, warmup=1, optimizer=sgd)
+    assert [(x.forward_s, x.backward_s) for x in profile.layers] == [(1.0, 1.0)] * 3
+    assert [x.update_s for x in profile.layers] == [1.0, 0.0, 1.0]
+    assert all(x.accumulate_s == 0.0 for x in profile.layers)  # a second pass's spans last as long
+    # One wait per pass through the chain (3 timed runs twice, one memory pass) and per layer's
+    # optimizer timing: never one per layer and pass.
+    assert clock.waits == 3 * 2 + 1 + 2
+
+
+def _no_host_clock() -> float:
+    raise AssertionError("a span on an event clock read the host's perf_counter")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_profile_is_timed_with_cuda_events(monkeypatch):
+    monkeypatch.setattr(_clock.time, "perf_counter", _no_host_clock)
+    device = torch.device("cuda", 0)
+    layers = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 16)).to(device)
+    sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
+    profile = profile_layers(layers, torch.randn(512, 256, device=device), repeats=3, warmup=1, optimizer=sgd)
+    assert all(x.forward_s > 0 and x.backward_s > 0 for x in profile.layers)
+    assert profile.layers[0].update_s > 0 and profile.layers[2].update_s > 0

@@ -148,6 +148,29 @@ def planner_seeds(
     return out[:top]
 
 
+def memory_refusal(profile: dict[str, Any], space: PlanSpace, memory_limit: float) -> Callable[[Plan], str | None]:
+    """For each plan, why it is predicted over ``memory_limit`` bytes per rank, or ``None`` when it fits.
+
+    The search runs this before a trial, so that a plan the sampler proposes over the budget ends
+    as infeasible without being run (the planner's seeds are never over it)."""
+    from dapple_lightning.planner import CostModel, ModelProfile
+
+    model = CostModel(
+        ModelProfile.from_dict(profile), local_cluster(space.world_size, None, memory_limit), space.global_batch
+    )
+
+    def refusal(plan: Plan) -> str | None:
+        # The cost model times no zero-bubble step, but its memory is the early-backward schedule's.
+        peaks = model.estimate(replace(plan, schedule="dapple") if plan.schedule == "zb-h1" else plan).memory_bytes
+        over = [(k, peak) for k, peak in enumerate(peaks) if peak > memory_limit]
+        if not over:
+            return None
+        stages = ", ".join(f"stage {k} {peak / 2**20:.1f} MiB" for k, peak in over)
+        return f"predicted over memory_limit ({memory_limit / 2**20:.1f} MiB per rank): {stages}"
+
+    return refusal
+
+
 def enqueue_planner_seeds(
     study: optuna.Study,
     space: PlanSpace,

@@ -60,7 +60,7 @@ from dapple_lightning.search._loop import (
 )
 from dapple_lightning.search._probe import ModelInfo, probe_model
 from dapple_lightning.search._redact import redact
-from dapple_lightning.search._seed import compute_units, enqueue_planner_seeds
+from dapple_lightning.search._seed import compute_units, enqueue_planner_seeds, memory_refusal
 from dapple_lightning.search._space import PlanSpace
 from dapple_lightning.search._trial import TrialResult, run_trial
 
@@ -87,13 +87,15 @@ class PlanSearch:
         self.study: optuna.Study | None = None
         self.space: PlanSpace | None = None
         self.model: ModelInfo | None = None
+        self._refusal: Callable[[Any], str | None] = lambda plan: None
 
     def open(self) -> optuna.Study:
         """Create or load the study, check it against the model, queue seeds; the study."""
         cfg = self.config
         existing = existing_study(cfg.storage, cfg.study_name)
         seeded = existing is not None and existing.user_attrs.get("planner_seeded") is not None
-        want_profile = cfg.planner_seeds > 0 and not seeded
+        want_seeds = cfg.planner_seeds > 0 and not seeded
+        want_profile = want_seeds or cfg.memory_limit is not None
         self._say(f"probing model {cfg.trial.model} ...")
         self.model = info = probe_model(cfg.trial, profile=want_profile)
         t = cfg.trial
@@ -118,7 +120,14 @@ class PlanSearch:
         )
         enqueue_baselines(study, space, cfg.baselines)  # measured first: what a found plan must beat
         enqueue_plans(study, space, cfg.enqueue)
-        if want_profile:
+        if cfg.memory_limit is not None:
+            if info.profile is None:
+                raise RuntimeError(
+                    f"memory_limit needs the model's profile to predict each plan's memory, and profiling failed: "
+                    f"{info.profile_error}"
+                )
+            self._refusal = memory_refusal(info.profile, space, cfg.memory_limit)
+        if want_seeds:
             missing = f"no profile ({info.profile_error})"
             units = compute_units(cfg.trial)
             enqueue_planner_seeds(
@@ -171,6 +180,8 @@ class PlanSearch:
                 trial.report(samples_per_s, step)
                 return trial.should_prune()
 
+        if (reason := self._refusal(drawn.plan)) is not None:
+            return outcome_of(TrialResult("infeasible", reason=reason), multi_objective=cfg.multi_objective)
         started = lambda pgid: trial.set_user_attr("pgid", pgid)  # noqa: E731
         result = run_trial(drawn.plan, cfg.trial, on_step, on_start=started, on_wait=self._say)  # waits for devices
         return outcome_of(result, multi_objective=cfg.multi_objective, warmup=cfg.trial.warmup)

@@ -9,6 +9,7 @@ import pytest
 from dapple_lightning.plan import Plan
 from dapple_lightning.planner import CostModel, LayerProfile, ModelProfile
 from dapple_lightning.search import PlanSpace, TrialConfig, compute_units, local_cluster, planner_seeds
+from dapple_lightning.search._seed import memory_refusal
 
 # Four layers of equal cost with 0.1 GB of weights each: data parallelism's all-reduces are its
 # only extra work, so it is the fastest plan on independent devices and the slowest on shared cores.
@@ -61,6 +62,15 @@ def test_no_seed_is_predicted_over_the_memory_limit():
     assert Plan.data_parallel(4, 4) not in [s.plan for s in seeds]
     with pytest.raises(ValueError, match=r"no plan of the space fits in 0\.1 GB per rank"):
         planner_seeds(PROFILE, SPACE, 10, None, memory_limit=1e8)
+
+
+def test_a_proposed_plan_over_the_memory_limit_is_refused_before_it_runs():
+    refusal = memory_refusal(PROFILE, SPACE, 1e9)
+    # Data parallelism holds all four layers on every rank (1.6 GB); a straight pipeline one each.
+    reason = refusal(Plan.data_parallel(4, 4))
+    assert reason is not None and reason.startswith("predicted over memory_limit (953.7 MiB per rank): stage 0 ")
+    assert refusal(Plan.straight(4, 4)) is None
+    assert refusal(Plan.straight(4, 4, schedule="zb-h1")) is None  # priced as the early-backward schedule's memory
 
 
 def test_the_search_reads_its_memory_limit_as_text():

@@ -153,20 +153,15 @@ def memory_refusal(profile: dict[str, Any], space: PlanSpace, memory_limit: floa
 
     The search runs this before a trial, so that a plan the sampler proposes over the budget ends
     as infeasible without being run (the planner's seeds are never over it)."""
-    from dapple_lightning.planner import CostModel, ModelProfile
+    from dapple_lightning.planner import CostModel, ModelProfile, over_budget
 
-    model = CostModel(
-        ModelProfile.from_dict(profile), local_cluster(space.world_size, None, memory_limit), space.global_batch
-    )
+    cluster = local_cluster(space.world_size, None, memory_limit)
+    model = CostModel(ModelProfile.from_dict(profile), cluster, space.global_batch)
 
     def refusal(plan: Plan) -> str | None:
         # The cost model times no zero-bubble step, but its memory is the early-backward schedule's.
-        peaks = model.estimate(replace(plan, schedule="dapple") if plan.schedule == "zb-h1" else plan).memory_bytes
-        over = [(k, peak) for k, peak in enumerate(peaks) if peak > memory_limit]
-        if not over:
-            return None
-        stages = ", ".join(f"stage {k} {peak / 2**20:.1f} MiB" for k, peak in over)
-        return f"predicted over memory_limit ({memory_limit / 2**20:.1f} MiB per rank): {stages}"
+        priced = replace(plan, schedule="dapple") if plan.schedule == "zb-h1" else plan
+        return over_budget(plan, model.estimate(priced).memory_bytes, memory_limit)
 
     return refusal
 

@@ -171,6 +171,30 @@ def test_crash_hang_oom_and_infeasible_trials_end_the_trial_not_the_study(tmp_pa
         assert not group_alive(t.user_attrs["pgid"]), f"trial {t.number} left processes behind"
 
 
+def test_a_plan_over_the_memory_limit_ends_infeasible_without_running(tmp_path):
+    plans = [Plan.data_parallel(6, 2, 1), Plan.straight(6, 2, micro_batches=2)]
+    config = SearchConfig(
+        trial_config(),
+        storage=f"sqlite:///{tmp_path / 'budget.db'}",
+        study_name="budget",
+        n_trials=2,
+        planner_seeds=0,  # the profile is still taken: the budget needs it
+        baselines=(),
+        confirm_repeats=0,
+        enqueue=tuple(plans),
+        memory_limit="1KiB",  # every plan is over it
+        progress=False,
+    )
+    trials = PlanSearch(config).run().get_trials()
+    assert [Plan.from_dict(t.user_attrs["plan"]) for t in trials] == plans
+    for t in trials:
+        assert t.state == TrialState.PRUNED and t.user_attrs["infeasible"], t.user_attrs
+        assert (
+            "predicted to need more memory per rank than memory_limit 1.0 KiB: stage 0" in t.user_attrs["fail_reason"]
+        )
+        assert "pgid" not in t.user_attrs  # no process was started for it
+
+
 def test_multi_objective_study_keeps_a_pareto_front(tmp_path):
     storage = f"sqlite:///{tmp_path / 'multi.db'}"
     plans = (Plan.data_parallel(6, 2, 1), Plan.straight(6, 2, micro_batches=2))

@@ -4,7 +4,7 @@ Each rank loads the global batch itself. A collate function that masks inputs at
 Hugging Face's DataCollatorForLanguageModeling masks tokens) draws different masks on
 different ranks, so stage 0's inputs and the last stage's labels would no longer belong
 together. The strategy detects the difference (on the host, before anything moves) and trains
-every rank on rank 0's batch, of which each rank moves to its device only the rows it reads.
+every rank on rank 0's batch, which every rank moves to its device whole.
 """
 
 from __future__ import annotations
@@ -12,15 +12,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
 import torch
 from lightning.pytorch import seed_everything
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 
 from dapple_lightning import DappleStrategy, Plan
-from dapple_lightning.microbatch import Rows
-from dapple_lightning.strategy._batch import RankBatches, fingerprint
+from dapple_lightning.strategy._batch import fingerprint
 
 import models
 from harness import quiet_trainer, read_metrics
@@ -71,40 +69,9 @@ def test_random_collation_trains_like_one_device(tmp_path):
     strategy = DappleStrategy(PLAN_2_1, start_method="forkserver")
     got = losses(tmp_path / "dapple", RecordsTransfers(record), devices=3, strategy=strategy)
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-7)
-    # Each replica of stage 0 moved only its half of each micro-batch (x and y), stage 1's one rank all of it.
-    half, whole = models.BATCH // 2, models.BATCH
-    assert moved_rows(record, 0) == moved_rows(record, 1) == [[half, half]] * 8
-    assert moved_rows(record, 2) == [[whole, whole]] * 8
-
-
-class Held:
-    """A pipeline's rows as a rank's batches ask for them."""
-
-    def __init__(self, rows: list[Rows]) -> None:
-        self.held = rows
-
-    def rows(self, batch_rows: int) -> list[Rows]:
-        assert batch_rows == 10
-        return self.held
-
-
-def test_a_rank_holds_its_slice_of_every_micro_batch_and_finds_it():
-    x = torch.arange(10).reshape(10, 1)
-    batch = {"x": x, "names": [f"s{i}" for i in range(10)], "tag": "t"}
-    held = [Rows(2, 4), Rows(6, 7)]  # e.g. replica 1 of 2 in micro-batches [0, 4) and [4, 7)
-    batches = RankBatches()
-    mine = batches.keep(batches.narrow(batch, Held(held), None))
-    assert mine["x"].flatten().tolist() == [2, 3, 6] and mine["names"] == ["s2", "s3", "s6"] and mine["tag"] == "t"
-    rows = batches.rows_of(mine)
-    assert rows is not None and rows.total == 10
-    assert (rows.local(Rows(2, 4)), rows.local(Rows(6, 7)), rows.local(Rows(3, 4))) == (
-        Rows(0, 2),
-        Rows(2, 3),
-        Rows(1, 2),
-    )
-    assert batches.rows_of(batch) is None  # a batch it did not cut is whole
-    whole = batches.keep(batches.narrow(batch, Held([Rows(0, 5), Rows(5, 10)]), None))
-    assert whole is batch and batches.rows_of(whole) is None
+    # Every rank moved the whole batch (x and y): its hooks and callbacks see what one device sees.
+    whole = models.BATCH
+    assert moved_rows(record, 0) == moved_rows(record, 1) == moved_rows(record, 2) == [[whole, whole]] * 8
 
 
 def test_the_fingerprint_tells_batches_apart():
@@ -122,10 +89,3 @@ def test_the_fingerprint_tells_batches_apart():
     ]
     for other in others:
         assert not torch.equal(fingerprint(batch, cpu), fingerprint(other, cpu)), other
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_rows_cut_from_a_pinned_batch_stay_pinned():
-    batch = [torch.randn(10, 2).pin_memory(), torch.arange(10).pin_memory()]
-    mine = RankBatches().narrow(batch, Held([Rows(2, 4), Rows(6, 7)]), None)
-    assert [len(t) for t in mine] == [3, 3] and all(t.is_pinned() for t in mine)

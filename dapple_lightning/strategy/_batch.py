@@ -1,4 +1,4 @@
-"""Every rank trains on the same batch (rank 0's), and moves to its device only the rows it reads.
+"""Every rank trains on the same batch: rank 0's.
 
 Each rank loads the whole global batch on the host. Loading is deterministic in most
 pipelines, but not all: a ``collate_fn`` that masks tokens at random (Hugging Face's
@@ -9,12 +9,10 @@ over a gloo group (a few numbers; no device work, no wait for the device). Where
 differs from rank 0's, rank 0's batch is sent to the others over the same group and used
 everywhere, and the user is told once; with deterministic loading nothing more is paid.
 
-Which rows a rank moves to its device: the user's step runs on every rank once per micro-batch,
-on that rank's slice of it (its replica's rows of the micro-batch, see ``Pipeline.rows``), and
-nowhere else. Every field of those rows may be read: code before the pipelined container runs on
-every rank and derives side inputs (masks, position ids) from any field, and which fields a step
-reads cannot be told before it runs. So a rank moves every field of its own rows and no other row:
-a stage of ``r`` replicas moves ``1/r`` of the batch, a one-replica stage all of it.
+Every rank moves the whole global batch to its device, not only the rows its micro-batches read:
+Lightning hands the moved batch to the callbacks and to hooks such as ``on_train_batch_end``, and
+under a plan, which acts as one device, they must see what they see on one device (a throughput
+or metric callback that counted only a replica's rows would report a fraction of the truth).
 """
 
 from __future__ import annotations
@@ -22,8 +20,7 @@ from __future__ import annotations
 import hashlib
 import pickle
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,9 +29,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.utils.data import DataLoader, RandomSampler
 
-from dapple_lightning.microbatch import Rows, batch_size_of, concat_slices, map_tensors, slice_batch
-
-__all__ = ["HeldRows", "RankBatches", "SameBatch", "same_order"]
+__all__ = ["SameBatch", "same_order"]
 
 _PERIOD = 8191  # position weights (1 to 8191): a reordering of rows changes the weighted sum
 
@@ -66,77 +61,6 @@ class SameBatch:
         box = [move_data_to_device(batch, "cpu") if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(box, 0, group=group)
         return box[0]
-
-
-@dataclass(frozen=True)
-class HeldRows:
-    """The rows of a global batch of ``total`` rows that a rank holds: ``held``, one range per
-    micro-batch, stored one after the other (the first range's rows first)."""
-
-    total: int
-    held: tuple[Rows, ...]
-
-    def local(self, rows: Rows) -> Rows:
-        """Where the global ``rows`` (within one held range) are in the rank's batch."""
-        offset = 0
-        for part in self.held:
-            if part.start <= rows.start and rows.stop <= part.stop:
-                return rows.shift(offset - part.start)
-            offset += len(part)
-        raise ValueError(f"rows [{rows.start}, {rows.stop}) are not among this rank's rows {self.held}")
-
-
-class _HasRows(Protocol):
-    def rows(self, batch_rows: int) -> list[Rows]: ...
-
-
-class RankBatches:
-    """Per step, on the host before the transfer: rank 0's batch on every rank, cut to this rank's rows.
-
-    :meth:`narrow` keeps the batch it returned (after the caller moved it) so that the step that
-    receives it knows which global rows it holds (:meth:`rows_of`).
-    """
-
-    def __init__(self) -> None:
-        self.same = SameBatch()
-        self._pending: HeldRows | None = None
-        self._last: tuple[Any, HeldRows] | None = None
-
-    def narrow(self, batch: Any, pipeline: _HasRows | None, group: dist.ProcessGroup | None) -> Any:
-        """Rank 0's ``batch`` (collective over the gloo ``group``), cut to the rows ``pipeline.rows(total)``
-        lists when they are not all of them; :meth:`keep` records what the caller moved. Without a
-        pipeline (``plan="auto"``'s batch, or a batch moved to a device named by the caller), ``batch``."""
-        self._last = self._pending = None  # the previous step's device batch is not kept alive by us
-        if pipeline is None:
-            return batch
-        batch = self.same(batch, group)
-        total = batch_size_of(batch)
-        held = tuple(pipeline.rows(total))
-        self._pending = HeldRows(total, held) if sum(map(len, held)) < total else None
-        if self._pending is None:
-            return batch
-        mine = concat_slices([slice_batch(batch, r) for r in held], [len(r) for r in held], "the batch")
-        pinned: list[bool] = []
-        map_tensors(batch, lambda t: pinned.append(t.is_pinned()))
-        # A loader's pinned batch moves to a GPU without the host waiting; the rows cut from it keep that.
-        return map_tensors(mine, lambda t: t.pin_memory()) if any(pinned) else mine
-
-    def keep(self, moved: Any) -> Any:
-        """``moved`` (what :meth:`narrow` just returned, on the device): remembered as holding those rows."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            if (count := batch_size_of(moved)) != sum(map(len, pending.held)):
-                raise ValueError(
-                    f"the batch has {count} rows after transfer_batch_to_device/on_after_batch_transfer, but this "
-                    f"rank handed them {sum(map(len, pending.held))}; under dapple these hooks must keep "
-                    "every row (each rank passes them only the rows its micro-batches read)"
-                )
-            self._last = (moved, pending)
-        return moved
-
-    def rows_of(self, batch: Any) -> HeldRows | None:
-        """Which global rows ``batch`` holds when :meth:`narrow` cut it; ``None`` for a whole batch."""
-        return self._last[1] if self._last is not None and self._last[0] is batch else None
 
 
 def same_order(dataloader: object, seed: int) -> object:

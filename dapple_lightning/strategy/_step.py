@@ -31,7 +31,6 @@ from torch import Tensor, nn
 
 from dapple_lightning.microbatch import Rows, batch_size_of, concat_slices, map_tensors, slice_batch
 from dapple_lightning.runtime import Pending, Pipeline, StageCall, share
-from dapple_lightning.strategy._batch import HeldRows
 
 __all__ = ["MicroBatches", "clip_grad_norm_over_stages", "to_cpu"]
 
@@ -42,12 +41,8 @@ Logged = dict[str, tuple[float, dict]]
 class MicroBatches:
     """Runs the user's step hooks over the micro-batches of a global batch, through a pipeline."""
 
-    def __init__(
-        self, module: Any, device: torch.device, rows_of: Callable[[Any], HeldRows | None] = lambda _: None
-    ) -> None:
+    def __init__(self, module: Any, device: torch.device) -> None:
         self.module, self.device = module, device
-        self.rows_of = rows_of
-        """Which global rows a batch holds when it is this rank's part of one (``None``: the whole batch)."""
         self.shared = Pending()
         """The last stage's loss broadcasts, in flight until the next step needs the buffers."""
         self._fresh: dict[nn.Parameter, Tensor | None] = {}
@@ -101,8 +96,7 @@ class MicroBatches:
         """Run the user's ``hook`` over one global batch on ``pipeline``; the global loss and logged values."""
         module = self.module
         batch, rest = args[0], args[1:]
-        held = self.rows_of(batch)
-        total = held.total if held is not None else batch_size_of(batch)
+        total = batch_size_of(batch)
         step_fn = getattr(module, hook)
         last = pipeline.plan.stages[-1]
         capture = _LogCapture(total, last.replicas, pipeline.replica if pipeline.is_last else 0, self.device)
@@ -113,7 +107,7 @@ class MicroBatches:
             weight = len(rows) / total
             capture.begin(m, weight)
             try:
-                out = step_fn(slice_batch(batch, held.local(rows) if held is not None else rows), *rest, **kwargs)
+                out = step_fn(slice_batch(batch, rows), *rest, **kwargs)
             finally:  # also when the step ends at this stage's exit
                 if pipeline.is_first:
                     _check_input_rows(pipeline.module.call, m, rows, total)

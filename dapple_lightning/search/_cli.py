@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dapple_lightning.plan import SCHEDULES
+from dapple_lightning.plan import ALL_SCHEDULES, SCHEDULES
 from dapple_lightning.search._files import write_atomic
 from dapple_lightning.search._redact import redact
 
@@ -49,8 +49,8 @@ def _ints(text: str) -> tuple[int, ...]:
 def _schedules(text: str) -> tuple[str, ...]:
     values = tuple(x.strip() for x in text.split(",") if x.strip())
     for v in values:
-        if v not in SCHEDULES:
-            raise argparse.ArgumentTypeError(f"unknown schedule {v!r}; choose from {','.join(SCHEDULES)}")
+        if v not in ALL_SCHEDULES:
+            raise argparse.ArgumentTypeError(f"unknown schedule {v!r}; choose from {','.join(ALL_SCHEDULES)}")
     return values
 
 
@@ -128,7 +128,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--micro-batches", type=_ints, default=None, help="counts to search, e.g. 1,2,4,8 (default: divisors of B)"
     )
-    run.add_argument("--schedules", type=_schedules, default=SCHEDULES, help="e.g. dapple or dapple,gpipe")
+    run.add_argument("--schedules", type=_schedules, default=SCHEDULES, help="e.g. dapple or dapple,gpipe,zb-h1")
     run.add_argument("--max-stages", type=int, default=None)
     run.add_argument("--planner-seeds", type=int, default=3, help="measure the planner's top K plans first (0: off)")
     run.add_argument("--memory-limit", help="per-rank budget the planner's seeds fit, e.g. 6GiB (default: RAM/ranks)")

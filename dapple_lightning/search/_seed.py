@@ -19,7 +19,7 @@ from typing import Any
 
 import optuna
 
-from dapple_lightning.plan import Plan
+from dapple_lightning.plan import SCHEDULES, Plan
 from dapple_lightning.search._space import PlanSpace, describe_plan
 from dapple_lightning.search._trial import TrialConfig
 
@@ -115,8 +115,8 @@ def planner_seeds(
 
     model_profile = ModelProfile.from_dict(profile)
     cluster = local_cluster(space.world_size, units, memory_limit)
+    model = CostModel(model_profile, cluster, space.global_batch)
     if space.size <= EXHAUSTIVE:
-        model = CostModel(model_profile, cluster, space.global_batch)
         estimates = [model.estimate(plan) for plan in space.plans()]
         ranked = sorted((e for e in estimates if e.fits), key=lambda e: e.step_s)
         if not ranked:
@@ -137,14 +137,17 @@ def planner_seeds(
         space.global_batch,
         top=max(5 * top, 20),
         micro_batches=list(space.micro_batches or ()),
-        schedule=space.schedules[0],
+        # The program searches chains of schedules with a closed form; zero bubble reuses DAPPLE's.
+        schedule=next((s for s in space.schedules if s in SCHEDULES), "dapple"),
     )
     out: list[SeedPlan] = []
     for rank, p in enumerate(planned):
         # The space places stage s on the next r_s ranks; on one node every placement is alike.
-        plan = Plan(tuple(replace(s, ranks=None) for s in p.plan.stages), p.plan.micro_batches, p.plan.schedule)
+        schedule = p.plan.schedule if p.plan.schedule in space.schedules else "zb-h1"
+        plan = Plan(tuple(replace(s, ranks=None) for s in p.plan.stages), p.plan.micro_batches, schedule)
         if space.contains(plan) and plan not in (s.plan for s in out):
-            out.append(SeedPlan(plan, rank, p.predicted_step_s))
+            step = p.predicted_step_s if schedule == p.plan.schedule else model.estimate(plan).step_s
+            out.append(SeedPlan(plan, rank, step))
     return out[:top]
 
 
@@ -159,9 +162,7 @@ def memory_refusal(profile: dict[str, Any], space: PlanSpace, memory_limit: floa
     model = CostModel(ModelProfile.from_dict(profile), cluster, space.global_batch)
 
     def refusal(plan: Plan) -> str | None:
-        # The cost model times no zero-bubble step, but its memory is the early-backward schedule's.
-        priced = replace(plan, schedule="dapple") if plan.schedule == "zb-h1" else plan
-        return over_budget(plan, model.estimate(priced).memory_bytes, memory_limit)
+        return over_budget(plan, model.estimate(plan).memory_bytes, memory_limit)
 
     return refusal
 

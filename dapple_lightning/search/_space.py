@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
-from dapple_lightning.plan import SCHEDULES, Plan, Stage
+from dapple_lightning.plan import ALL_SCHEDULES, SCHEDULES, Plan, Stage
 
 if TYPE_CHECKING:
     import optuna
@@ -111,7 +111,7 @@ class PlanSpace:
     """Micro-batch counts to consider; ``None``: the divisors of ``global_batch`` (equal micro-batches,
     as the planner assumes). Counts no plan can use (``M * ceil(W / S_max) > B``) are dropped."""
     schedules: tuple[str, ...] = SCHEDULES
-    """Schedules to consider (``"dapple"``, ``"gpipe"``)."""
+    """Schedules to consider (``"dapple"``, ``"gpipe"``, opt-in ``"zb-h1"``)."""
     max_stages: int | None = None
     """Most stages a plan may have; ``None``: ``min(num_layers, world_size)``."""
 
@@ -125,8 +125,8 @@ class PlanSpace:
         if not schedules:
             raise ValueError(f"schedules is empty; choose from {list(SCHEDULES)}")
         for s in schedules:
-            if s not in SCHEDULES:
-                raise ValueError(f"unknown schedule {s!r}; choose from {list(SCHEDULES)}")
+            if s not in ALL_SCHEDULES:
+                raise ValueError(f"unknown schedule {s!r}; choose from {list(ALL_SCHEDULES)}")
         object.__setattr__(self, "schedules", tuple(dict.fromkeys(schedules)))
         if self.micro_batches is None:
             candidates = tuple(m for m in range(1, self.global_batch + 1) if self.global_batch % m == 0)

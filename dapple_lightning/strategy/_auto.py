@@ -235,10 +235,12 @@ class Trials:
             seconds = (_clock(setting.device) - start) / count
         finally:
             setting.steps.shared.wait()
-        passes = [
-            statistics.median([e.end - e.start for e in timeline.events if e.name == kind] or [0.0])
-            for kind in ("forward", "backward")
-        ]
+        # A zero-bubble backward is timed in its two parts; the cost model's backward is both.
+        median = {
+            kind: statistics.median([e.end - e.start for e in timeline.events if e.name == kind] or [0.0])
+            for kind in ("forward", "backward", "backward-input", "backward-weight")
+        }
+        passes = [median["forward"], median["backward"] + median["backward-input"] + median["backward-weight"]]
         # Every rank's step time and passes; a step lasts until its slowest rank is done, and a
         # stage's pass until its slowest replica's.
         mine = torch.tensor([[plan.stage_of(rank), seconds, *passes]], dtype=torch.float64, device=setting.device)

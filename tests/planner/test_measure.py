@@ -197,3 +197,16 @@ def test_on_cuda_the_profile_is_timed_with_cuda_events(monkeypatch):
     profile = profile_layers(layers, torch.randn(512, 256, device=device), repeats=3, warmup=1, optimizer=sgd)
     assert all(x.forward_s > 0 and x.backward_s > 0 for x in profile.layers)
     assert profile.layers[0].update_s > 0 and profile.layers[2].update_s > 0
+
+
+def test_split_backward_times_the_weights_part_apart():
+    torch.manual_seed(0)
+    # Matmuls of some milliseconds each, well above the timer's noise on a loaded machine.
+    layers = nn.Sequential(nn.Embedding(64, 512), nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 512))
+    profile = profile_layers(layers, torch.randint(0, 64, (64, 8)), repeats=3, warmup=1, split_backward=True)
+    embed, linear, tanh, last = profile.layers
+    assert embed.weight_s == embed.backward_s  # an integer input has no gradient: all of it is W
+    # A Linear's weight gradient costs as many flops as its input's: well above 0, timer noise aside.
+    assert 0 < linear.weight_s <= linear.backward_s and 0 < last.weight_s <= last.backward_s
+    assert tanh.weight_s == 0.0  # nothing to update
+    assert profile_layers(layers, torch.randint(0, 64, (4, 8)), repeats=1, warmup=0).layers[1].weight_s is None

@@ -54,6 +54,22 @@ def test_plans_that_run_alike_under_every_schedule_are_seeded_once():
     assert {p.schedule for p in seeds if p.num_stages == 2 and p.micro_batches == 2} == {"dapple", "gpipe"}
 
 
+def test_the_search_may_seed_zero_bubble_plans(monkeypatch):
+    # Weights' gradients half of each backward: the best pipelines are zero-bubble ones.
+    split = ModelProfile(tuple(LayerProfile(f"l{i}", 1.0, 2.0, 100, 10**8, weight_s=1.0) for i in range(4)), 4)
+    space = PlanSpace(4, 4, 8, micro_batches=(2, 4, 8), schedules=("dapple", "zb-h1"), max_stages=4)
+    seeds = [s.plan for s in planner_seeds(split.to_dict(), space, 3)]
+    assert [p.schedule for p in seeds if p.num_stages > 1] == ["zb-h1", "zb-h1"]
+    # A space too large to rank whole goes through the dynamic program (DAPPLE's chains), its
+    # pipelines seeded as zero-bubble plans when the space has no other schedule.
+    import dapple_lightning.search._seed as seed
+
+    monkeypatch.setattr(seed, "EXHAUSTIVE", 0)
+    only = PlanSpace(4, 4, 8, micro_batches=(2, 4, 8), schedules=("zb-h1",), max_stages=4)
+    planned = planner_seeds(split.to_dict(), only, 3, units=2)
+    assert planned and all(s.plan.schedule == "zb-h1" and only.contains(s.plan) for s in planned)
+
+
 def test_no_seed_is_predicted_over_the_memory_limit():
     # Data parallelism holds all four layers per rank: 0.4 GB of weights x (1 + 1 + Adam's 2).
     model = CostModel(ModelProfile.from_dict(PROFILE), local_cluster(4, None, 1e9), 8)
@@ -72,7 +88,7 @@ def test_a_proposed_plan_over_the_memory_limit_is_refused_before_it_runs():
         reason is not None and "predicted to need more memory per rank than memory_limit 953.7 MiB: stage 0" in reason
     )
     assert refusal(Plan.straight(4, 4)) is None
-    assert refusal(Plan.straight(4, 4, schedule="zb-h1")) is None  # priced as the early-backward schedule's memory
+    assert refusal(Plan.straight(4, 4, schedule="zb-h1")) is None  # min(S, M) micro-batches on every stage
 
 
 def test_the_search_reads_its_memory_limit_as_text():

@@ -1,0 +1,63 @@
+"""The cost model's estimate of a zero-bubble (``zb-h1``) plan: replayed, not a formula.
+
+ZB-H1 keeps DAPPLE's order of forwards and input backwards (``B``) and defers the weights'
+backwards (``W``) into what would be bubbles; its step depends on where each ``W`` lands, which
+the chains of ``_cost`` do not express. So the estimate takes DAPPLE's per-stage costs of the
+same stages (forward, whole backward, transfers, all-reduce, update), splits each backward into
+``B = backward - W`` and ``W`` (the profile's ``weight_s`` summed over the stage's layers and
+scaled with its samples; without ``weight_s`` a stage's ``W`` is 0, so nothing is gained over
+DAPPLE's order), and replays the schedule's lists event by event (``_replay``). Memory: each
+stage keeps the schedule's peak of live micro-batches (``schedule.peak_in_flight``: a
+micro-batch lives from its forward to its ``W``), ``min(S, M)`` on every stage, the first
+stage's DAPPLE depth. The phases stay DAPPLE's (its pivot, ``T_w`` and ``T_s``); ``T_e`` is the
+rest of the replayed step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from dapple_lightning.plan import Plan
+from dapple_lightning.planner._replay import replay
+from dapple_lightning.schedule import peak_in_flight, schedule
+
+if TYPE_CHECKING:
+    from dapple_lightning.planner._cost import CostModel, Estimate
+
+__all__ = ["stage_weight", "zero_bubble"]
+
+
+def stage_weight(model: CostModel, start: int, end: int, samples: int) -> float:
+    """Seconds of the weights' backward (``W``) of layers ``[start, end)`` on ``samples`` samples:
+    the layers' ``weight_s`` (0 where not measured), scaled linearly from the profile batch."""
+    total = sum(layer.weight_s or 0.0 for layer in model.profile.layers[start:end])
+    return total * samples / model.profile.profile_batch_size
+
+
+def zero_bubble(model: CostModel, plan: Plan) -> Estimate:
+    """``model``'s estimate of ``plan`` under ``zb-h1`` (see the module docstring)."""
+    base = model.estimate(replace(plan, schedule="dapple"))
+    count, m = plan.num_stages, plan.micro_batches
+    lists = schedule("zb-h1", count, m)
+    weight = tuple(
+        min(stage_weight(model, s.start, s.end, n), b) for s, n, b in zip(plan.stages, base.samples, base.backward_s)
+    )
+    events = replay(
+        lists, base.forward_s, base.backward_s, weight, base.send_forward_s, base.allreduce_s, base.update_s
+    )
+    pipeline = max(e.end for e in events)
+    step = max(pipeline, base.shared_compute_s)
+    memory = tuple(
+        model.stage_memory(s.start, s.end, n, peak_in_flight(actions), s.replicas, m)
+        for s, n, actions in zip(plan.stages, base.samples, lists)
+    )
+    return replace(
+        base,
+        plan=plan,
+        step_s=step,
+        ending_s=step - base.warmup_s - base.steady_s,
+        memory_bytes=memory,
+        pipeline_s=pipeline,
+        weight_s=weight,
+    )

@@ -1,0 +1,97 @@
+"""The planner prices zero bubble: the replay with ``B`` and ``W`` apart on literal cases, the
+cost model's ``zb-h1`` estimate against DAPPLE's, and ``plan="auto"``'s shortlist choosing it."""
+
+from __future__ import annotations
+
+import pytest
+
+from dapple_lightning.plan import Plan, Stage
+from dapple_lightning.planner import GB, Cluster, CostModel, LayerProfile, ModelProfile, shortlist, simulate_plan
+from dapple_lightning.planner._replay import replay
+from dapple_lightning.schedule import schedule
+
+
+def _starts(events, stage):
+    return [(e.kind, e.micro_batch, e.start) for e in events if e.stage == stage and e.kind in "FBW"]
+
+
+def test_replay_places_w_work_by_hand():
+    # S = 2, M = 3; F = 1, backward 3 of which W = 1 (B = 2), transfers 0.5 each way.
+    events = replay(schedule("zb-h1", 2, 3), [1, 1], [3, 3], [1, 1], [0.5], [0, 0], [0, 0])
+    assert _starts(events, 0) == [
+        ("F", 0, 0.0), ("F", 1, 1.0), ("B", 0, 5.0), ("W", 0, 7.0), ("F", 2, 8.0),
+        ("B", 1, 9.0), ("W", 1, 11.0), ("B", 2, 13.0), ("W", 2, 15.0),
+    ]  # fmt: skip
+    assert _starts(events, 1) == [
+        ("F", 0, 1.5), ("B", 0, 2.5), ("F", 1, 4.5), ("B", 1, 5.5), ("W", 0, 7.5),
+        ("F", 2, 9.5), ("B", 2, 10.5), ("W", 1, 12.5), ("W", 2, 13.5),
+    ]  # fmt: skip
+    assert max(e.end for e in events) == 16.0
+    unsplit = replay(schedule("dapple", 2, 3), [1, 1], [3, 3], [1, 1], [0.5], [0, 0], [0, 0])
+    assert max(e.end for e in unsplit) == 18.0  # stage 1 runs W0 where DAPPLE waited for F1
+
+
+@pytest.mark.parametrize(("stages", "micro_batches"), [(4, 8), (2, 4), (3, 3)])
+def test_replay_of_equal_thirds_takes_3m_plus_s_minus_1(stages, micro_batches):
+    # The paper's ZB-H1 with F = B = W = 1 and free links: 3M + S - 1 units, DAPPLE 3(M + S - 1).
+    ones, free = [1.0] * stages, [0.0] * stages
+    zb = replay(schedule("zb-h1", stages, micro_batches), ones, [2.0] * stages, ones, free[1:], free, free)
+    dapple = replay(schedule("dapple", stages, micro_batches), ones, [2.0] * stages, ones, free[1:], free, free)
+    assert max(e.end for e in zb) == 3 * micro_batches + stages - 1
+    assert max(e.end for e in dapple) == 3 * (micro_batches + stages - 1)
+    # A list without W's runs its whole backward as B, whatever the weight part.
+    assert {e.end - e.start for e in dapple if e.kind == "B"} == {2.0}
+
+
+def _model(weight_s: float | None, stages: int = 4) -> CostModel:
+    layers = tuple(LayerProfile(f"l{i}", 1e-3, 2e-3, 10**6, 0, weight_s=weight_s) for i in range(stages))
+    return CostModel(ModelProfile(layers, 4), Cluster.v100(1, stages, intra_p2p_bw=10**6 * GB), 32)
+
+
+def test_zb_h1_is_estimated_below_dapple_when_w_fills_the_bubble():
+    model = _model(1e-3)
+    plan = Plan.straight(4, 4, 8)
+    zb, dapple = model.estimate(Plan.straight(4, 4, 8, schedule="zb-h1")), model.estimate(plan)
+    # Per micro-batch F = 1, B + W = 2 ms at the profile batch of 4 (here 4 samples too); each
+    # transfer takes 10 us, a few dozen of which lie on the longest chain at most.
+    assert dapple.step_s == pytest.approx(33e-3, abs=0.2e-3)
+    assert zb.step_s == pytest.approx(27e-3, abs=0.2e-3) and zb.weight_s == pytest.approx((1e-3,) * 4)
+    assert zb.bubble_fraction < dapple.bubble_fraction
+    # Every stage keeps min(S, M) = 4 micro-batches, DAPPLE's first stage's depth.
+    assert zb.memory_bytes[0] == dapple.memory_bytes[0] and all(x == zb.memory_bytes[0] for x in zb.memory_bytes)
+    assert zb.memory_bytes[3] > dapple.memory_bytes[3]
+    assert simulate_plan(model, Plan.straight(4, 4, 8, schedule="zb-h1")).step_s == pytest.approx(zb.step_s)
+
+
+def test_a_profile_without_weight_times_prices_zb_h1_as_dapple():
+    model = _model(None)
+    zb = model.estimate(Plan.straight(4, 4, 8, schedule="zb-h1"))
+    # The replay of DAPPLE's lists, not the chains (a lower bound, below it once transfers cost).
+    assert zb.step_s == pytest.approx(simulate_plan(model, Plan.straight(4, 4, 8)).step_s)
+    assert zb.weight_s == (0.0,) * 4
+
+
+def test_a_non_uniform_plan_is_estimated_with_each_stages_samples():
+    model = _model(1e-3)
+    plan = Plan((Stage(0, 1, 2), Stage(1, 4, 1)), 4, "zb-h1")
+    est = model.estimate(plan)
+    # Stage 0's 2 replicas run 4 of the 8 samples of a micro-batch each, stage 1 all 8 on 3 layers.
+    assert est.weight_s == pytest.approx((1e-3, 3 * 2e-3))
+    assert est.step_s == pytest.approx(simulate_plan(model, plan).step_s)
+
+
+def test_the_auto_shortlist_offers_zb_h1_when_it_is_priced_faster():
+    profile = ModelProfile(tuple(LayerProfile(f"l{i}", 1.0, 2.0, 1000, 10**9, weight_s=1.0) for i in range(2)), 8)
+    cluster = Cluster.v100(1, 2, intra_allreduce_bw=1 * GB, intra_p2p_bw=100 * GB)
+    close, _ = shortlist(profile, cluster, 16, optimizer_factor=0.0, margin=0.0)
+    assert close[0][0].schedule == "zb-h1" and close[0][0].num_stages == 2
+    unsplit = ModelProfile(tuple(LayerProfile(f"l{i}", 1.0, 2.0, 1000, 10**9) for i in range(2)), 8)
+    assert all(plan.schedule != "zb-h1" for plan, _ in shortlist(unsplit, cluster, 16, optimizer_factor=0.0)[0])
+
+
+def test_weight_times_round_trip_and_old_profiles_read_as_unsplit():
+    layer = LayerProfile("l", 1.0, 2.0, 10, 10, weight_s=0.5)
+    assert LayerProfile.from_dict(layer.to_dict()) == layer
+    assert "weight_s" not in LayerProfile("l", 1.0, 2.0, 10, 10).to_dict()
+    with pytest.raises(ValueError, match=r"weight_s \(3.0\) exceeds backward_s \(2.0\)"):
+        LayerProfile("l", 1.0, 2.0, 10, 10, weight_s=3.0)

@@ -1,7 +1,8 @@
 """A killed replica's stage recovers from its replica under torchrun's restart, with no checkpoint.
 
 ``tests/scripts/recovering.py`` trains 10 steps of a 2:1 plan under ``torchrun --max-restarts 1``
-and SIGKILLs rank 1 (a replica of stage 0) at one point of step 5 on the first attempt. The
+and SIGKILLs rank 1 (a replica of stage 0) at one point of step 5 on the first attempt, or stops it
+(SIGSTOP: a hung rank, which only the heartbeat detects). The
 restarted job must end at step 10 with the weights, optimizer state and every step's loss of an
 uninterrupted run, having redone at most the step the kill interrupted.
 """
@@ -62,7 +63,7 @@ def reference(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("where", ["forward", "backward", "allreduce", "optimizer"])
+@pytest.mark.parametrize("where", ["forward", "backward", "allreduce", "optimizer", "stop"])
 def test_killed_replica_recovers_without_a_checkpoint(where: str, reference: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
     train(out, where, tmp_path)

@@ -96,9 +96,7 @@ class Recovery:
         self.active = False
         self.rank = 0
         self._phase: Literal["idle", "step", "window"] = "idle"
-        self._lock = threading.RLock()
-        self._written = threading.Event()  # this rank wrote its state (or found it could not)
-        self._lost = threading.Event()  # a peer is known lost
+        self._fresh_sync()
         self._exit_at_safe_point = False  # SIGTERM or a lost peer arrived in the window
         self._writing = False  # a write is under way (a signal handler must not start another)
         self._trainer: Any = None
@@ -107,11 +105,27 @@ class Recovery:
         self._store: Any = None
         self._votes = 0
         self._signals: Any = None
-        self._unwrap: Any = lambda: None
+        self._unwrap: Any = None  # puts the precision plugin's closure hook back
         self.order: EpochOrder | None = None
         """The training loader's order, whose epoch start the snapshot keeps."""
         self.recovered: dict[str, Any] | None = None
         """After a restart: the checkpoint dict recovered for this rank, until the first safe point."""
+
+    def _fresh_sync(self) -> None:
+        self._lock = threading.RLock()
+        self._written = threading.Event()  # this rank wrote its state (or found it could not)
+        self._lost = threading.Event()  # a peer is known lost
+
+    def __getstate__(self) -> dict[str, Any]:  # the strategy travels to spawned ranks before any fit
+        state = self.__dict__.copy()
+        for name in ("_lock", "_written", "_lost", "_unwrap", "_trainer", "_store", "_signals"):
+            state.pop(name)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._fresh_sync()
+        self._unwrap = self._trainer = self._store = self._signals = None
 
     # ------------------------------------------------------------------ set-up
 
@@ -164,7 +178,9 @@ class Recovery:
             self._signals = None
         if self.active and not failed:
             file_of(self.rank).unlink(missing_ok=True)
-        self._unwrap()
+        if self._unwrap is not None:
+            self._unwrap()
+            self._unwrap = None
         self.active = False
 
     # ------------------------------------------------------------------ the step

@@ -1,7 +1,8 @@
 """Trains under torchrun with restarts and kills a stage-0 replica at one point of step 5, once.
 
 Usage: torchrun --nproc_per_node 3 --max-restarts 1 recovering.py OUT_DIR WHERE
-WHERE: none (the uninterrupted reference) | forward | backward | allreduce | optimizer.
+WHERE: none (the uninterrupted reference) | forward | backward | allreduce | optimizer, or stop
+(SIGSTOP in the forward: a hung rank, which only the heartbeat detects).
 
 Plan 2:1 over an MLP: layers 0-3 on ranks 0 and 1, the rest (with a dropout, so the last stage's
 RNG state must come back too) on rank 2. Shuffled batches over 2.5 epochs and a per-step LR
@@ -38,7 +39,7 @@ def armed(point: str) -> bool:
 
 
 def die() -> None:
-    os.kill(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGSTOP if where == "stop" else signal.SIGKILL)
 
 
 class Mine(torch.autograd.Function):
@@ -57,7 +58,7 @@ class Mine(torch.autograd.Function):
 
 class Trap(nn.Module):
     def forward(self, x):
-        if armed("forward"):
+        if armed("forward") or armed("stop"):
             die()
         return Mine.apply(x)
 

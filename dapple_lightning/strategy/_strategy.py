@@ -346,12 +346,14 @@ class DappleStrategy(Collectives):
 
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
-        """Rank 0's batch on every rank, compared on the host before it moves (``_batch``)."""
-        if device is None and self._pipeline is not None:
-            if self.lightning_module.trainer.training:
-                self._recovery.safe_point()
-            batch = self._same_batch(batch, self._host_group)
-        return super().batch_to_device(batch, device, dataloader_idx)
+        """Rank 0's batch on every rank, compared on the host, and left there: each micro-batch's rows
+        move to the device on the rank that computes them (``_batch``, ``_step``)."""
+        if device is not None or self._pipeline is None or self._steps is None:
+            return super().batch_to_device(batch, device, dataloader_idx)
+        if self.lightning_module.trainer.training:
+            self._recovery.safe_point()
+        self._steps.dataloader_idx = dataloader_idx
+        return self._same_batch(batch, self._host_group)
 
     @override
     def process_dataloader(self, dataloader: object) -> object:

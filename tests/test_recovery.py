@@ -10,6 +10,7 @@ uninterrupted run, having redone at most the step the kill interrupted.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,10 +23,10 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 KILL_AT = 5
 
 
-def train(out: Path, where: str, tmp: Path) -> None:
+def train(out: Path, where: str, tmp: Path, *plan: str) -> None:
     out.mkdir()
     proc = subprocess.run(
-        [*TORCHRUN, "--max-restarts", "1", str(SCRIPT), str(out), where],
+        [*TORCHRUN, "--max-restarts", "1", str(SCRIPT), str(out), where, *plan],
         capture_output=True,
         text=True,
         timeout=240,
@@ -88,3 +89,19 @@ def test_killed_replica_recovers_without_a_checkpoint(where: str, reference: Pat
         if part == "lr_schedulers":
             assert saved[part] == want[part]
     assert not list(tmp_path.glob("dapple-recovery/*/rank*.pt"))  # a finished run leaves no kept state
+
+
+def test_plan_auto_recovers_under_the_plan_it_trained_with(tmp_path: Path) -> None:
+    """After the restart, plan="auto" does not choose again (the kept state belongs to one plan)."""
+    out = tmp_path / "run"
+    train(out, "step", tmp_path, "auto")
+    log = (out / "log").read_text()
+    assert "plan='auto' takes the plan the job trained with" in log
+    assert "dapple: recovered step 5" in log
+    assert [(out / f"done-{r}").read_text() for r in range(3)] == ["10 1"] * 3
+    got = losses(out)
+    assert sorted(got) == list(range(10)) and all(len(runs) == 1 for runs in got.values())
+    # The restarted job prints the same plan table as the first attempt chose.
+    tables = re.findall(r"stage  layers  replicas  ranks\n((?:\d+ .*\n)+)", log)
+    assert len(tables) == 2 and tables[0] == tables[1], tables
+    # (Its losses are not compared with the reference's: another plan puts the dropout on other ranks.)

@@ -61,7 +61,7 @@ from dapple_lightning.strategy._memory import parse_memory, warn_if_over_budget,
 from dapple_lightning.strategy._pipelines import Buffers, Pipelines, broadcast_module
 from dapple_lightning.strategy._recovery import Recovery, RecoveryMode, is_active
 from dapple_lightning.strategy._refusals import check_before_start
-from dapple_lightning.strategy._resume import RECOVERED, begin, load_optimizers
+from dapple_lightning.strategy._resume import RECOVERED, begin, kept_plan, load_optimizers
 from dapple_lightning.strategy._step import MicroBatches, clip_grad_norm_over_stages
 from dapple_lightning.surgery import Chain, Cut
 
@@ -311,6 +311,8 @@ class DappleStrategy(Collectives):
         if trainer.state.fn != TrainerFn.FITTING:
             # Forward-only loops have no training batch to profile; every rank holds every layer.
             return Plan.data_parallel(len(chain), self.world_size)
+        if (kept := kept_plan(self._recovery, self._host_group)) is not None:
+            return kept  # after torchrun's restart: the plan the kept state belongs to
         assert self._steps is not None
         setting = AutoSetting(
             self.lightning_module,

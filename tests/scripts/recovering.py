@@ -1,8 +1,9 @@
 """Trains under torchrun with restarts and kills a stage-0 replica at one point of step 5, once.
 
-Usage: torchrun --nproc_per_node 3 --max-restarts 1 recovering.py OUT_DIR WHERE
-WHERE: none (the uninterrupted reference) | forward | backward | allreduce | optimizer, or stop
-(SIGSTOP in the forward: a hung rank, which only the heartbeat detects).
+Usage: torchrun --nproc_per_node 3 --max-restarts 1 recovering.py OUT_DIR WHERE [auto]
+WHERE: none (the uninterrupted reference) | forward | backward | allreduce | optimizer | step (at
+the start of training_step, in any stage), or stop (SIGSTOP in the forward: a hung rank, which
+only the heartbeat detects). With ``auto``, the plan is ``plan="auto"``'s.
 
 Plan 2:1 over an MLP: layers 0-3 on ranks 0 and 1, the rest (with a dropout, so the last stage's
 RNG state must come back too) on rank 2. Shuffled batches over 2.5 epochs and a per-step LR
@@ -85,6 +86,8 @@ class Model(models.MLP):
     def training_step(self, batch, batch_idx):
         global step
         step = self.trainer.global_step
+        if armed("step"):
+            die()
         return super().training_step(batch, batch_idx)
 
     def configure_optimizers(self):
@@ -106,7 +109,7 @@ plan = {"micro_batches": 2, "stages": [{"layers": [0, 4], "replicas": 2}, {"laye
 trainer = Trainer(
     accelerator="cpu",
     devices=3,
-    strategy=DappleStrategy(plan),
+    strategy=DappleStrategy("auto" if sys.argv[3:] == ["auto"] else plan),
     max_steps=STEPS,
     logger=False,
     enable_progress_bar=False,

@@ -36,10 +36,10 @@ def train(out: Path, where: str, tmp: Path, *plan: str) -> None:
     (out / "log").write_text(proc.stdout + proc.stderr)
 
 
-def losses(out: Path) -> dict[int, list[tuple[int, float]]]:
-    """By global step: (attempt, loss) of every time the step was trained."""
+def losses(out: Path, name: str = "losses.txt") -> dict[int, list[tuple[int, float]]]:
+    """By global step: (attempt, loss) of every time the step was trained (or validated after)."""
     by_step: dict[int, list[tuple[int, float]]] = {}
-    for line in (out / "losses.txt").read_text().split("\n"):
+    for line in (out / name).read_text().split("\n"):
         if line:
             attempt, step, loss = line.split()
             by_step.setdefault(int(step), []).append((int(attempt), float(loss)))
@@ -64,7 +64,7 @@ def reference(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("where", ["forward", "backward", "allreduce", "optimizer", "stop"])
+@pytest.mark.parametrize("where", ["forward", "backward", "allreduce", "optimizer", "validation", "stop"])
 def test_killed_replica_recovers_without_a_checkpoint(where: str, reference: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
     train(out, where, tmp_path)
@@ -74,9 +74,15 @@ def test_killed_replica_recovers_without_a_checkpoint(where: str, reference: Pat
     for step, runs in got.items():
         for attempt, loss in runs:  # every time a step was trained, it gave the uninterrupted run's loss
             assert loss == pytest.approx(expected[step][0][1], rel=1e-6, abs=0), (step, attempt)
-    # The kill interrupted step 5 (or, in the optimizer step, came after its update): only that step is redone.
+    # The kill interrupted step 5 (or came after its update: in the optimizer step, in the validation after
+    # it): only that step is redone.
     resumed = min(step for step, runs in got.items() if any(a == 1 for a, _ in runs))
-    assert resumed == (KILL_AT + 1 if where == "optimizer" else KILL_AT)
+    assert resumed == (KILL_AT + 1 if where in ("optimizer", "validation") else KILL_AT)
+    expected_val, got_val = losses(reference, "val.txt"), losses(out, "val.txt")
+    assert sorted(got_val) == sorted(expected_val) == [1, 3, 5, 7, 9]  # validation after every second step
+    for step, runs in got_val.items():
+        for attempt, loss in runs:
+            assert loss == pytest.approx(expected_val[step][0][1], rel=1e-6, abs=0), (step, attempt)
     assert all(len(runs) == 1 for step, runs in got.items() if step != KILL_AT)
     assert "dapple: recovered step" in (out / "log").read_text()
     saved = torch.load(out / "final.ckpt", map_location="cpu", weights_only=False)

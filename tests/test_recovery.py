@@ -98,7 +98,8 @@ def test_killed_replica_recovers_without_a_checkpoint(where: str, reference: Pat
 
 
 def test_plan_auto_recovers_under_the_plan_it_trained_with(tmp_path: Path) -> None:
-    """After the restart, plan="auto" does not choose again (the kept state belongs to one plan)."""
+    """After the restart, plan="auto" does not choose again (the kept state belongs to one plan). The
+    victim is a replica in the plan auto chose."""
     out = tmp_path / "run"
     train(out, "step", tmp_path, "auto")
     log = (out / "log").read_text()

@@ -49,8 +49,8 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator, Mapping
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
@@ -60,15 +60,15 @@ from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch.utils.data import BatchSampler, DataLoader, Sampler
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler, SequentialSampler
 
 __all__ = ["FORMAT", "EpochOrder", "Recovery", "RecoveryMode", "file_of", "is_active", "track"]
 
 RecoveryMode = bool | Literal["auto"]
 FORMAT = 1
 """Version of the files survivors write; a file of another version is not read."""
-_POLL = timedelta(seconds=0.2)
-"""How long one wait for the vote's decision lasts before the rank looks for a lost peer."""
+_POLL_MAX_S = 0.005
+"""The longest pause between two looks at the vote's decision."""
 _WINDOW_WAIT_S = 10.0
 """How long a lost peer's watcher waits for the main thread to reach a safe point from the window."""
 
@@ -83,13 +83,24 @@ def is_active(mode: RecoveryMode) -> bool:
 
 
 def file_of(rank: int) -> Path:
-    """Where ``rank`` writes its state: node-local, one directory per torchrun run
+    """Where ``rank`` writes its state: node-local, one directory per user and torchrun run
     (``DAPPLE_RECOVERY_DIR``, else ``/dev/shm`` where it exists, else the temporary directory)."""
     root = os.environ.get("DAPPLE_RECOVERY_DIR")
     if root is None:
         root = "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
     run = os.environ.get("TORCHELASTIC_RUN_ID", "none")
-    return Path(root) / "dapple-recovery" / run / f"rank{rank}.pt"
+    return Path(root) / f"dapple-recovery-{os.getuid()}" / run / f"rank{rank}.pt"
+
+
+def private_directory(path: Path) -> Path:
+    """``path`` created (mode 0700) or checked: the files in it are unpickled, so another user must
+    not be able to plant one there."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for part in (path, path.parent):
+        info = part.stat()
+        if info.st_uid != os.getuid() or info.st_mode & 0o022:
+            raise PermissionError(f"{part} must belong to this user and not be writable by others")
+    return path
 
 
 class Recovery:
@@ -104,6 +115,7 @@ class Recovery:
         self._fresh_sync()
         self._exit_at_safe_point = False  # SIGTERM or a lost peer arrived in the window
         self._writing = False  # a write is under way (a signal handler must not start another)
+        self._stop_after_write = False  # a SIGTERM came during the write
         self._trainer: Any = None
         self._identity: dict[str, Any] = {}
         self._snapshot: dict[str, Any] | None = None
@@ -111,6 +123,8 @@ class Recovery:
         self._votes = 0
         self._signals: Any = None
         self._unwrap: Any = None  # puts the precision plugin's closure hook back
+        self._buffers: dict[str, Any] = {}  # the module's buffers at the last safe point
+        self._timeout_s = 120.0
         self.order: EpochOrder | None = None
         """The training loader's order, whose epoch start the snapshot keeps."""
         self.recovered: dict[str, Any] | None = None
@@ -123,7 +137,7 @@ class Recovery:
 
     def __getstate__(self) -> dict[str, Any]:  # the strategy travels to spawned ranks before any fit
         state = self.__dict__.copy()
-        for name in ("_lock", "_written", "_lost", "_unwrap", "_trainer", "_store", "_signals"):
+        for name in ("_lock", "_written", "_lost", "_unwrap", "_trainer", "_store", "_signals", "_buffers"):
             state.pop(name)
         return state
 
@@ -131,6 +145,7 @@ class Recovery:
         self.__dict__.update(state)
         self._fresh_sync()
         self._unwrap = self._trainer = self._store = self._signals = None
+        self._buffers = {}
 
     # ------------------------------------------------------------------ set-up
 
@@ -145,6 +160,7 @@ class Recovery:
             return
         store = dist.distributed_c10d._get_default_store()
         self._store = dist.PrefixStore(f"dapple/vote/{identity['fit']}", store)
+        self._timeout_s = identity["timeout_s"]
         if trainer.accumulate_grad_batches != 1 or not trainer.lightning_module.automatic_optimization:
             rank_zero_warn(
                 "dapple: recovery needs automatic optimization without gradient accumulation (one optimizer step "
@@ -190,6 +206,7 @@ class Recovery:
             self._signals = None
         if self.active and not failed:
             file_of(self.rank).unlink(missing_ok=True)
+        self.recovered, self.order = None, None
         if self._unwrap is not None:
             self._unwrap()
             self._unwrap = None
@@ -203,7 +220,14 @@ class Recovery:
             return
         if self.recovered is not None:  # where the recovered step's snapshot was taken
             _set_rng_states(self.recovered["dapple_rng"])
+            # Lightning counts a restart after a validation as one at the end of a batch and steps this twice.
+            self._trainer.fit_loop.epoch_loop._batches_that_stepped = self.recovered["dapple_batches_that_stepped"]
             self.recovered = None
+            file_of(self.rank).unlink(missing_ok=True)  # restored: it must not come back after a later failure
+        if self._trainer.accumulate_grad_batches != 1:  # raised since the start (GradientAccumulationScheduler)
+            self.active = False
+            rank_zero_warn("dapple: gradient accumulation began, which recovery cannot follow; recovery is off")
+            return
         snapshot = self._take()
         with self._lock:
             self._snapshot, self._phase = snapshot, "step"
@@ -211,8 +235,16 @@ class Recovery:
             self.save_and_exit("the job is being stopped (a peer was lost)")
 
     def _take(self) -> dict[str, Any]:
+        """The step's small state; and the module's buffers (running statistics), which its forward
+        changes before the vote: a write must hold them as they were at the step's start."""
         trainer = self._trainer
         connector = trainer._checkpoint_connector
+        params = {id(p) for p in trainer.lightning_module.parameters()}
+        self._buffers = {
+            k: v.detach().clone()
+            for k, v in trainer.lightning_module.state_dict(keep_vars=True).items()
+            if id(v) not in params
+        }
         precision = trainer.strategy.precision_plugin
         return copy.deepcopy(
             {
@@ -224,6 +256,7 @@ class Recovery:
                 "precision": (type(precision).__qualname__, precision.state_dict()),
                 "rng": _collect_rng_states(include_cuda=torch.cuda.is_available()),
                 "order": None if self.order is None else self.order.position(trainer),
+                "batches_that_stepped": trainer.fit_loop.epoch_loop._batches_that_stepped,
             }
         )
 
@@ -244,14 +277,7 @@ class Recovery:
         if self._store.add(f"votes/{step}", 1) == self._identity["world"]:
             decision = self._store.compare_set(key, "", "commit")
         else:
-            decision = None
-            while decision is None:
-                try:
-                    self._store.wait([key], _POLL)
-                    decision = self._store.get(key)
-                except Exception:  # the wait timed out: is anyone lost?
-                    if self._lost.is_set() or self._exit_at_safe_point:
-                        decision = self._store.compare_set(key, "", "abort")
+            decision = self._await(key)
         if self.rank == 0 and step >= 2:  # every rank has voted on step - 1, so step - 2's keys are done with
             for old in (f"votes/{step - 2}", f"decision/{step - 2}"):
                 self._store.delete_key(old)
@@ -261,6 +287,17 @@ class Recovery:
             raise RuntimeError(
                 f"dapple: a peer was lost before every rank reached the optimizer step of step {step}; no rank steps"
             )
+
+    def _await(self, key: str) -> bytes:
+        """The decision, once the last rank made it; ``abort`` (made here) once a peer is known lost or the
+        process group's timeout passed. Polled (a timed-out store wait logs a warning each time), with a
+        pause that grows from a fraction of a millisecond, so the last vote is seen at once."""
+        deadline, pause = time.monotonic() + self._timeout_s, 1e-4
+        while not self._store.check([key]):
+            if self._lost.wait(pause) or self._exit_at_safe_point or time.monotonic() > deadline:
+                return self._store.compare_set(key, "", "abort")
+            pause = min(2 * pause, _POLL_MAX_S)
+        return self._store.get(key)
 
     # ------------------------------------------------------------------ a loss
 
@@ -288,15 +325,16 @@ class Recovery:
         self._lost.set()
         if self.active:
             with self._lock:
-                in_step = self._phase == "step"
-            if in_step:
-                self.save_and_exit(reason)
-            self._exit_at_safe_point = True
-            self._written.wait(_WINDOW_WAIT_S)  # the main thread writes at its safe point, then ends
+                if self._phase == "step":
+                    self.save_and_exit(reason)  # under the lock: the main thread cannot start an update
+                self._exit_at_safe_point = True
+            self._written.wait(_WINDOW_WAIT_S)  # the main thread writes where it can, then ends
+            self.save_and_exit(reason)  # waits for a write under way (it holds the lock); writes if it can
         _end(self.rank, reason)
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
-        if self._writing:  # the handler interrupted this thread's own write: let it finish; the failure path ends
+        if self._writing:  # the handler interrupted this thread's own write: let it finish, then end
+            self._stop_after_write = True
             return
         with self._lock:  # reentrant: the main thread may hold it, in which case its phase is consistent
             if self._phase == "step" or self._phase == "idle":
@@ -320,20 +358,23 @@ class Recovery:
             **self._identity,
             "step": self._snapshot["global_step"],
             "snapshot": self._snapshot,
-            "state_dict": {k: v.detach().cpu() for k, v in module.state_dict().items()},
+            "state_dict": {k: self._buffers.get(k, v).detach().cpu() for k, v in module.state_dict().items()},
             "optimizer_states": [_to_cpu(o.state_dict()) for o in strategy.optimizers],
         }
         path = file_of(self.rank)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+            private_directory(path.parent)
             torch.save(state, tmp)  # the page cache outlives the process: no fsync needed for a restart
             os.replace(tmp, path)  # a rank killed mid-write leaves the previous file whole
-        except OSError as error:
+        except Exception as error:  # a full /dev/shm raises RuntimeError from torch.save, not OSError
+            tmp.unlink(missing_ok=True)
             sys.stderr.write(f"dapple: rank {self.rank} could not keep its state for recovery in {path}: {error}\n")
         finally:
             self._written.set()
             self._writing = False
+        if self._stop_after_write:  # torchrun is stopping the attempt: the failure path would only delay it
+            _end(self.rank, "torchrun stopped this attempt")
 
 
 class EpochOrder(Sampler):
@@ -373,10 +414,18 @@ class EpochOrder(Sampler):
 
 def track(dataloader: object, pending: Mapping[str, Any] | None) -> EpochOrder | None:
     """Put an :class:`EpochOrder` under ``dataloader``'s batch sampler (once); ``None`` where the
-    loader has no plain ``BatchSampler`` to put it under (its epoch then restarts, as Lightning warns)."""
+    order cannot be told again: no plain ``BatchSampler`` over a map-style dataset, a loader that
+    restores its own position (Lightning's stateful ones), or a sampler whose order is drawn from
+    the global RNG (neither sequential nor with a ``generator``). Its epoch then restarts from its
+    first batch after a recovery, as Lightning warns."""
     if not isinstance(dataloader, DataLoader) or type(dataloader.batch_sampler) is not BatchSampler:
         return None
+    if isinstance(dataloader.dataset, IterableDataset) or callable(getattr(dataloader, "load_state_dict", None)):
+        return None
     batches = dataloader.batch_sampler
+    inner = batches.sampler.inner if isinstance(batches.sampler, EpochOrder) else batches.sampler
+    if not isinstance(inner, SequentialSampler) and not isinstance(getattr(inner, "generator", None), torch.Generator):
+        return None
     if not isinstance(batches.sampler, EpochOrder):
         batches.sampler = EpochOrder(batches.sampler, batches.batch_size)
     if pending is not None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from itertools import count
 from typing import Any
 
 import lightning.pytorch as pl
@@ -30,13 +29,13 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from dapple_lightning.plan import Plan
-from dapple_lightning.strategy._recovery import FORMAT, Recovery, file_of, is_active
+from dapple_lightning.strategy._recovery import FORMAT, Recovery, file_of, is_active, private_directory
 
 __all__ = ["RECOVERED", "begin", "kept_plan", "load_optimizers", "recover"]
 
 RECOVERED = "dapple_recovered_step"
 """Key of a checkpoint dict built from recovered state (each rank's part only)."""
-_fits = count()  # one vote namespace per fit of a process; the same on every rank
+_fits = 0  # fits begun in this process: a vote namespace per fit, the same on every rank
 
 
 def begin(recovery: Recovery, trainer: Any, plan: Plan, group: Any) -> None:
@@ -49,8 +48,12 @@ def begin(recovery: Recovery, trainer: Any, plan: Plan, group: Any) -> None:
         "world": world,
         "rank": rank,
         "stage": plan.stage_of(rank),
-        "fit": next(_fits),
+        "fit": _take_fit(),
+        "timeout_s": trainer.strategy._timeout.total_seconds(),
     }
+    if not _restarted():  # a first attempt: anything kept under this run's name is another job's or stale
+        for stale in file_of(rank).parent.glob(f"*rank{rank}.pt*"):
+            stale.unlink(missing_ok=True)
     recovery.start(trainer, identity)
     if not recovery.active or not _restarted():
         return
@@ -59,6 +62,12 @@ def begin(recovery: Recovery, trainer: Any, plan: Plan, group: Any) -> None:
         recovery.resume_from(checkpoint)
         # Lightning restores from it as from a checkpoint file: its strategy.setup comes before the restore.
         trainer._checkpoint_connector._loaded_checkpoint = checkpoint
+
+
+def _take_fit() -> int:
+    global _fits
+    _fits += 1
+    return _fits - 1
 
 
 def _restarted() -> bool:
@@ -71,12 +80,13 @@ def kept_plan(recovery: Recovery, group: Any) -> Plan | None:
     if not is_active(recovery.mode) or not _restarted():
         return None
     path, mine = file_of(dist.get_rank()), None
-    if path.is_file():
+    if path.is_file() and private_directory(path.parent):
         try:  # memory-mapped: the tensors are not read
             state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
         except Exception:  # a torn file: as if it were not there
             state = {}
-        if state.get("format") == FORMAT and state.get("run") == os.environ.get("TORCHELASTIC_RUN_ID"):
+        same_job = state.get("run") == os.environ.get("TORCHELASTIC_RUN_ID") and state.get("fit") == _fits
+        if state.get("format") == FORMAT and same_job and state.get("world") == dist.get_world_size():
             mine = state.get("plan")
     plans: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(plans, mine, group=group)
@@ -126,12 +136,15 @@ def _read(rank: int, identity: Mapping[str, Any]) -> dict[str, Any] | None:
     path = file_of(rank)
     if not path.is_file():
         return None
+    private_directory(path.parent)  # refuses a directory another user could have planted a file in
     try:
         state = torch.load(path, map_location="cpu", weights_only=False)  # this run's own file
     except Exception as error:  # a torn or foreign file: as if it were not there
         rank_zero_warn(f"dapple: could not read the kept state {path}: {error}")
         return None
-    same = state.get("format") == FORMAT and all(state.get(k) == identity[k] for k in ("run", "plan", "world", "stage"))
+    same = state.get("format") == FORMAT and all(
+        state.get(k) == identity[k] for k in ("run", "plan", "world", "stage", "fit")
+    )
     return state if same else None
 
 
@@ -155,6 +168,7 @@ def _as_checkpoint(state: Mapping[str, Any], step: int) -> dict[str, Any]:
         RECOVERED: step,
         "dapple_rng": snapshot["rng"],
         "dapple_order": snapshot["order"],
+        "dapple_batches_that_stepped": snapshot["batches_that_stepped"],
     }
     precision, precision_state = snapshot["precision"]
     if precision_state:

@@ -324,7 +324,7 @@ class DappleStrategy(Collectives):
             self.precision_plugin.train_step_context,
             self._memory_limit,
         )
-        chosen = choose_automatically(setting, draw_global_batch(trainer, self.batch_to_device), chain)
+        chosen = choose_automatically(setting, draw_global_batch(trainer, super().batch_to_device), chain)
         rank_zero_info(chosen.report())
         self.auto_plan = chosen
         return chosen.plan

@@ -32,13 +32,15 @@ from dapple_lightning import DappleStrategy
 
 out, where = Path(sys.argv[1]), sys.argv[2]
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-VICTIM, KILL_AT = 1, 5  # a replica of stage 0; the sixth optimizer step
+AUTO = sys.argv[3:] == ["auto"]
+KILL_AT = 5  # the sixth optimizer step
+victim = 1  # a replica of stage 0 (under plan="auto": the last rank of the first stage with replicas)
 STEPS = 10
 step = 0  # the global step being trained
 
 
 def armed(point: str) -> bool:
-    return where == point and ATTEMPT == 0 and int(os.environ["RANK"]) == VICTIM and step == KILL_AT
+    return where == point and ATTEMPT == 0 and int(os.environ["RANK"]) == victim and step == KILL_AT
 
 
 def die() -> None:
@@ -86,8 +88,11 @@ class Model(models.MLP):
         self.layers = nn.Sequential(*layers[:2], Trap(), *layers[2:6], nn.Dropout(0.2), layers[6])
 
     def training_step(self, batch, batch_idx):
-        global step
+        global step, victim
         step = self.trainer.global_step
+        plan = self.trainer.strategy.plan  # None while plan="auto" profiles
+        if AUTO and plan is not None:
+            victim = next((plan.stage_ranks(s)[-1] for s, st in enumerate(plan.stages) if st.replicas > 1), None)
         if armed("step"):
             die()
         return super().training_step(batch, batch_idx)
@@ -121,7 +126,7 @@ plan = {"micro_batches": 2, "stages": [{"layers": [0, 4], "replicas": 2}, {"laye
 trainer = Trainer(
     accelerator="cpu",
     devices=3,
-    strategy=DappleStrategy("auto" if sys.argv[3:] == ["auto"] else plan),
+    strategy=DappleStrategy("auto" if AUTO else plan),
     max_steps=STEPS,
     logger=False,
     enable_progress_bar=False,

@@ -241,6 +241,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="recovery: launches per mode, interleaved")
     parser.add_argument("--steps", type=int, default=14, help="recovery: steps of the job")
     parser.add_argument("--kill-at", type=int, default=8, help="recovery: the step whose forward the kill interrupts")
+    parser.add_argument("--part", choices=["both", "overhead", "recovery"], default="both", help="what to measure")
     parser.add_argument("--keep", type=Path, help="keep the launches' events and logs in this folder")
     args = parser.parse_args()
     if not 0 < args.warmup < args.overhead_steps - 2 or not CHECKPOINT_EVERY < args.kill_at < args.steps:
@@ -248,22 +249,29 @@ def main() -> None:
             f"need 0 < --warmup < --overhead-steps - 2 and {CHECKPOINT_EVERY} < --kill-at < --steps "
             f"(got {args.warmup}, {args.overhead_steps}, {args.kill_at}, {args.steps})"
         )
-    began = time.time()
+    began, load_before = time.time(), load_average()
     with tempfile.TemporaryDirectory(prefix="dapple-recovery-bench-") as tmp:
         work = args.keep or Path(tmp)
         runs: dict[str, list[dict[str, Any]]] = {"recover": [], "checkpoint": []}
-        for i in range(args.repeats):
+        for i in range(args.repeats if args.part != "overhead" else 0):
             for mode in ("recover", "checkpoint") if i % 2 == 0 else ("checkpoint", "recover"):
                 runs[mode].append(recovery_run(work / f"{mode}-{i}", mode, args.steps, args.kill_at))
                 print(
                     f"{mode} {i}: step {args.kill_at} again {runs[mode][-1]['again']:.2f} s after the kill", flush=True
                 )
-        result = overhead(work, args.rounds, args.overhead_steps, args.warmup)
-    show_overhead(result)
-    show_recovery(runs, args.kill_at)
-    with open("/proc/loadavg") as f:
-        load = f.read().split()[0]
-    print(f"\nwhole benchmark {time.time() - began:.0f} s; load average at the end: {load} on {os.cpu_count()} cores")
+        if args.part != "recovery":
+            show_overhead(overhead(work, args.rounds, args.overhead_steps, args.warmup))
+    if args.part != "overhead":
+        show_recovery(runs, args.kill_at)
+    print(
+        f"\nwhole benchmark {time.time() - began:.0f} s; load average {load_before} at the start, "
+        f"{load_average()} at the end, on {os.cpu_count()} cores"
+    )
+
+
+def load_average() -> str:
+    """The 1-minute load average: how busy the shared machine was."""
+    return Path("/proc/loadavg").read_text().split()[0]
 
 
 if __name__ == "__main__":

@@ -56,15 +56,18 @@ PHASES = [
 def launch(out: Path, mode: str, steps: int, kill_at: int, rounds: int = 1) -> float:
     """Runs the job under torchrun; its wall time. Raises with the log's tail if it fails."""
     out.mkdir(parents=True)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "DAPPLE_RECOVERY_DIR": str(out)}
-    start = time.time()
-    proc = subprocess.run(
-        [*TORCHRUN, str(JOB), str(out), mode, str(steps), str(kill_at), str(rounds)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
+    # The survivors' state goes where it goes by default (/dev/shm), in a folder of this launch's own.
+    shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+    with tempfile.TemporaryDirectory(prefix="dapple-recovery-bench-", dir=shm) as kept:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "DAPPLE_RECOVERY_DIR": kept}
+        start = time.time()
+        proc = subprocess.run(
+            [*TORCHRUN, str(JOB), str(out), mode, str(steps), str(kill_at), str(rounds)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env=env,
+        )
     (out / "log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         raise RuntimeError(f"{mode} launch failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")

@@ -20,7 +20,7 @@ momentum; plan 2:1, M = 2: four layers on ranks 0 and 1, two on rank 2) under
    restarted job completes and to the end of the interrupted step, with the phases in between
    from the ranks' event times (each phase ends when the last rank reaches its event).
 
-    python benchmarks/recovery.py                 # about 5 minutes on 2 busy cores
+    python benchmarks/recovery.py                 # about 6 minutes on 2 busy cores
     python benchmarks/recovery.py --rounds 2 --repeats 1 --overhead-steps 12   # smoke run
 """
 

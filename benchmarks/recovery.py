@@ -27,10 +27,12 @@ momentum; plan 2:1, M = 2: four layers on ranks 0 and 1, two on rank 2) under
 from __future__ import annotations
 
 import argparse
+import datetime
 import itertools
 import json
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -154,9 +156,14 @@ def recovery_run(out: Path, mode: str, steps: int, kill_at: int) -> dict[str, An
         "phases": phases,
         "wall": wall,
     }
-    kept = [at for name, at in after[0].items() if name.startswith("kept ")]
-    if kept:
-        result["kept"] = max(kept) - killed
+    for name, at in after[0].items():
+        if name.startswith("kept "):  # "kept <rank>": when that survivor's state file was written
+            result[f"kept-{name.split()[1]}"] = at - killed
+    log = (out / "log").read_text()
+    for key, marker in (("sigterm", "closing signal SIGTERM"), ("ended", "failed (exitcode")):
+        at = agent_time(log, marker, killed)
+        if at is not None:
+            result[key] = at - killed
     before = events(out, 0, 0)
     if "saved" in before:
         result["save"] = before["saved"] - before["saving"]
@@ -168,6 +175,18 @@ def bootstrap_median(values: list[float], draws: int = 2000) -> tuple[float, flo
     rng = random.Random(0)
     medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(draws))
     return medians[draws // 20], medians[draws - 1 - draws // 20]
+
+
+def agent_time(log: str, marker: str, near: float) -> float | None:
+    """``time.time()`` of the first line of torchrun's agent log holding ``marker`` (its prefix is
+    glog's ``W1203 09:44:24.044000``: month, day and local time), on the day of ``near``."""
+    for line in log.splitlines():
+        found = re.match(r"[IWE](\d\d)(\d\d) (\d\d):(\d\d):(\d\d\.\d+)", line)
+        if found and marker in line:
+            month, day, hour, minute = (int(v) for v in found.groups()[:4])
+            day_of = datetime.datetime.fromtimestamp(near).replace(month=month, day=day, hour=hour, minute=minute)
+            return day_of.replace(second=0, microsecond=0).timestamp() + float(found.group(5))
+    return None
 
 
 def show_overhead(result: dict[str, Any]) -> None:
@@ -226,7 +245,10 @@ def show_recovery(runs: dict[str, list[dict[str, Any]]], kill_at: int) -> None:
     for name, title in PHASES:
         row(f"- {title}", lambda x, name=name: x["phases"][name])
     row(f"- steps from the restored state to the end of step {kill_at}", lambda x: x["phases"]["steps"])
-    row("survivors' state written (last file)", lambda x: x.get("kept"))
+    row("torchrun's SIGTERM to the survivors (its log)", lambda x: x.get("sigterm"))
+    row("rank 2's state written (its file's time)", lambda x: x.get("kept-2"))
+    row("rank 0's state written (its file's time)", lambda x: x.get("kept-0"))
+    row("the attempt's end (torchrun's log)", lambda x: x.get("ended"))
     row("a checkpoint save, before the kill", lambda x: x.get("save"))
     lost = {mode: sorted({x["lost"] for x in runs[mode]}) for mode in runs}
     print(f"| completed steps trained again (besides step {kill_at}) | {lost['recover']} | {lost['checkpoint']} |")

@@ -3,6 +3,9 @@ given by hand (with the stage and the numbers)."""
 
 from __future__ import annotations
 
+import inspect
+import time
+
 import pytest
 import torch
 
@@ -13,6 +16,7 @@ from dapple_lightning.strategy._memory import predicted_memory
 from dapple_lightning.surgery import find_chain
 
 import models
+from harness import fit
 
 TWO_STAGES = Plan.coerce({"micro_batches": 2, "stages": [{"layers": [0, 5]}, {"layers": [5, 7]}]})
 
@@ -74,3 +78,24 @@ def test_a_given_plan_is_priced_per_stage_and_the_stages_over_the_limit_are_name
     assert message is not None and "stage 0 (layers 0-4)" in message and "stage 1" not in message
     assert format_bytes(peaks[0]) in message and "more micro-batches" in message
     assert over_budget(plan, peaks, peaks[0]) is None
+
+
+class SlowToProfile(models.MLP):
+    """Rank 0 prices a given plan against memory_limit alone; here that takes longer than the process
+    group's timeout (a large model would), while training itself is quick."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers[1] = _SlowWhilePriced()
+
+
+class _SlowWhilePriced(torch.nn.Tanh):
+    def forward(self, x):
+        if any(frame.function == "predicted_memory" for frame in inspect.stack(0)):
+            time.sleep(1.0)  # stands for a large layer's work, not for synchronisation
+        return super().forward(x)
+
+
+def test_the_other_ranks_wait_past_the_timeout_while_rank_0_prices_a_given_plan(tmp_path):
+    metrics, _ = fit(SlowToProfile, tmp_path, plan=TWO_STAGES, strategy_kwargs={"memory_limit": "1GiB", "timeout": 2})
+    assert len(metrics["train_loss"]) == 4  # both ranks trained past rank 0's pricing (several seconds)

@@ -9,7 +9,7 @@ shared evenly by the node's ranks).
 it). A plan given by hand is the user's call, so it is not refused: rank 0 profiles the layers
 once on a micro-batch of the first training batch (the meters of ``planner._memory``: saved
 bytes, peaks, the optimizer's real state), prices the plan with the cost model and warns, naming
-each stage over the budget with its numbers. It runs where the module is when the strategy sets
+each stage over the budget with its numbers, while the other ranks wait in the launcher's store. It runs where the module is when the strategy sets
 up (before the cut, so usually the CPU); it is a prediction, not a measurement of the device.
 
 **The trace.** :func:`write_trace` gathers every rank's timeline on rank 0 and writes the Chrome
@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import warnings
 from functools import partial
+from itertools import count
 from typing import Any
 
+import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -34,9 +36,12 @@ from dapple_lightning.planner import Cluster, estimate, over_budget, parse_memor
 from dapple_lightning.runtime import Timeline, write_chrome_trace
 from dapple_lightning.strategy._auto_blocks import BlockChain
 from dapple_lightning.strategy._checkpoint import gather_on_zero
+from dapple_lightning.strategy._failures import HOST_WAIT
 from dapple_lightning.surgery import Chain, capture_input, set_submodule, unchanged
 
 __all__ = ["parse_memory", "predicted_memory", "warn_if_over_budget", "write_trace"]
+
+_checks = count()  # one store key per check in a process; the same sequence on every rank
 
 
 def predicted_memory(module: nn.Module, chain: Chain, plan: Plan, batch: Any) -> tuple[float, ...]:
@@ -72,9 +77,25 @@ def predicted_memory(module: nn.Module, chain: Chain, plan: Plan, batch: Any) ->
 def warn_if_over_budget(module: Any, chain: Chain, plan: Plan, trainer: Any, limit: float | None) -> None:
     """When fitting with a ``limit``, on rank 0: warn when ``plan`` is predicted over ``limit``
     bytes per rank on the first training batch (the loader's order is left as it was); say the
-    prediction otherwise."""
-    if limit is None or trainer.state.fn != TrainerFn.FITTING or trainer.global_rank != 0:
+    prediction otherwise. The other ranks wait for it in the launcher's store, for up to
+    :data:`~._failures.HOST_WAIT`: profiling a large model may take longer than the process
+    group's timeout, which their next collective would otherwise hit."""
+    if limit is None or trainer.state.fn != TrainerFn.FITTING:
         return
+    done = f"dapple/memory_check/{next(_checks)}"
+    store = dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
+    if trainer.global_rank != 0:
+        if store is not None:
+            store.wait([done], HOST_WAIT)
+        return
+    try:
+        _predict_and_warn(module, chain, plan, trainer, limit)
+    finally:  # also when it failed: rank 0's error then ends the job, not the others' wait
+        if store is not None:
+            store.set(done, "1")
+
+
+def _predict_and_warn(module: Any, chain: Chain, plan: Plan, trainer: Any, limit: float) -> None:
     if any(p.is_meta for p in module.parameters()):
         rank_zero_info("dapple memory_limit: the model is on the meta device, so the plan's memory is not predicted")
         return

@@ -18,16 +18,21 @@ fail on another when a third dies in it.
 
 The phases of a rank, and what a failure in each leaves:
 
-=========  =====================================================  ==============================
+=========  =====================================================  ================================
 phase      from / to                                              on a lost peer
-=========  =====================================================  ==============================
+=========  =====================================================  ================================
 idle       setup / the first safe point                           nothing to keep: from the start
-step       a safe point / the vote                                write params + snapshot
-window     the vote / the next safe point                         defer to the safe point, or
-                                                                  nothing when a collective
-                                                                  there fails (validation, a
-                                                                  checkpoint save): see README
-=========  =====================================================  ==============================
+step       a safe point / the vote                                write params + the snapshot
+window     the vote / the end of the optimizer's update           wait for the update's end
+after      the update's end / the next safe point (Lightning's    write params + Lightning's state
+           bookkeeping, callbacks, validation, checkpoints)       as it is then (*)
+=========  =====================================================  ================================
+
+(*) A collective fails in the ``after`` phase only once Lightning's bookkeeping of the update is
+done (in a callback, validation, a checkpoint save), and Lightning restores a loop state taken
+there as it restores a checkpoint saved there (``restarted_on_train_batch_end``,
+``restarted_mid_evaluation``). A SIGTERM or a lost peer seen by the heartbeat there waits for the
+main thread instead: it may arrive between the update and its bookkeeping.
 
 A rank learns of a loss three ways: a collective raises in the main thread (the strategy's
 ``on_exception``), the heartbeat thread sees a stale peer (the main thread may be blocked in a
@@ -95,10 +100,8 @@ class Recovery:
         is_active(mode)  # validates
         self.active = False
         self.rank = 0
-        self._phase: Literal["idle", "step", "window"] = "idle"
-        self._lock = threading.RLock()
-        self._written = threading.Event()  # this rank wrote its state (or found it could not)
-        self._lost = threading.Event()  # a peer is known lost
+        self._phase: Literal["idle", "step", "window", "after"] = "idle"
+        self._fresh_sync()
         self._exit_at_safe_point = False  # SIGTERM or a lost peer arrived in the window
         self._writing = False  # a write is under way (a signal handler must not start another)
         self._trainer: Any = None
@@ -107,11 +110,27 @@ class Recovery:
         self._store: Any = None
         self._votes = 0
         self._signals: Any = None
-        self._unwrap: Any = lambda: None
+        self._unwrap: Any = None  # puts the precision plugin's closure hook back
         self.order: EpochOrder | None = None
         """The training loader's order, whose epoch start the snapshot keeps."""
         self.recovered: dict[str, Any] | None = None
         """After a restart: the checkpoint dict recovered for this rank, until the first safe point."""
+
+    def _fresh_sync(self) -> None:
+        self._lock = threading.RLock()
+        self._written = threading.Event()  # this rank wrote its state (or found it could not)
+        self._lost = threading.Event()  # a peer is known lost
+
+    def __getstate__(self) -> dict[str, Any]:  # the strategy travels to spawned ranks before any fit
+        state = self.__dict__.copy()
+        for name in ("_lock", "_written", "_lost", "_unwrap", "_trainer", "_store", "_signals"):
+            state.pop(name)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._fresh_sync()
+        self._unwrap = self._trainer = self._store = self._signals = None
 
     # ------------------------------------------------------------------ set-up
 
@@ -139,7 +158,14 @@ class Recovery:
         precision = trainer.strategy.precision_plugin
         after_closure = precision._after_closure
         precision._after_closure = lambda model, optimizer: (after_closure(model, optimizer), self._vote())
-        self._unwrap = lambda: vars(precision).pop("_after_closure", None)
+        hooks = [o.register_step_post_hook(self._updated) for o in trainer.strategy.optimizers]
+
+        def unwrap() -> None:
+            vars(precision).pop("_after_closure", None)
+            for hook in hooks:
+                hook.remove()
+
+        self._unwrap = unwrap
 
     def resume_from(self, checkpoint: dict[str, Any]) -> None:
         """Train on from a recovered ``checkpoint``: its RNG states at the first safe point, its data
@@ -164,7 +190,9 @@ class Recovery:
             self._signals = None
         if self.active and not failed:
             file_of(self.rank).unlink(missing_ok=True)
-        self._unwrap()
+        if self._unwrap is not None:
+            self._unwrap()
+            self._unwrap = None
         self.active = False
 
     # ------------------------------------------------------------------ the step
@@ -199,12 +227,18 @@ class Recovery:
             }
         )
 
+    def _updated(self, *args: Any) -> None:
+        """Optimizer step post-hook: the update is done; Lightning's bookkeeping of it follows."""
+        if self.active:
+            with self._lock:
+                self._phase = "after"
+
     def _vote(self) -> None:
         """Before the optimizer's update: go on only if every rank reached this point (see the module docstring)."""
         if not self.active or self._snapshot is None:
             return
         with self._lock:
-            self._phase = "window"  # a write from now on waits for the next safe point
+            self._phase = "window"  # a write from now on waits for the end of the update
         step = self._snapshot["global_step"]
         key = f"decision/{step}"
         if self._store.add(f"votes/{step}", 1) == self._identity["world"]:
@@ -236,13 +270,17 @@ class Recovery:
             return
         self._lost.set()
         with self._lock:
+            if self._phase == "after":  # the update and its bookkeeping are done: Lightning's state as it is
+                self._snapshot = self._take()
+                if self._trainer.validating:
+                    _inside_a_batch(self._snapshot["loops"]["fit_loop"]["epoch_loop.val_loop.batch_progress"])
+                self._phase = "step"
             if self._phase == "step":
                 self._write()
             elif self._phase == "window" and not self._written.is_set():
                 sys.stderr.write(
-                    f"dapple: rank {self.rank} failed between an optimizer step and the next batch (validation, a "
-                    "checkpoint save or a hook that talks to other ranks); its state is not one step's, so it is not "
-                    "kept for recovery\n"
+                    f"dapple: rank {self.rank} failed inside its optimizer's update; its state is not one step's, so "
+                    "it is not kept for recovery\n"
                 )
 
     def on_peer_lost(self, reason: str) -> None:
@@ -312,7 +350,8 @@ class EpochOrder(Sampler):
 
     def position(self, trainer: Any) -> dict[str, Any]:
         """Where the epoch stands at a safe point: its order's seed state and the batches done."""
-        done = trainer.fit_loop.epoch_loop.batch_progress.current.completed
+        # Processed, not completed: a state taken in on_train_batch_end is restored with the batch completed.
+        done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
         return {"generator": self.epoch_start, "skip": done}
 
     def __iter__(self) -> Iterator[Any]:
@@ -343,6 +382,16 @@ def track(dataloader: object, pending: Mapping[str, Any] | None) -> EpochOrder |
     if pending is not None:
         batches.sampler.resume(pending)
     return batches.sampler
+
+
+def _inside_a_batch(progress: dict[str, Any]) -> None:
+    """A validation run's progress taken between two of its batches (a collective failed as the next
+    one moved) as if taken inside the next: Lightning then finishes the run after the restore, as the
+    uninterrupted run did, instead of counting it done (what it does for a state saved before it)."""
+    for counts in (progress["total"], progress["current"]):
+        if counts["ready"] == counts["started"] == counts["processed"] == counts["completed"]:
+            counts["ready"] += 1
+            counts["started"] += 1
 
 
 def _to_cpu(obj: Any) -> Any:

@@ -30,9 +30,9 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from dapple_lightning.plan import Plan
-from dapple_lightning.strategy._recovery import FORMAT, Recovery, file_of
+from dapple_lightning.strategy._recovery import FORMAT, Recovery, file_of, is_active
 
-__all__ = ["RECOVERED", "begin", "load_optimizers", "recover"]
+__all__ = ["RECOVERED", "begin", "kept_plan", "load_optimizers", "recover"]
 
 RECOVERED = "dapple_recovered_step"
 """Key of a checkpoint dict built from recovered state (each rank's part only)."""
@@ -52,13 +52,39 @@ def begin(recovery: Recovery, trainer: Any, plan: Plan, group: Any) -> None:
         "fit": next(_fits),
     }
     recovery.start(trainer, identity)
-    if not recovery.active or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
+    if not recovery.active or not _restarted():
         return
     checkpoint = recover(identity, plan, group)
     if checkpoint is not None:
         recovery.resume_from(checkpoint)
         # Lightning restores from it as from a checkpoint file: its strategy.setup comes before the restore.
         trainer._checkpoint_connector._loaded_checkpoint = checkpoint
+
+
+def _restarted() -> bool:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+
+
+def kept_plan(recovery: Recovery, group: Any) -> Plan | None:
+    """``plan="auto"`` after torchrun's restart: the plan the job trained with, from any rank's kept
+    state, rather than a new choice the kept state would not fit (collective over every rank)."""
+    if not is_active(recovery.mode) or not _restarted():
+        return None
+    path, mine = file_of(dist.get_rank()), None
+    if path.is_file():
+        try:  # memory-mapped: the tensors are not read
+            state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        except Exception:  # a torn file: as if it were not there
+            state = {}
+        if state.get("format") == FORMAT and state.get("run") == os.environ.get("TORCHELASTIC_RUN_ID"):
+            mine = state.get("plan")
+    plans: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(plans, mine, group=group)
+    found = next((p for p in plans if p is not None), None)
+    if found is None:
+        return None
+    rank_zero_info("dapple: plan='auto' takes the plan the job trained with before torchrun restarted it (kept state)")
+    return Plan.from_yaml(found)
 
 
 def recover(identity: Mapping[str, Any], plan: Plan, group: Any) -> dict[str, Any] | None:

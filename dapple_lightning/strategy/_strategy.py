@@ -61,7 +61,7 @@ from dapple_lightning.strategy._memory import parse_memory, warn_if_over_budget,
 from dapple_lightning.strategy._pipelines import Buffers, Pipelines, broadcast_module
 from dapple_lightning.strategy._recovery import Recovery, RecoveryMode, is_active
 from dapple_lightning.strategy._refusals import check_before_start
-from dapple_lightning.strategy._resume import RECOVERED, begin, load_optimizers
+from dapple_lightning.strategy._resume import RECOVERED, begin, kept_plan, load_optimizers
 from dapple_lightning.strategy._step import MicroBatches, clip_grad_norm_over_stages
 from dapple_lightning.surgery import Chain, Cut
 
@@ -311,6 +311,8 @@ class DappleStrategy(Collectives):
         if trainer.state.fn != TrainerFn.FITTING:
             # Forward-only loops have no training batch to profile; every rank holds every layer.
             return Plan.data_parallel(len(chain), self.world_size)
+        if (kept := kept_plan(self._recovery, self._host_group)) is not None:
+            return kept  # after torchrun's restart: the plan the kept state belongs to
         assert self._steps is not None
         setting = AutoSetting(
             self.lightning_module,
@@ -346,12 +348,14 @@ class DappleStrategy(Collectives):
 
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
-        """Rank 0's batch on every rank, compared on the host before it moves (``_batch``)."""
-        if device is None and self._pipeline is not None:
-            if self.lightning_module.trainer.training:
-                self._recovery.safe_point()
-            batch = self._same_batch(batch, self._host_group)
-        return super().batch_to_device(batch, device, dataloader_idx)
+        """Rank 0's batch on every rank, compared on the host, and left there: each micro-batch's rows
+        move to the device on the rank that computes them (``_batch``, ``_step``)."""
+        if device is not None or self._pipeline is None or self._steps is None:
+            return super().batch_to_device(batch, device, dataloader_idx)
+        if self.lightning_module.trainer.training:
+            self._recovery.safe_point()
+        self._steps.dataloader_idx = dataloader_idx
+        return self._same_batch(batch, self._host_group)
 
     @override
     def process_dataloader(self, dataloader: object) -> object:

@@ -1,12 +1,16 @@
 """Trains under torchrun with restarts and kills a stage-0 replica at one point of step 5, once.
 
-Usage: torchrun --nproc_per_node 3 --max-restarts 1 recovering.py OUT_DIR WHERE
-WHERE: none (the uninterrupted reference) | forward | backward | allreduce | optimizer.
+Usage: torchrun --nproc_per_node 3 --max-restarts 1 recovering.py OUT_DIR WHERE [auto]
+WHERE: none (the uninterrupted reference) | forward | backward | allreduce | optimizer | step (at
+the start of training_step, in any stage) | validation (in the validation run after step 5's
+update), or stop (SIGSTOP in the forward: a hung rank, which only the heartbeat detects). With
+``auto``, the plan is ``plan="auto"``'s.
 
 Plan 2:1 over an MLP: layers 0-3 on ranks 0 and 1, the rest (with a dropout, so the last stage's
 RNG state must come back too) on rank 2. Shuffled batches over 2.5 epochs and a per-step LR
-schedule, so the data order, the scheduler and the optimizer's momentum must all come back. Rank 0
-appends ``attempt step loss`` to ``losses.txt`` after every step; after ``fit`` every rank saves
+schedule, so the data order, the scheduler and the optimizer's momentum must all come back; a
+validation run every 2 batches. Rank 0 appends ``attempt step loss`` to ``losses.txt`` after every
+step and ``attempt step val_loss`` to ``val.txt`` after every validation; after ``fit`` every rank saves
 ``final.ckpt`` with ``trainer.save_checkpoint`` and writes ``done-<rank>``: its global step and attempt.
 """
 
@@ -38,7 +42,7 @@ def armed(point: str) -> bool:
 
 
 def die() -> None:
-    os.kill(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGSTOP if where == "stop" else signal.SIGKILL)
 
 
 class Mine(torch.autograd.Function):
@@ -57,7 +61,7 @@ class Mine(torch.autograd.Function):
 
 class Trap(nn.Module):
     def forward(self, x):
-        if armed("forward"):
+        if armed("forward") or armed("stop"):
             die()
         return Mine.apply(x)
 
@@ -84,7 +88,14 @@ class Model(models.MLP):
     def training_step(self, batch, batch_idx):
         global step
         step = self.trainer.global_step
+        if armed("step"):
+            die()
         return super().training_step(batch, batch_idx)
+
+    def validation_step(self, batch, batch_idx):
+        if armed("validation"):
+            die()
+        return super().validation_step(batch, batch_idx)
 
     def configure_optimizers(self):
         optimizer = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
@@ -99,21 +110,29 @@ class Losses(Callback):
             with open(out / "losses.txt", "a") as f:
                 f.write(f"{ATTEMPT} {trainer.global_step - 1} {float(outputs['loss']):.10g}\n")
 
+    def on_validation_end(self, trainer, pl_module):
+        if trainer.global_rank == 0:
+            with open(out / "val.txt", "a") as f:
+                f.write(f"{ATTEMPT} {trainer.global_step - 1} {float(trainer.callback_metrics['val_loss']):.10g}\n")
+
 
 torch.manual_seed(0)
 plan = {"micro_batches": 2, "stages": [{"layers": [0, 4], "replicas": 2}, {"layers": [4, 9], "replicas": 1}]}
 trainer = Trainer(
     accelerator="cpu",
     devices=3,
-    strategy=DappleStrategy(plan),
+    strategy=DappleStrategy("auto" if sys.argv[3:] == ["auto"] else plan),
     max_steps=STEPS,
     logger=False,
     enable_progress_bar=False,
     enable_checkpointing=False,
     enable_model_summary=False,
     callbacks=[Losses()],
+    val_check_interval=2,
+    limit_val_batches=2,
+    num_sanity_val_steps=0,
 )
 loader = DataLoader(models.dataset(), batch_size=models.BATCH, shuffle=True)
-trainer.fit(Model(), train_dataloaders=loader)
+trainer.fit(Model(), train_dataloaders=loader, val_dataloaders=DataLoader(models.dataset(), batch_size=models.BATCH))
 trainer.save_checkpoint(out / "final.ckpt")
 (out / f"done-{trainer.global_rank}").write_text(f"{trainer.global_step} {ATTEMPT}")

@@ -138,6 +138,11 @@ class Pipeline:
         self.replicas = plan.stages[self.stage].replicas
         self.is_first = self.stage == 0
         self.is_last = self.stage == plan.num_stages - 1
+        if module.offload is not None and self.replicas > 1:
+            raise ValueError(
+                f"stage {self.stage} has offload and {self.replicas} replicas; an offloaded stage runs on one "
+                "replica for now: give it replicas: 1 or leave offload off"
+            )
         self.timeline = timeline or Timeline(rank, self.stage, enabled=False)
         self.timeline.time_on(device)
         self.track_memory = track_memory
@@ -245,6 +250,9 @@ class Pipeline:
         step = _Step(rows, forward, forward_context, carry, train, _Inbox(program, self.links))
         step.split = any(op.kind == "W" for op in program)
         self.stats = StepStats()
+        offload = self.module.offload
+        if offload is not None:
+            offload.begin(self.module.shared)
         try:
             for op in program:
                 self._handlers[op.kind](step, op)
@@ -263,6 +271,8 @@ class Pipeline:
             raise
         if train:
             self._sync_gradients()
+        if offload is not None:
+            offload.finish()
         self.timeline.end_step()
         return self.stats
 
@@ -289,6 +299,8 @@ class Pipeline:
         for reducer in self.reducers:
             reducer.remove()
         self.module.call = None
+        if self.module.offload is not None:  # the stage's layers back in memory, the files removed
+            self.module.offload.close()
 
     def _memory_in_use(self, step: _Step) -> int:
         """Bytes this rank holds now: the allocator's count on CUDA; elsewhere (no allocator count)

@@ -79,6 +79,13 @@ def test_an_offloaded_stage_matches_memory_and_one_device_within_its_window(tmp_
     assert any(name.endswith(".param") for name in got["files"]) and any(".state" in n for n in got["files"])
 
 
+def test_an_offloaded_stage_on_two_replicas_sums_its_gradients(tmp_path):
+    two = Plan.coerce(
+        {"micro_batches": 2, "stages": [{"layers": [0, 2]}, {"layers": [2, 8], "replicas": 2, "offload": 2}]}
+    )
+    assert_same(fit(MODEL, tmp_path / "on", plan=two), fit(MODEL, tmp_path / "single"))
+
+
 def test_checkpoints_saved_with_offload_resume_without_it_and_the_reverse(tmp_path):
     on = save_after_fit(tmp_path / "on", plan(1))
     off = save_after_fit(tmp_path / "off", plan(None))

@@ -138,11 +138,6 @@ class Pipeline:
         self.replicas = plan.stages[self.stage].replicas
         self.is_first = self.stage == 0
         self.is_last = self.stage == plan.num_stages - 1
-        if module.offload is not None and self.replicas > 1:
-            raise ValueError(
-                f"stage {self.stage} has offload and {self.replicas} replicas; an offloaded stage runs on one "
-                "replica for now: give it replicas: 1 or leave offload off"
-            )
         self.timeline = timeline or Timeline(rank, self.stage, enabled=False)
         self.timeline.time_on(device)
         self.track_memory = track_memory
@@ -272,7 +267,7 @@ class Pipeline:
         if train:
             self._sync_gradients()
         if offload is not None:
-            offload.finish()
+            offload.finish(self.stage_group if train else None)  # its own sum, layer by layer
         self.timeline.end_step()
         return self.stats
 
@@ -283,6 +278,8 @@ class Pipeline:
         self.reducers, self.stage_reducer = [], None
         if self.stage_group is not None:
             shared = {id(p) for p in self.shared_params}
+            offload = self.module.offload
+            shared |= {id(p) for layer in offload.layers for p in layer.params} if offload else set()
             own = [p for p in self.module.parameters() if id(p) not in shared]
             self.stage_reducer = GradientReducer(own, self.stage_group, device=self.device)
             self.reducers.append(self.stage_reducer)

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
@@ -141,11 +142,33 @@ class Offloader:
             self._whole = False
             self.residency.reset()  # the peaks of the window, from here
 
-    def finish(self) -> None:
-        """After a pipelined step: every layer written out, its gradients kept on disk for the optimizer."""
+    def finish(self, group: dist.ProcessGroup | None = None) -> None:
+        """After a pipelined step: every layer written out, its gradients kept on disk for the optimizer;
+        with the replicas' ``group``, each layer's gradients are read in turn and summed over it first."""
         for layer in self.layers:
             if layer.params_in:
                 self._submit_drop(layer, write=False, grads="write")
+        self._wait_all()
+        if group is not None:
+            self._sum_gradients(group)
+
+    def _sum_gradients(self, group: dist.ProcessGroup) -> None:
+        """Every replica reads the same layers in the same order and sums each gradient in place (a
+        replica without one adds zeros, and then holds the sum: the others did have one)."""
+        layers = [layer for layer in self.layers if any(p.requires_grad for p in layer.params)]
+        if layers:
+            self._submit_load(layers[0], grads=True, state=False)
+        for at, layer in enumerate(layers):
+            if at + 1 < len(layers):
+                self._submit_load(layers[at + 1], grads=True, state=False)
+            self._wait(layer)
+            for p in layer.params:
+                if p.requires_grad:
+                    if p.grad is None:
+                        with self._lock:
+                            p.grad = torch.zeros_like(p)
+                    dist.all_reduce(p.grad, group=group)
+            self._submit_drop(layer, write=False, grads="write")
         self._wait_all()
 
     def materialize(self) -> None:

@@ -63,19 +63,20 @@ class Stage:
     """Recompute the stage's activations in the backward rather than keep them: each layer runs
     under non-reentrant ``torch.utils.checkpoint``, so a micro-batch keeps only its layers' inputs
     until its backward, which runs the stage's forward again first."""
-    offload: int | None = None
+    offload: int | str | None = None
     """Keep the stage's parameters, gradients and optimizer state in files on local disk, with a
     working window of this many layers in memory that moves forward, then backward, through the
-    stage per micro-batch (``None``: everything stays in memory)."""
+    stage per micro-batch; ``"auto"``: the smallest window whose transfers hide behind compute, from
+    what the first training step measures (``None``: everything stays in memory)."""
 
     def __post_init__(self) -> None:
         _as_int(self.start, "stage start layer")
         if not isinstance(self.recompute, bool):
             raise TypeError(f"stage `recompute` must be true or false, got {self.recompute!r}")
-        if self.offload is not None:
+        if self.offload is not None and self.offload != "auto":
             if isinstance(self.offload, bool) or not isinstance(self.offload, int) or self.offload < 1:
                 raise ValueError(
-                    f"stage `offload` is the working window in layers, an integer >= 1 (e.g. offload: 2), "
+                    f"stage `offload` is the working window in layers, an integer >= 1 (e.g. offload: 2) or 'auto', "
                     f"got {self.offload!r}"
                 )
             if self.recompute:
@@ -406,7 +407,7 @@ def balanced_cuts(weights: Sequence[float], parts: int) -> list[int]:
     return bounds[::-1]
 
 
-def _window(offload: int | None) -> str:
+def _window(offload: int | str | None) -> str:
     return "" if offload is None else f"window {offload}"
 
 

@@ -13,6 +13,7 @@ from lightning.pytorch import Callback
 from torch import nn
 
 from dapple_lightning import Plan
+from dapple_lightning.planner import WindowChoice, choose_window, replay_window
 from dapple_lightning.runtime import StageModule
 
 import models
@@ -54,6 +55,8 @@ class Resident(Callback):
                 "samples": r.samples,
                 "layer_bytes": offload.layer_bytes,
                 "files": sorted(p.name for p in offload.directory.iterdir()),
+                "window": offload.window,
+                "chosen": offload.choice is not None,
             }
             (self.folder / f"resident{trainer.global_rank}.json").write_text(json.dumps(numbers))
 
@@ -79,11 +82,26 @@ def test_an_offloaded_stage_matches_memory_and_one_device_within_its_window(tmp_
     assert any(name.endswith(".param") for name in got["files"]) and any(".state" in n for n in got["files"])
 
 
-def test_an_offloaded_stage_on_two_replicas_sums_its_gradients(tmp_path):
+def test_an_offloaded_stage_on_two_replicas_sums_its_gradients_and_may_choose_its_window(tmp_path):
     two = Plan.coerce(
-        {"micro_batches": 2, "stages": [{"layers": [0, 2]}, {"layers": [2, 8], "replicas": 2, "offload": 2}]}
+        {"micro_batches": 2, "stages": [{"layers": [0, 2]}, {"layers": [2, 8], "replicas": 2, "offload": "auto"}]}
     )
-    assert_same(fit(MODEL, tmp_path / "on", plan=two), fit(MODEL, tmp_path / "single"))
+    on = fit(MODEL, tmp_path / "on", plan=two, callbacks=(Resident(tmp_path),))
+    assert_same(on, fit(MODEL, tmp_path / "single"))
+    for rank in (1, 2):  # each replica measured its first step and chose a window for the next ones
+        got = json.loads((tmp_path / f"resident{rank}.json").read_text())
+        assert got["chosen"] and 1 <= got["window"] <= 6
+
+
+def test_the_window_is_the_smallest_whose_transfers_hide_behind_compute():
+    # Reads take a third of a layer's forward: one layer read ahead hides them; window 1 waits at every layer.
+    assert choose_window([3.0] * 4, [6.0] * 4, [1.0] * 4, [1.0] * 4) == WindowChoice(2, 0.0, 36.0, ())
+    assert all(wait > 0 for wait in replay_window(1, [3.0] * 4, [6.0] * 4, [1.0] * 4, [1.0] * 4).values())
+    # A slow layer (layer 2) stalls under any window: the least-waiting window names it.
+    slow = choose_window([1.0] * 6, [2.0] * 6, [0.1, 0.1, 4.0, 0.1, 0.1, 0.1], [0.1] * 6)
+    assert slow.stalls == (2,) and "layers [2] wait for their transfers" in slow.describe()
+    # Reads slower than compute on every layer: no window keeps up, every layer waits.
+    assert choose_window([1.0] * 6, [2.0] * 6, [2.0] * 6, [0.5] * 6).stalls == tuple(range(6))
 
 
 def test_checkpoints_saved_with_offload_resume_without_it_and_the_reverse(tmp_path):

@@ -22,7 +22,8 @@ from dapple_lightning.runtime._batchnorm import agree_buffers, synchronize_batch
 from dapple_lightning.runtime._blocks import Placeholder, stand_in_blocks, stand_in_layers
 from dapple_lightning.runtime._comm import Link, P2PGroups, Pending, Signature, p2p_groups, share, stage_group
 from dapple_lightning.runtime._executor import Pipeline, StepStats
-from dapple_lightning.runtime._offload import Offloader, Residency
+from dapple_lightning.runtime._offload import Offloader
+from dapple_lightning.runtime._offload_records import Residency
 from dapple_lightning.runtime._reducer import GradientReducer
 from dapple_lightning.runtime._stage import StageCall, StageExit, StageModule
 from dapple_lightning.runtime._timeline import DeviceEvent, Event, Timeline, bubble_fractions, write_chrome_trace

@@ -22,9 +22,11 @@ On CPU (the only device supported yet) memory is the device and the disk is the 
 
 from __future__ import annotations
 
+import logging
 import shutil
 import tempfile
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -38,46 +40,12 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-__all__ = ["Offloader", "Residency"]
+from dapple_lightning.planner import WindowChoice
+from dapple_lightning.runtime._offload_records import Residency, TransferTimes
 
+__all__ = ["Offloader"]
 
-@dataclass
-class Residency:
-    """What an :class:`Offloader` held in memory, counted three ways, and the peaks since :meth:`reset`.
-
-    ``tracked``: the offloader's own ledger, the bytes of the layer tensors (parameters, gradients,
-    optimizer state) it read in, or found made by autograd or the optimizer, and has not dropped.
-    ``storage``: the bytes of the storages the layers' tensors point to now (a scan).
-    ``alive``: the bytes of every storage the ledger ever held that is still allocated (a
-    ``weakref.finalize`` on each storage subtracts its bytes once the memory is freed, so a storage
-    that something else, such as autograd, keeps alive stays counted).
-    ``layers``: layers with anything in the ledger; ``alive_layers``: layers with a storage still allocated.
-    """
-
-    tracked: int = 0
-    storage: int = 0
-    alive: int = 0
-    layers: int = 0
-    alive_layers: int = 0
-    peak_tracked: int = 0
-    peak_storage: int = 0
-    peak_alive: int = 0
-    peak_layers: int = 0
-    peak_alive_layers: int = 0
-    samples: int = 0
-
-    def reset(self) -> None:
-        """Start new peaks from what is in memory now."""
-        self.peak_tracked, self.peak_storage = self.tracked, self.storage
-        self.peak_alive, self.peak_layers, self.peak_alive_layers = self.alive, self.layers, self.alive_layers
-
-    def update(self) -> None:
-        self.samples += 1
-        self.peak_tracked = max(self.peak_tracked, self.tracked)
-        self.peak_storage = max(self.peak_storage, self.storage)
-        self.peak_alive = max(self.peak_alive, self.alive)
-        self.peak_layers = max(self.peak_layers, self.layers)
-        self.peak_alive_layers = max(self.peak_alive_layers, self.alive_layers)
+_log = logging.getLogger("dapple_lightning")
 
 
 @dataclass
@@ -106,11 +74,15 @@ class _Saved:
 class Offloader:
     """Keeps ``layers`` (a stage's, in order) on disk with a window of ``window`` layers in memory."""
 
-    def __init__(self, layers: Sequence[nn.Module], window: int) -> None:
-        if window < 1:
-            raise ValueError(f"the offload window must be at least 1 layer, got {window}")
-        self.window = window
+    def __init__(self, layers: Sequence[nn.Module], window: int | str) -> None:
         self.layers = [_Layer(i, list(layer.parameters())) for i, layer in enumerate(layers)]
+        self.timing = TransferTimes(len(self.layers)) if window == "auto" else None
+        """With ``window="auto"``, until the first training step ends: what it measures (window 1)."""
+        self.choice: WindowChoice | None = None
+        """With ``window="auto"``, after the first training step: the window chosen and its stalls."""
+        if self.timing is None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"the offload window is 'auto' or a number of layers >= 1, got {window!r}")
+        self.window = 1 if self.timing is not None else int(window)
         self.optimizers: list[Optimizer] = []
         self.residency = Residency()
         self.directory: Path | None = None
@@ -151,6 +123,10 @@ class Offloader:
         self._wait_all()
         if group is not None:
             self._sum_gradients(group)
+        if self.timing is not None and self.timing.trained:
+            self.choice = self.timing.choose()
+            self.window, self.timing = self.choice.window, None
+            _log.info("%s (measured in the first step)", self.choice.describe())
 
     def _sum_gradients(self, group: dist.ProcessGroup) -> None:
         """Every replica reads the same layers in the same order and sums each gradient in place (a
@@ -228,7 +204,14 @@ class Offloader:
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             yield
 
+    def forward_done(self) -> None:
+        """The stage's forward ended (its last layer's compute, for ``window="auto"``)."""
+        if self.timing is not None:
+            self.timing.end()
+
     def _move(self, index: int, wanted: range, *, grads: bool) -> None:
+        if self.timing is not None:
+            self.timing.end()
         keep = set(wanted)
         for layer in self.layers:  # first out, then in: the worker frees memory before it reads
             if layer.index not in keep and layer.params_in:
@@ -239,6 +222,8 @@ class Offloader:
                 self._submit_load(layer, grads=grads, state=False)
         self._wait(self.layers[index])
         self._sample()
+        if self.timing is not None:
+            self.timing.begin("backward" if grads else "forward", index)
 
     def _pack(self, t: Tensor) -> Any:
         ptr = t.untyped_storage().data_ptr()
@@ -400,6 +385,10 @@ class Offloader:
         layer.grads_in = layer.grads_in or grads
         layer.future = self._pool.submit(self._load, layer, grads=grads, state=state)
 
+    def _timed(self, kind: str, layer: _Layer, seconds: float) -> None:
+        if self.timing is not None and seconds > 0:  # the layer's tensors moved, all of them
+            self.timing.transfer(kind, layer.index, seconds)
+
     def _wait(self, layer: _Layer) -> None:
         if layer.future is not None:
             layer.future.result()
@@ -415,12 +404,15 @@ class Offloader:
     def _drop(self, layer: _Layer, *, write: bool, grads: str) -> None:
         """Write what changed (``write``: parameters and optimizer state; gradients unless
         ``grads="discard"``), then let the layer's tensors go, an empty tensor in their place."""
+        written = 0.0
         for k, p in enumerate(layer.params):
             if grads == "discard":
                 layer.grads_on_disk.discard(k)
             if p.grad is not None:
                 if grads == "write":
+                    start = time.perf_counter()
                     _write(p.grad, self._file(layer, f"{k}.grad"))
+                    written += time.perf_counter() - start
                     layer.grads_on_disk.add(k)
                 with self._lock:  # the main thread scans these tensors (_sample)
                     self._held(layer, ("g", k), None)
@@ -442,13 +434,17 @@ class Offloader:
                 with self._lock:
                     self._held(layer, ("s", *key), None)
                     holder[name] = torch.empty(0, dtype=t.dtype, device=t.device)
+        self._timed("write", layer, written)
         self._sample()
 
     def _load(self, layer: _Layer, *, grads: bool, state: bool) -> None:
         """Read the layer's parameters (and gradients, and optimizer state) into memory."""
+        read = 0.0
         for k, (p, shape) in enumerate(zip(layer.params, layer.shapes)):
             if p.numel() == 0 and shape.numel():
+                start = time.perf_counter()
                 t = _read(self._file(layer, f"{k}.param"), shape, p.dtype)
+                read += time.perf_counter() - start
                 with self._lock:
                     p.data = t
                     self._held(layer, ("p", k), t)
@@ -466,6 +462,7 @@ class Offloader:
                     with self._lock:
                         holder[name] = loaded
                         self._held(layer, ("s", *key), loaded)
+        self._timed("read", layer, read)
         self._sample()
 
 

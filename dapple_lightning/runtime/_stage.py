@@ -173,14 +173,14 @@ class StageModule(nn.Sequential):
         blocks: int | None = None,
         names: Sequence[str] | None = None,
         recompute: bool = False,
-        offload: int | None = None,
+        offload: int | str | None = None,
     ) -> None:
         super().__init__(OrderedDict(layers))
         if recompute:
             _check_recomputable(self, blocks)
         self.recompute = recompute
         self.offload = None if offload is None else _offloader(self, blocks, offload)
-        """With ``offload: W``: keeps the layers on disk, ``W`` of them in memory (:class:`Offloader`)."""
+        """With ``offload: W`` (or ``"auto"``): keeps the layers on disk, ``W`` of them in memory (:class:`Offloader`)."""
         """Run each layer under non-reentrant ``torch.utils.checkpoint`` while autograd records:
         a micro-batch keeps only the layers' inputs, and its backward runs each layer again."""
         # A plain attribute, not a submodule: the executor sets it around each micro-batch.
@@ -226,6 +226,7 @@ class StageModule(nn.Sequential):
                 input = layer(input)
                 if torch.is_grad_enabled():
                     offload.watch(index, input)
+        offload.forward_done()
         return input
 
     def _read_back(self, *args: Any) -> None:
@@ -239,7 +240,7 @@ class StageModule(nn.Sequential):
         return state
 
 
-def _offloader(stage: StageModule, blocks: int | None, window: int) -> Offloader:
+def _offloader(stage: StageModule, blocks: int | None, window: int | str) -> Offloader:
     if blocks is not None:
         raise ValueError(
             "a stage with offload needs the pipelined layers in one nn.Sequential; with a ModuleList or a chain of "

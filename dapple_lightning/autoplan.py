@@ -30,7 +30,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -39,8 +39,8 @@ from torch import nn
 
 from dapple_lightning.plan import Plan
 from dapple_lightning.planner import (
-    GB,
     TRIAL_MARGIN,
+    AutoPlan,
     Cluster,
     Measured,
     ModelProfile,
@@ -49,7 +49,6 @@ from dapple_lightning.planner import (
     check_objective,
     estimate,
     fixed_part,
-    format_bytes,
     fresh_leaves,
     map_tensors,
     measure_cluster,
@@ -58,7 +57,6 @@ from dapple_lightning.planner import (
     refine,
     refine_allreduce,
     shortlist,
-    stage_memory_lines,
 )
 from dapple_lightning.surgery import standing_in
 
@@ -73,60 +71,6 @@ __all__ = [
     "time_step_around",
     "time_step_outside",
 ]
-
-
-@dataclass(frozen=True)
-class AutoPlan:
-    """What ``plan="auto"`` decided and why."""
-
-    plan: Plan
-    predicted_step_s: float
-    data_parallel_step_s: float | None
-    profile: ModelProfile
-    """The layers' measured costs, refined by the trials when there were any (see ``planner.refine``)."""
-    cluster: Cluster
-    profiling_s: float
-    """Seconds spent profiling, measuring the process group, planning and on trials."""
-    trials: tuple[Trial, ...] = ()
-    """The close candidates measured, in the order predicted; ``plan`` is the fastest measured."""
-    stage_memory_bytes: tuple[float, ...] = ()
-    """The chosen plan's predicted peak per rank of each stage (the budget is ``cluster.memory_bytes``)."""
-
-    def report(self) -> str:
-        lines = [
-            f"dapple plan='auto': profiled {self.profile.num_layers} layers and the process group"
-            + (f", measured {len(self.trials)} close plans," if self.trials else "")
-            + f" in {self.profiling_s:.1f} s",
-            f"cluster: {self.cluster.nodes} node(s) x {self.cluster.devices_per_node} device(s); point-to-point "
-            f"{self.cluster.intra_p2p_bw / GB:.2f} GB/s within a node, {self.cluster.inter_p2p_bw / GB:.2f} across; "
-            f"all-reduce {self.cluster.intra_allreduce_bw / GB:.2f} / {self.cluster.inter_allreduce_bw / GB:.2f} GB/s "
-            "per link",
-            self.plan.table(),
-        ]
-        if self.trials:
-            lines.append(f"predicted within {TRIAL_MARGIN:.0%} of each other, so measured in turns (ms/step):")
-            width = max(len(t.plan.describe()) for t in self.trials)
-            for t in self.trials:
-                mark = "  <- chosen" if t.plan == self.plan else ""
-                lines.append(
-                    f"  {t.plan.describe():{width}}  predicted {t.predicted_step_s * 1e3:7.1f}  "
-                    f"measured {t.measured_step_s * 1e3:7.1f} ({t.turns} turn{'s' if t.turns > 1 else ''}){mark}"
-                )
-        if self.data_parallel_step_s is None:
-            lines.append(f"predicted {self.predicted_step_s * 1e3:.1f} ms/step; pure data parallelism does not fit")
-        elif self.plan.num_stages == 1:
-            lines.append(
-                f"predicted {self.predicted_step_s * 1e3:.1f} ms/step: no pipeline beats pure data parallelism here"
-            )
-        else:
-            lines.append(
-                f"predicted {self.predicted_step_s * 1e3:.1f} ms/step vs {self.data_parallel_step_s * 1e3:.1f} ms for "
-                f"pure data parallelism ({self.data_parallel_step_s / self.predicted_step_s:.2f}x)"
-            )
-        if self.stage_memory_bytes:
-            lines.append(f"predicted peak memory per rank (budget {format_bytes(self.cluster.memory_bytes)}):")
-            lines += stage_memory_lines(self.plan, self.stage_memory_bytes, self.cluster.memory_bytes)
-        return "\n".join(lines)
 
 
 @contextmanager
@@ -488,5 +432,26 @@ def choose_plan(
         if dp_step is not None:
             dp_plan = Plan.data_parallel(profile.num_layers, cluster.world_size)
             dp_step = estimate(dp_plan, profile, cluster, global_batch, optimizer_factor=optimizer_factor).step_s
+    spent = time.perf_counter() - start
+    return _decided(plan, predicted, dp_step, profile, cluster, spent, trials, global_batch, optimizer_factor)
+
+
+def _decided(
+    plan: Plan,
+    predicted: float,
+    dp_step: float | None,
+    profile: ModelProfile,
+    cluster: Cluster,
+    spent: float,
+    trials: tuple[Trial, ...],
+    global_batch: int,
+    optimizer_factor: float,
+) -> AutoPlan:
+    """The decision with what its report explains: each stage's predicted peak, and for a ``zb-h1`` plan
+    the same stages' step under DAPPLE's 1F1B."""
     memory = estimate(plan, profile, cluster, global_batch, optimizer_factor=optimizer_factor).memory_bytes
-    return AutoPlan(plan, predicted, dp_step, profile, cluster, time.perf_counter() - start, trials, memory)
+    one_f_one_b = None
+    if plan.schedule == "zb-h1":
+        same_split = replace(plan, schedule="dapple")
+        one_f_one_b = estimate(same_split, profile, cluster, global_batch, optimizer_factor=optimizer_factor).step_s
+    return AutoPlan(plan, predicted, dp_step, profile, cluster, spent, trials, memory, one_f_one_b)

@@ -3,12 +3,15 @@ the report (the selection policy it calls is tested in ``tests/planner/test_sele
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch import nn
 
 from dapple_lightning.autoplan import (
     AutoPlan,
+    _decided,
     _with_step_outside,
     optimizer_factory,
     profile_in_windows,
@@ -16,7 +19,7 @@ from dapple_lightning.autoplan import (
     windows,
 )
 from dapple_lightning.plan import Plan
-from dapple_lightning.planner import GB, Cluster, LayerProfile, ModelProfile, Trial, _clock, profile_layers
+from dapple_lightning.planner import GB, Cluster, LayerProfile, ModelProfile, Trial, _clock, estimate, profile_layers
 from dapple_lightning.strategy._resident import Resident, parameter_bytes
 from dapple_lightning.surgery import Chain
 
@@ -157,6 +160,22 @@ def test_report_shows_the_measured_plans_and_the_choice():
     assert "measured 2 close plans" in report
     lines = [line for line in report.splitlines() if line.startswith("  ") and "measured" in line]
     assert len(lines) == 2 and lines[1].endswith("(3 turns)  <- chosen") and "130.0 (1 turn)" in lines[0]
+
+
+def test_a_zero_bubble_choice_is_explained_against_1f1b_on_the_same_stages():
+    profile = _two_layers(10**6)
+    zb = replace(Plan.straight(2, 2, micro_batches=4), schedule="zb-h1")
+    decided = _decided(zb, 0.09, 0.2, profile, CLUSTER, 1.0, (), 8, 2.0)
+    same_split = replace(zb, schedule="dapple")
+    want = estimate(same_split, profile, CLUSTER, 8, optimizer_factor=2.0).step_s
+    assert decided.one_f_one_b_step_s == pytest.approx(want)
+    line = next(line for line in decided.report().splitlines() if line.startswith("schedule zb-h1"))
+    assert "90.0 ms/step" in line and f"{want * 1e3:.1f} ms under DAPPLE's 1F1B" in line
+    assert "(both measured above)" not in line
+    measured = (Trial(zb, 0.09, 0.1, 2), Trial(same_split, want, 0.11, 2))
+    assert "(both measured above)" in replace(decided, trials=measured).report()
+    # Any other schedule says nothing of the kind.
+    assert _decided(same_split, want, 0.2, profile, CLUSTER, 1.0, (), 8, 2.0).one_f_one_b_step_s is None
 
 
 def test_windows_hold_consecutive_layers_up_to_the_bytes_given_and_a_larger_layer_alone():

@@ -4,7 +4,8 @@ Each rank loads the global batch itself. A collate function that masks inputs at
 Hugging Face's DataCollatorForLanguageModeling masks tokens) draws different masks on
 different ranks, so stage 0's inputs and the last stage's labels would no longer belong
 together. The strategy detects the difference (on the host, before anything moves) and trains
-every rank on rank 0's batch, which every rank moves to its device whole.
+every rank on rank 0's batch. The batch stays on the host, where callbacks see all of it; each
+rank moves only its micro-batches' rows to its device, through the module's transfer hooks.
 """
 
 from __future__ import annotations
@@ -35,20 +36,33 @@ def masking_collate(samples):
 
 
 class RecordsTransfers(models.MLP):
-    """Writes, per rank, the rows of each batch Lightning's transfer hook moves to the device."""
+    """Writes, per rank, the rows of what the transfer hook moves to the device, and of the batch
+    ``on_train_batch_end`` sees, with the step they belong to."""
 
     def __init__(self, record: Path) -> None:
         super().__init__()
         self.record = str(record)
 
-    def transfer_batch_to_device(self, batch, device, dataloader_idx):
+    def _write(self, what: str, batch) -> None:
         with open(Path(self.record) / f"rank{self.global_rank}.jsonl", "a") as f:
-            f.write(json.dumps([len(t) for t in batch]) + "\n")
+            f.write(json.dumps([what, self.trainer.global_step, [len(t) for t in batch]]) + "\n")
+
+    def transfer_batch_to_device(self, batch, device, dataloader_idx):
+        self._write("moved", batch)
         return super().transfer_batch_to_device(batch, device, dataloader_idx)
 
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self._write("seen", batch)
 
-def moved_rows(record: Path, rank: int) -> list[list[int]]:
-    return [json.loads(line) for line in (record / f"rank{rank}.jsonl").read_text().splitlines()]
+
+def recorded(record: Path, rank: int, what: str) -> dict[int, list[list[int]]]:
+    """By step: the rows of each record of kind ``what``."""
+    by_step: dict[int, list[list[int]]] = {}
+    for line in (record / f"rank{rank}.jsonl").read_text().splitlines():
+        kind, step, rows = json.loads(line)
+        if kind == what:
+            by_step.setdefault(step, []).append(rows)
+    return by_step
 
 
 def losses(tmp_path, model=None, **placement) -> list[float]:
@@ -69,9 +83,17 @@ def test_random_collation_trains_like_one_device(tmp_path):
     strategy = DappleStrategy(PLAN_2_1, start_method="forkserver")
     got = losses(tmp_path / "dapple", RecordsTransfers(record), devices=3, strategy=strategy)
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-7)
-    # Every rank moved the whole batch (x and y): its hooks and callbacks see what one device sees.
     whole = models.BATCH
-    assert moved_rows(record, 0) == moved_rows(record, 1) == moved_rows(record, 2) == [[whole, whole]] * 8
+    for rank, share in ((0, whole // 2), (1, whole // 2), (2, whole)):  # stage 0 has 2 replicas, stage 1 one
+        # Callbacks see the whole batch (x and y), as on one device ...
+        assert recorded(record, rank, "seen") == {step: [[whole, whole]] for step in range(1, 9)}, rank  # after it
+        # ... while each rank moved to its device only the rows it computes: its replica's share, in
+        # one transfer per micro-batch of the plan's 3.
+        moved = recorded(record, rank, "moved")
+        assert sorted(moved) == list(range(8)), rank
+        for pieces in moved.values():
+            assert len(pieces) == 3 and all(x == y for x, y in pieces), (rank, pieces)
+            assert sum(x for x, _ in pieces) == share, (rank, pieces)
 
 
 def test_the_fingerprint_tells_batches_apart():

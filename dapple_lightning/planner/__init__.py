@@ -12,6 +12,7 @@ from dapple_lightning.planner._budget import format_bytes, over_budget, parse_me
 from dapple_lightning.planner._clock import DeviceEvent, Stopwatch, device_clock
 from dapple_lightning.planner._cluster import GB, Cluster
 from dapple_lightning.planner._cost import CostModel, Estimate, Placement, estimate
+from dapple_lightning.planner._decision import AutoPlan
 from dapple_lightning.planner._dp import (
     PlannedPlan,
     best_over_micro_batches,
@@ -59,6 +60,7 @@ __all__ = [
     "TRIAL_LIMIT",
     "TRIAL_MARGIN",
     "TRIAL_ROUNDS",
+    "AutoPlan",
     "Cluster",
     "CostModel",
     "DeviceEvent",

@@ -9,10 +9,12 @@ over a gloo group (a few numbers; no device work, no wait for the device). Where
 differs from rank 0's, rank 0's batch is sent to the others over the same group and used
 everywhere, and the user is told once; with deterministic loading nothing more is paid.
 
-Every rank moves the whole global batch to its device, not only the rows its micro-batches read:
-Lightning hands the moved batch to the callbacks and to hooks such as ``on_train_batch_end``, and
-under a plan, which acts as one device, they must see what they see on one device (a throughput
-or metric callback that counted only a replica's rows would report a fraction of the truth).
+The global batch stays on the host: Lightning hands it to the callbacks and to hooks such as
+``on_train_batch_end``, which must see every row, as on one device (a throughput or metric
+callback that counted only a replica's rows would report a fraction of the truth). Each rank
+moves to its device only the rows of the micro-batches it computes, through the module's
+transfer hooks, as each micro-batch starts (``_step``): a stage with r replicas moves 1/r of the
+batch per rank, not all of it, and no rank holds the whole batch on its device.
 """
 
 from __future__ import annotations

@@ -236,12 +236,21 @@ SILENT = _Silent()
 
 
 def watch_peers(
-    env: ClusterEnvironment | None, rank: int, world_size: int, backend: str, timeout: timedelta
+    env: ClusterEnvironment | None,
+    rank: int,
+    world_size: int,
+    backend: str,
+    timeout: timedelta,
+    on_lost: Callable[[str], None] | None = None,
 ) -> Heartbeat | _Silent:
-    """A started :class:`Heartbeat` on the launcher's store; :data:`SILENT` for a single rank."""
+    """A started :class:`Heartbeat` on the launcher's store (``on_lost``: see :class:`Heartbeat`);
+    :data:`SILENT` for a single rank."""
     if world_size == 1 or env is None:
         return SILENT
     # torchrun's agent keeps its store across restarts: each attempt, and each run in it, has its own keys.
     attempt = f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"
     namespace = f"{attempt}/{next(_runs)}"
-    return Heartbeat(rank, world_size, env.main_address, env.main_port, backend, timeout, namespace=namespace).start()
+    heartbeat = Heartbeat(
+        rank, world_size, env.main_address, env.main_port, backend, timeout, namespace=namespace, on_lost=on_lost
+    )
+    return heartbeat.start()

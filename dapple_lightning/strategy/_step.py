@@ -76,6 +76,8 @@ class MicroBatches:
         self.module, self.device = module, device
         self.shared = Pending()
         """The last stage's loss broadcasts, in flight until the next step needs the buffers."""
+        self.dataloader_idx: int | None = None
+        """Set while the global batch is on the host (see :meth:`_on_device`): its loader's index."""
         self._fresh: dict[nn.Parameter, Tensor | None] = {}
 
     def train(self, pipeline: Pipeline, args: tuple, kwargs: dict, context: Callable) -> Tensor:
@@ -138,7 +140,7 @@ class MicroBatches:
             weight = len(rows) / total
             capture.begin(m, weight)
             try:
-                out = step_fn(slice_batch(batch, rows), *rest, **kwargs)
+                out = step_fn(self._on_device(slice_batch(batch, rows)), *rest, **kwargs)
             finally:  # also when the step ends at this stage's exit
                 if pipeline.is_first:
                     _check_input_rows(pipeline.module.call, m, rows, total)
@@ -186,6 +188,14 @@ class MicroBatches:
             self.shared.wait()  # the previous step's, long done
             total, values = share((total, values), last_ranks[0], self.device, self.shared, group=pipeline.host_group)
         return total, values
+
+    def _on_device(self, rows: Any) -> Any:
+        """A micro-batch's rows through the module's transfer hooks (``transfer_batch_to_device``, then
+        ``on_after_batch_transfer``) when the global batch stayed on the host: each rank moves only the
+        rows it computes, and Lightning's callbacks still see the whole batch."""
+        if self.dataloader_idx is None:
+            return rows
+        return self.module._apply_batch_transfer_handler(rows, device=self.device, dataloader_idx=self.dataloader_idx)
 
     def log(self, values: Logged) -> None:
         for name, (value, kwargs) in values.items():

@@ -29,17 +29,14 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.distributed import (
-    _all_gather_ddp_if_available,
     _destroy_dist_connection,
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
-    _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import Trainer
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import _augment_message
@@ -54,6 +51,7 @@ from dapple_lightning.runtime import Pipeline, StepStats, Timeline
 from dapple_lightning.strategy._auto import AutoSetting, choose_automatically, draw_global_batch
 from dapple_lightning.strategy._batch import SameBatch, same_order
 from dapple_lightning.strategy._checkpoint import Checkpoints, group_names
+from dapple_lightning.strategy._collectives import Collectives
 from dapple_lightning.strategy._failures import PEER_LOST, as_timeout, connect, host_group, peer_lost_message
 from dapple_lightning.strategy._finetuning import adapt_finetuning
 from dapple_lightning.strategy._heartbeat import SILENT, watch_peers
@@ -61,7 +59,9 @@ from dapple_lightning.strategy._launcher import STATE_LEFT_IN_SPAWNED_RANKS, Spa
 from dapple_lightning.strategy._materialize import STAYS_CUT, materialize, meta_context, on_meta, unmoved_on_meta
 from dapple_lightning.strategy._memory import parse_memory, warn_if_over_budget, write_trace
 from dapple_lightning.strategy._pipelines import Buffers, Pipelines, broadcast_module
+from dapple_lightning.strategy._recovery import Recovery, RecoveryMode, is_active
 from dapple_lightning.strategy._refusals import check_before_start
+from dapple_lightning.strategy._resume import RECOVERED, begin, kept_plan, load_optimizers
 from dapple_lightning.strategy._step import MicroBatches, clip_grad_norm_over_stages, local_optimizers
 from dapple_lightning.surgery import Chain, Cut
 
@@ -70,7 +70,7 @@ __all__ = ["DappleStrategy"]
 PlanLike = Plan | Mapping[str, Any] | str | Any
 
 
-class DappleStrategy(ParallelStrategy):
+class DappleStrategy(Collectives):
     """Synchronous pipeline + data parallel training with a DAPPLE plan.
 
     Args:
@@ -99,6 +99,8 @@ class DappleStrategy(ParallelStrategy):
             under any plan; ``python -m dapple_lightning.strategy.consolidate`` makes the file).
         async_save: write checkpoints in the background; training waits only while the
             values are copied, and the next save waits for the previous one.
+        recovery: survive a lost rank under torchrun's restarts without a checkpoint (:mod:`._recovery`);
+            ``"auto"``: when ``torchrun --max-restarts`` > 0.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend: as for Lightning's ``DDPStrategy``.
     """
@@ -117,6 +119,7 @@ class DappleStrategy(ParallelStrategy):
         memory_limit: float | str | None = None,
         state_dict_type: Literal["full", "sharded"] = "full",
         async_save: bool = False,
+        recovery: RecoveryMode = "auto",
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -166,6 +169,7 @@ class DappleStrategy(ParallelStrategy):
         self._shuffle_seed = 0
         self._host_group: Any = None  # gloo, for barriers, when the world's backend is not gloo
         self._heartbeat = SILENT  # ends this rank within seconds of a peer's loss (see _heartbeat)
+        self._recovery = Recovery(recovery)
         self.staged: Any = None
         """How rank 0's initial weights reached this rank (see ``_pipelines.Staged``)."""
 
@@ -225,8 +229,9 @@ class DappleStrategy(ParallelStrategy):
         if not self._leaves_at_exit:
             atexit.register(self._leave)
             self._leaves_at_exit = True
+        on_lost = self._recovery.on_peer_lost if is_active(self._recovery.mode) else None
         self._heartbeat = watch_peers(
-            self.cluster_environment, self.global_rank, self.world_size, backend, self._timeout
+            self.cluster_environment, self.global_rank, self.world_size, backend, self._timeout, on_lost
         )
 
     def _leave(self) -> None:
@@ -297,6 +302,7 @@ class DappleStrategy(ParallelStrategy):
         )
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+            begin(self._recovery, trainer, self.plan, self._host_group)
 
     def _resolve_plan(self, trainer: Trainer, chain: Chain, pipelines: Pipelines) -> Plan:
         if isinstance(self._plan_spec, Plan):
@@ -305,6 +311,8 @@ class DappleStrategy(ParallelStrategy):
         if trainer.state.fn != TrainerFn.FITTING:
             # Forward-only loops have no training batch to profile; every rank holds every layer.
             return Plan.data_parallel(len(chain), self.world_size)
+        if (kept := kept_plan(self._recovery, self._host_group)) is not None:
+            return kept  # after torchrun's restart: the plan the kept state belongs to
         assert self._steps is not None
         setting = AutoSetting(
             self.lightning_module,
@@ -340,14 +348,24 @@ class DappleStrategy(ParallelStrategy):
 
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
-        """Rank 0's batch on every rank, compared on the host before it moves (``_batch``)."""
-        if device is None and self._pipeline is not None:
-            batch = self._same_batch(batch, self._host_group)
-        return super().batch_to_device(batch, device, dataloader_idx)
+        """Rank 0's batch on every rank, compared on the host, and left there: each micro-batch's rows
+        move to the device on the rank that computes them (``_batch``, ``_step``)."""
+        if device is not None or self._pipeline is None or self._steps is None:
+            return super().batch_to_device(batch, device, dataloader_idx)
+        if self.lightning_module.trainer.training:
+            self._recovery.safe_point()
+        self._steps.dataloader_idx = dataloader_idx
+        return self._same_batch(batch, self._host_group)
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        return same_order(dataloader, self._shuffle_seed)
+        dataloader = same_order(dataloader, self._shuffle_seed)
+        self._recovery.track_loader(dataloader, self.lightning_module.trainer)
+        return dataloader
+
+    @override
+    def on_train_start(self) -> None:
+        self._recovery.listen()
 
     # ---------------------------------------------------------------------- the steps
 
@@ -388,31 +406,6 @@ class DappleStrategy(ParallelStrategy):
         assert self._steps is not None and self._pipeline is not None
         return self._steps.evaluate(self._pipeline, hook, args, kwargs, context)
 
-    # --------------------------------------------------------------------- collectives
-
-    @override
-    def barrier(self, name: str | None = None) -> None:
-        if _distributed_is_initialized():
-            dist.barrier(group=self._host_group)
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src)
-        return box[0]
-
-    @override
-    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        if not isinstance(tensor, Tensor) or not _distributed_is_initialized():
-            return tensor
-        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-
-    @override
-    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
-        return _all_gather_ddp_if_available(tensor, group=group, sync_grads=sync_grads)
-
     # ------------------------------------------------------------------------ checkpoints
 
     @property
@@ -447,6 +440,8 @@ class DappleStrategy(ParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        if self._recovery.recovered is not None:  # newer than the script's checkpoint, which it started from
+            return self._recovery.recovered
         return self._checkpoints.load(checkpoint_path, self.checkpoint_io, weights_only)
 
     @override
@@ -454,11 +449,14 @@ class DappleStrategy(ParallelStrategy):
         if self._checkpoints.module is None:
             super().load_model_state_dict(checkpoint, strict)
         else:
-            self._checkpoints.load_model(checkpoint, strict)
+            self._checkpoints.load_model(checkpoint, strict and RECOVERED not in checkpoint)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        self._checkpoints.load_optimizers(checkpoint)
+        if RECOVERED in checkpoint:
+            load_optimizers(self.optimizers, checkpoint)
+        else:
+            self._checkpoints.load_optimizers(checkpoint)
         _optimizers_to_device(self.optimizers, self.root_device)
 
     @override
@@ -471,6 +469,7 @@ class DappleStrategy(ParallelStrategy):
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True
         self._heartbeat.report_failure(type(exception).__name__)
+        self._recovery.on_failure()
         _augment_message(exception, pattern=PEER_LOST, new_message=peer_lost_message(self.global_rank, self._timeout))
 
     @override
@@ -493,6 +492,7 @@ class DappleStrategy(ParallelStrategy):
         with unmoved_on_meta(self.lightning_module):
             super().teardown()
         self._heartbeat.stop(failed=self._failed)
+        self._recovery.close(failed=self._failed)
         self._failed or self.barrier()  # no rank ends (with the store) while a peer's heartbeat polls it
 
 

@@ -1,0 +1,77 @@
+"""What ``plan="auto"`` decided and why: the decision and its report (pure; the measuring is
+``dapple_lightning.autoplan``'s)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dapple_lightning.plan import Plan
+from dapple_lightning.planner._budget import format_bytes, stage_memory_lines
+from dapple_lightning.planner._cluster import GB, Cluster
+from dapple_lightning.planner._profile import ModelProfile
+from dapple_lightning.planner._select import TRIAL_MARGIN, Trial
+
+__all__ = ["AutoPlan"]
+
+
+@dataclass(frozen=True)
+class AutoPlan:
+    """What ``plan="auto"`` decided and why."""
+
+    plan: Plan
+    predicted_step_s: float
+    data_parallel_step_s: float | None
+    profile: ModelProfile
+    """The layers' measured costs, refined by the trials when there were any (see ``planner.refine``)."""
+    cluster: Cluster
+    profiling_s: float
+    """Seconds spent profiling, measuring the process group, planning and on trials."""
+    trials: tuple[Trial, ...] = ()
+    """The close candidates measured, in the order predicted; ``plan`` is the fastest measured."""
+    stage_memory_bytes: tuple[float, ...] = ()
+    """The chosen plan's predicted peak per rank of each stage (the budget is ``cluster.memory_bytes``)."""
+    one_f_one_b_step_s: float | None = None
+    """For a ``zb-h1`` plan: the same stages' predicted step under DAPPLE's 1F1B schedule."""
+
+    def report(self) -> str:
+        lines = [
+            f"dapple plan='auto': profiled {self.profile.num_layers} layers and the process group"
+            + (f", measured {len(self.trials)} close plans," if self.trials else "")
+            + f" in {self.profiling_s:.1f} s",
+            f"cluster: {self.cluster.nodes} node(s) x {self.cluster.devices_per_node} device(s); point-to-point "
+            f"{self.cluster.intra_p2p_bw / GB:.2f} GB/s within a node, {self.cluster.inter_p2p_bw / GB:.2f} across; "
+            f"all-reduce {self.cluster.intra_allreduce_bw / GB:.2f} / {self.cluster.inter_allreduce_bw / GB:.2f} GB/s "
+            "per link",
+            self.plan.table(),
+        ]
+        if self.trials:
+            lines.append(f"predicted within {TRIAL_MARGIN:.0%} of each other, so measured in turns (ms/step):")
+            width = max(len(t.plan.describe()) for t in self.trials)
+            for t in self.trials:
+                mark = "  <- chosen" if t.plan == self.plan else ""
+                lines.append(
+                    f"  {t.plan.describe():{width}}  predicted {t.predicted_step_s * 1e3:7.1f}  "
+                    f"measured {t.measured_step_s * 1e3:7.1f} ({t.turns} turn{'s' if t.turns > 1 else ''}){mark}"
+                )
+        if self.data_parallel_step_s is None:
+            lines.append(f"predicted {self.predicted_step_s * 1e3:.1f} ms/step; pure data parallelism does not fit")
+        elif self.plan.num_stages == 1:
+            lines.append(
+                f"predicted {self.predicted_step_s * 1e3:.1f} ms/step: no pipeline beats pure data parallelism here"
+            )
+        else:
+            lines.append(
+                f"predicted {self.predicted_step_s * 1e3:.1f} ms/step vs {self.data_parallel_step_s * 1e3:.1f} ms for "
+                f"pure data parallelism ({self.data_parallel_step_s / self.predicted_step_s:.2f}x)"
+            )
+        if self.one_f_one_b_step_s is not None:
+            lines.append(
+                f"schedule zb-h1: the weight-gradient halves of the backwards (W) fill the warm-up and drain "
+                f"bubbles; predicted {self.predicted_step_s * 1e3:.1f} ms/step against "
+                f"{self.one_f_one_b_step_s * 1e3:.1f} ms under DAPPLE's 1F1B on the same stages"
+                + (" (both measured above)" if any(t.plan.schedule == "dapple" for t in self.trials) else "")
+            )
+        if self.stage_memory_bytes:
+            lines.append(f"predicted peak memory per rank (budget {format_bytes(self.cluster.memory_bytes)}):")
+            lines += stage_memory_lines(self.plan, self.stage_memory_bytes, self.cluster.memory_bytes)
+        return "\n".join(lines)

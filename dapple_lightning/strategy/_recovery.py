@@ -1,0 +1,378 @@
+"""Training survives a lost rank under torchrun's restarts, without a checkpoint (issue 16, SWIFT's idea).
+
+No copy of the model is made while training runs well. Each rank keeps a few small facts per
+step (Lightning's loop counters, schedulers and callbacks' state, the RNG states, the epoch's
+data order), taken at the step's *safe point* (the strategy's ``batch_to_device`` for a training
+batch, after every bit of the previous step's bookkeeping). When a peer is lost, every survivor
+whose parameters still belong to that snapshot writes them, with its optimizer state and the
+snapshot, to node-local storage and ends; torchrun's agent then restarts every rank, and
+:mod:`._resume` hands the state back (a replacement receives its stage's from a replica).
+
+Consistency comes from a per-step vote in the launcher's store, just before the optimizer step
+(after Lightning's closure and gradient clipping, inside the optimizer's step): every rank adds one to the step's count, and the rank that
+completes it decides ``commit``; a rank that learns of a lost peer while waiting decides
+``abort``. The decision is one ``compare_set`` on one key, so it is a single fact for every rank:
+on ``commit`` every live rank steps (the step is local and cannot fail because of a peer), on
+``abort`` none does. A gloo collective cannot serve as the vote: it can complete on one rank and
+fail on another when a third dies in it.
+
+The phases of a rank, and what a failure in each leaves:
+
+=========  =====================================================  ==============================
+phase      from / to                                              on a lost peer
+=========  =====================================================  ==============================
+idle       setup / the first safe point                           nothing to keep: from the start
+step       a safe point / the vote                                write params + snapshot
+window     the vote / the next safe point                         defer to the safe point, or
+                                                                  nothing when a collective
+                                                                  there fails (validation, a
+                                                                  checkpoint save): see README
+=========  =====================================================  ==============================
+
+A rank learns of a loss three ways: a collective raises in the main thread (the strategy's
+``on_exception``), the heartbeat thread sees a stale peer (the main thread may be blocked in a
+receive for good), or torchrun's agent sends SIGTERM to stop the attempt. All three end in
+:meth:`Recovery.save_and_exit`, which writes once, under a lock the main thread takes to leave
+the ``step`` phase, so no write sees half an optimizer step.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator, Mapping
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
+from lightning.pytorch.trainer import call
+from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.utils.data import BatchSampler, DataLoader, Sampler
+
+__all__ = ["FORMAT", "EpochOrder", "Recovery", "RecoveryMode", "file_of", "is_active", "track"]
+
+RecoveryMode = bool | Literal["auto"]
+FORMAT = 1
+"""Version of the files survivors write; a file of another version is not read."""
+_POLL = timedelta(seconds=0.2)
+"""How long one wait for the vote's decision lasts before the rank looks for a lost peer."""
+_WINDOW_WAIT_S = 10.0
+"""How long a lost peer's watcher waits for the main thread to reach a safe point from the window."""
+
+
+def is_active(mode: RecoveryMode) -> bool:
+    """``"auto"``: on when torchrun's agent may restart the job (``--max-restarts`` > 0)."""
+    if mode not in ("auto", True, False):
+        raise ValueError(f"recovery must be 'auto', True or False, got {mode!r}")
+    if mode == "auto":
+        return int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0 and "TORCHELASTIC_RUN_ID" in os.environ
+    return bool(mode)
+
+
+def file_of(rank: int) -> Path:
+    """Where ``rank`` writes its state: node-local, one directory per torchrun run
+    (``DAPPLE_RECOVERY_DIR``, else ``/dev/shm`` where it exists, else the temporary directory)."""
+    root = os.environ.get("DAPPLE_RECOVERY_DIR")
+    if root is None:
+        root = "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    return Path(root) / "dapple-recovery" / run / f"rank{rank}.pt"
+
+
+class Recovery:
+    """One rank's side of recovery while it trains: snapshot, vote, write on a loss."""
+
+    def __init__(self, mode: RecoveryMode) -> None:
+        self.mode = mode
+        is_active(mode)  # validates
+        self.active = False
+        self.rank = 0
+        self._phase: Literal["idle", "step", "window"] = "idle"
+        self._fresh_sync()
+        self._exit_at_safe_point = False  # SIGTERM or a lost peer arrived in the window
+        self._writing = False  # a write is under way (a signal handler must not start another)
+        self._trainer: Any = None
+        self._identity: dict[str, Any] = {}
+        self._snapshot: dict[str, Any] | None = None
+        self._store: Any = None
+        self._votes = 0
+        self._signals: Any = None
+        self._unwrap: Any = None  # puts the precision plugin's closure hook back
+        self.order: EpochOrder | None = None
+        """The training loader's order, whose epoch start the snapshot keeps."""
+        self.recovered: dict[str, Any] | None = None
+        """After a restart: the checkpoint dict recovered for this rank, until the first safe point."""
+
+    def _fresh_sync(self) -> None:
+        self._lock = threading.RLock()
+        self._written = threading.Event()  # this rank wrote its state (or found it could not)
+        self._lost = threading.Event()  # a peer is known lost
+
+    def __getstate__(self) -> dict[str, Any]:  # the strategy travels to spawned ranks before any fit
+        state = self.__dict__.copy()
+        for name in ("_lock", "_written", "_lost", "_unwrap", "_trainer", "_store", "_signals"):
+            state.pop(name)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._fresh_sync()
+        self._unwrap = self._trainer = self._store = self._signals = None
+
+    # ------------------------------------------------------------------ set-up
+
+    def start(self, trainer: Any, identity: dict[str, Any]) -> None:
+        """Begin for a fit: ``identity`` (run, plan, world, rank, stage) goes into the file; every
+        optimizer step waits for the vote."""
+        self._trainer, self._identity, self.rank = trainer, identity, identity["rank"]
+        self._phase, self._snapshot, self._exit_at_safe_point = "idle", None, False
+        self._written.clear()
+        self._lost.clear()
+        if not is_active(self.mode):
+            return
+        store = dist.distributed_c10d._get_default_store()
+        self._store = dist.PrefixStore(f"dapple/vote/{identity['fit']}", store)
+        if trainer.accumulate_grad_batches != 1 or not trainer.lightning_module.automatic_optimization:
+            rank_zero_warn(
+                "dapple: recovery needs automatic optimization without gradient accumulation (one optimizer step "
+                "per batch); it is off for this run, and a lost rank ends the job as without it"
+            )
+            return
+        self.active = True
+        # The vote goes where every collective of the step is behind and the update ahead: after
+        # Lightning's closure (training_step, backward) and its gradient clipping (an all-reduce),
+        # inside the optimizer's step. An optimizer step pre-hook would run before the closure.
+        precision = trainer.strategy.precision_plugin
+        after_closure = precision._after_closure
+        precision._after_closure = lambda model, optimizer: (after_closure(model, optimizer), self._vote())
+        self._unwrap = lambda: vars(precision).pop("_after_closure", None)
+
+    def resume_from(self, checkpoint: dict[str, Any]) -> None:
+        """Train on from a recovered ``checkpoint``: its RNG states at the first safe point, its data
+        position when the training loader is set up."""
+        self.recovered = checkpoint
+
+    def track_loader(self, dataloader: object, trainer: Any) -> None:
+        """``process_dataloader``: the training loader's order becomes resumable."""
+        if self.active and trainer.state.stage == RunningStage.TRAINING:
+            self.order = track(dataloader, None if self.recovered is None else self.recovered["dapple_order"])
+
+    def listen(self) -> None:
+        """At the start of training: torchrun's SIGTERM (the agent stopping the attempt) writes the state.
+        Installed after Lightning's own handler, which broadcasts on the process group, which is lost."""
+        if self.active and threading.current_thread() is threading.main_thread():
+            self._signals = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def close(self, *, failed: bool) -> None:
+        """After ``fit``: the signal handler goes; on success this rank's file too (it is stale)."""
+        if self._signals is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._signals)
+            self._signals = None
+        if self.active and not failed:
+            file_of(self.rank).unlink(missing_ok=True)
+        if self._unwrap is not None:
+            self._unwrap()
+            self._unwrap = None
+        self.active = False
+
+    # ------------------------------------------------------------------ the step
+
+    def safe_point(self) -> None:
+        """A training batch is about to move: the previous step is done, bookkeeping included."""
+        if not self.active:
+            return
+        if self.recovered is not None:  # where the recovered step's snapshot was taken
+            _set_rng_states(self.recovered["dapple_rng"])
+            self.recovered = None
+        snapshot = self._take()
+        with self._lock:
+            self._snapshot, self._phase = snapshot, "step"
+        if self._exit_at_safe_point:
+            self.save_and_exit("the job is being stopped (a peer was lost)")
+
+    def _take(self) -> dict[str, Any]:
+        trainer = self._trainer
+        connector = trainer._checkpoint_connector
+        precision = trainer.strategy.precision_plugin
+        return copy.deepcopy(
+            {
+                "epoch": trainer.current_epoch,
+                "global_step": trainer.global_step,
+                "loops": connector._get_loops_state_dict(),
+                "callbacks": call._call_callbacks_state_dict(trainer),
+                "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
+                "precision": (type(precision).__qualname__, precision.state_dict()),
+                "rng": _collect_rng_states(include_cuda=torch.cuda.is_available()),
+                "order": None if self.order is None else self.order.position(trainer),
+            }
+        )
+
+    def _vote(self) -> None:
+        """Before the optimizer's update: go on only if every rank reached this point (see the module docstring)."""
+        if not self.active or self._snapshot is None:
+            return
+        with self._lock:
+            self._phase = "window"  # a write from now on waits for the next safe point
+        step = self._snapshot["global_step"]
+        key = f"decision/{step}"
+        if self._store.add(f"votes/{step}", 1) == self._identity["world"]:
+            decision = self._store.compare_set(key, "", "commit")
+        else:
+            decision = None
+            while decision is None:
+                try:
+                    self._store.wait([key], _POLL)
+                    decision = self._store.get(key)
+                except Exception:  # the wait timed out: is anyone lost?
+                    if self._lost.is_set() or self._exit_at_safe_point:
+                        decision = self._store.compare_set(key, "", "abort")
+        if self.rank == 0 and step >= 2:  # every rank has voted on step - 1, so step - 2's keys are done with
+            for old in (f"votes/{step - 2}", f"decision/{step - 2}"):
+                self._store.delete_key(old)
+        if decision != b"commit":
+            with self._lock:
+                self._phase = "step"  # nothing stepped: the snapshot still describes this rank
+            raise RuntimeError(
+                f"dapple: a peer was lost before every rank reached the optimizer step of step {step}; no rank steps"
+            )
+
+    # ------------------------------------------------------------------ a loss
+
+    def on_failure(self) -> None:
+        """The main thread's error (the strategy's ``on_exception``): write the state if it is whole."""
+        if not self.active:
+            return
+        self._lost.set()
+        with self._lock:
+            if self._phase == "step":
+                self._write()
+            elif self._phase == "window" and not self._written.is_set():
+                sys.stderr.write(
+                    f"dapple: rank {self.rank} failed between an optimizer step and the next batch (validation, a "
+                    "checkpoint save or a hook that talks to other ranks); its state is not one step's, so it is not "
+                    "kept for recovery\n"
+                )
+
+    def on_peer_lost(self, reason: str) -> None:
+        """The heartbeat thread's end (the main thread may be blocked in a receive for good)."""
+        self._lost.set()
+        if self.active:
+            with self._lock:
+                in_step = self._phase == "step"
+            if in_step:
+                self.save_and_exit(reason)
+            self._exit_at_safe_point = True
+            self._written.wait(_WINDOW_WAIT_S)  # the main thread writes at its safe point, then ends
+        _end(self.rank, reason)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        if self._writing:  # the handler interrupted this thread's own write: let it finish; the failure path ends
+            return
+        with self._lock:  # reentrant: the main thread may hold it, in which case its phase is consistent
+            if self._phase == "step" or self._phase == "idle":
+                self.save_and_exit("torchrun stopped this attempt")
+        self._exit_at_safe_point = True  # in the window: at the next safe point
+
+    def save_and_exit(self, reason: str) -> None:
+        with self._lock:
+            if self._phase == "step":
+                self._write()
+        _end(self.rank, reason)
+
+    def _write(self) -> None:
+        """This rank's state at its snapshot's step, to node-local storage, once (under the lock)."""
+        if self._written.is_set() or self._writing or self._snapshot is None:
+            return
+        self._writing = True
+        module, strategy = self._trainer.lightning_module, self._trainer.strategy
+        state = {
+            "format": FORMAT,
+            **self._identity,
+            "step": self._snapshot["global_step"],
+            "snapshot": self._snapshot,
+            "state_dict": {k: v.detach().cpu() for k, v in module.state_dict().items()},
+            "optimizer_states": [_to_cpu(o.state_dict()) for o in strategy.optimizers],
+        }
+        path = file_of(self.rank)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+            torch.save(state, tmp)  # the page cache outlives the process: no fsync needed for a restart
+            os.replace(tmp, path)  # a rank killed mid-write leaves the previous file whole
+        except OSError as error:
+            sys.stderr.write(f"dapple: rank {self.rank} could not keep its state for recovery in {path}: {error}\n")
+        finally:
+            self._written.set()
+            self._writing = False
+
+
+class EpochOrder(Sampler):
+    """The training loader's sampler, with the epoch's start remembered and a resumable position."""
+
+    def __init__(self, inner: Sampler, batch_size: int) -> None:
+        self.inner, self.batch_size = inner, batch_size
+        self.epoch_start: torch.Tensor | None = None
+        self._resume: Mapping[str, Any] | None = None
+
+    def resume(self, position: Mapping[str, Any]) -> None:
+        """The next epoch's iteration starts where ``position`` (from :meth:`position`) was."""
+        self._resume = position
+
+    def position(self, trainer: Any) -> dict[str, Any]:
+        """Where the epoch stands at a safe point: its order's seed state and the batches done."""
+        done = trainer.fit_loop.epoch_loop.batch_progress.current.completed
+        return {"generator": self.epoch_start, "skip": done}
+
+    def __iter__(self) -> Iterator[Any]:
+        generator = getattr(self.inner, "generator", None)
+        skip = 0
+        if self._resume is not None:
+            if generator is not None and self._resume["generator"] is not None:
+                generator.set_state(self._resume["generator"])
+            skip, self._resume = self._resume["skip"] * self.batch_size, None
+        self.epoch_start = generator.get_state() if isinstance(generator, torch.Generator) else None
+        indices = iter(self.inner)
+        for _ in range(skip):
+            next(indices, None)
+        yield from indices
+
+    def __len__(self) -> int:
+        return len(self.inner)  # type: ignore[arg-type]
+
+
+def track(dataloader: object, pending: Mapping[str, Any] | None) -> EpochOrder | None:
+    """Put an :class:`EpochOrder` under ``dataloader``'s batch sampler (once); ``None`` where the
+    loader has no plain ``BatchSampler`` to put it under (its epoch then restarts, as Lightning warns)."""
+    if not isinstance(dataloader, DataLoader) or type(dataloader.batch_sampler) is not BatchSampler:
+        return None
+    batches = dataloader.batch_sampler
+    if not isinstance(batches.sampler, EpochOrder):
+        batches.sampler = EpochOrder(batches.sampler, batches.batch_size)
+    if pending is not None:
+        batches.sampler.resume(pending)
+    return batches.sampler
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+def _end(rank: int, reason: str) -> None:
+    sys.stdout.flush()
+    sys.stderr.write(f"dapple: rank {rank} ends: {reason}. Its state is kept for the restart where it was whole.\n")
+    sys.stderr.flush()
+    os._exit(1)

@@ -1,0 +1,168 @@
+"""After torchrun restarts the job: the survivors' state back into every rank (issue 16).
+
+:mod:`._recovery` has each survivor write its state, as of one global step, to node-local
+storage when a peer is lost. After the restart's rendezvous, :func:`recover` (collective):
+
+1. every rank reads its own file, if any, and all ranks gather which step each holds;
+2. the recovered step is the newest one that every stage holds on at least one rank (normally
+   the one step every survivor wrote); if some stage holds none (every replica of it lost), the
+   job starts as the script says (its ``ckpt_path``, or the start), and rank 0 says so;
+3. a rank without that step (the replacement of the lost rank) receives its stage's state from
+   the stage's first replica that holds it, point to point: replicas hold the same weights and
+   optimizer state, which is what data parallelism guarantees;
+4. the state becomes the checkpoint Lightning restores (``_loaded_checkpoint``): the rank's
+   module and optimizer state, loops, callbacks, schedulers and precision state; the RNG states
+   and the data position wait for the first safe point, where they were taken.
+
+The data position is :class:`~._recovery.EpochOrder`'s.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from itertools import count
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from dapple_lightning.plan import Plan
+from dapple_lightning.strategy._recovery import FORMAT, Recovery, file_of, is_active
+
+__all__ = ["RECOVERED", "begin", "kept_plan", "load_optimizers", "recover"]
+
+RECOVERED = "dapple_recovered_step"
+"""Key of a checkpoint dict built from recovered state (each rank's part only)."""
+_fits = count()  # one vote namespace per fit of a process; the same on every rank
+
+
+def begin(recovery: Recovery, trainer: Any, plan: Plan, group: Any) -> None:
+    """At the end of the strategy's ``setup`` for a fit: start recovery's bookkeeping and, after
+    torchrun restarted the job, hand Lightning the recovered state (collective then)."""
+    rank, world = trainer.global_rank, trainer.world_size
+    identity = {
+        "run": os.environ.get("TORCHELASTIC_RUN_ID"),
+        "plan": plan.to_yaml(),
+        "world": world,
+        "rank": rank,
+        "stage": plan.stage_of(rank),
+        "fit": next(_fits),
+    }
+    recovery.start(trainer, identity)
+    if not recovery.active or not _restarted():
+        return
+    checkpoint = recover(identity, plan, group)
+    if checkpoint is not None:
+        recovery.resume_from(checkpoint)
+        # Lightning restores from it as from a checkpoint file: its strategy.setup comes before the restore.
+        trainer._checkpoint_connector._loaded_checkpoint = checkpoint
+
+
+def _restarted() -> bool:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+
+
+def kept_plan(recovery: Recovery, group: Any) -> Plan | None:
+    """``plan="auto"`` after torchrun's restart: the plan the job trained with, from any rank's kept
+    state, rather than a new choice the kept state would not fit (collective over every rank)."""
+    if not is_active(recovery.mode) or not _restarted():
+        return None
+    path, mine = file_of(dist.get_rank()), None
+    if path.is_file():
+        try:  # memory-mapped: the tensors are not read
+            state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        except Exception:  # a torn file: as if it were not there
+            state = {}
+        if state.get("format") == FORMAT and state.get("run") == os.environ.get("TORCHELASTIC_RUN_ID"):
+            mine = state.get("plan")
+    plans: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(plans, mine, group=group)
+    found = next((p for p in plans if p is not None), None)
+    if found is None:
+        return None
+    rank_zero_info("dapple: plan='auto' takes the plan the job trained with before torchrun restarted it (kept state)")
+    return Plan.from_yaml(found)
+
+
+def recover(identity: Mapping[str, Any], plan: Plan, group: Any) -> dict[str, Any] | None:
+    """The checkpoint dict of the newest step every stage kept, for this rank; ``None`` if there is
+    none (collective over every rank; ``group``: a gloo group, or ``None`` under gloo)."""
+    rank, world = identity["rank"], identity["world"]
+    mine = _read(rank, identity)
+    held: list[Any] = [None] * world
+    dist.all_gather_object(held, None if mine is None else mine["step"], group=group)
+    step = _newest_common(held, plan)
+    if step is None:
+        why = (
+            "no step that every stage kept (every replica of a stage was lost)"
+            if any(h is not None for h in held)
+            else "no kept state (the failure came before the first step, or in the work between two steps)"
+        )
+        rank_zero_warn(
+            f"dapple: the job was restarted, and recovery found {why}; it starts as the script says "
+            "(its ckpt_path, or the start)"
+        )
+        return None
+    sources = {}
+    for needy in (r for r in range(world) if held[r] != step):
+        source = min(r for r in plan.stage_ranks(plan.stage_of(needy)) if held[r] == step)
+        sources[needy] = source
+        if rank == source:
+            dist.send_object_list([mine], dst=needy, group=group)
+        elif rank == needy:
+            box: list[Any] = [None]
+            dist.recv_object_list(box, src=source, group=group)
+            mine = box[0]
+    assert mine is not None
+    moved = ", ".join(f"rank {n} from rank {s}" for n, s in sources.items()) or "none"
+    rank_zero_info(f"dapple: recovered step {step} from the ranks' kept state (sent to replacements: {moved})")
+    return _as_checkpoint(mine, step)
+
+
+def _read(rank: int, identity: Mapping[str, Any]) -> dict[str, Any] | None:
+    path = file_of(rank)
+    if not path.is_file():
+        return None
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)  # this run's own file
+    except Exception as error:  # a torn or foreign file: as if it were not there
+        rank_zero_warn(f"dapple: could not read the kept state {path}: {error}")
+        return None
+    same = state.get("format") == FORMAT and all(state.get(k) == identity[k] for k in ("run", "plan", "world", "stage"))
+    return state if same else None
+
+
+def _newest_common(held: list[Any], plan: Plan) -> int | None:
+    by_stage = [{held[r] for r in plan.stage_ranks(s)} - {None} for s in range(plan.num_stages)]
+    common = set.intersection(*by_stage) if by_stage else set()
+    return max(common) if common else None
+
+
+def _as_checkpoint(state: Mapping[str, Any], step: int) -> dict[str, Any]:
+    snapshot = state["snapshot"]
+    checkpoint = {
+        "epoch": snapshot["epoch"],
+        "global_step": snapshot["global_step"],
+        "pytorch-lightning_version": pl.__version__,
+        "loops": snapshot["loops"],
+        "callbacks": snapshot["callbacks"],
+        "lr_schedulers": snapshot["lr_schedulers"],
+        "state_dict": state["state_dict"],
+        "optimizer_states": state["optimizer_states"],
+        RECOVERED: step,
+        "dapple_rng": snapshot["rng"],
+        "dapple_order": snapshot["order"],
+    }
+    precision, precision_state = snapshot["precision"]
+    if precision_state:
+        checkpoint[precision] = precision_state
+    return checkpoint
+
+
+def load_optimizers(optimizers: list[torch.optim.Optimizer], checkpoint: Mapping[str, Any]) -> None:
+    """A recovered checkpoint holds each optimizer's state as this rank had it (no single-device layout)."""
+    for optimizer, state in zip(optimizers, checkpoint["optimizer_states"], strict=True):
+        optimizer.load_state_dict(state)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from copy import deepcopy
 from pathlib import Path
 
 import pytest
@@ -127,5 +128,13 @@ def test_offload_refuses_what_it_cannot_keep_on_disk():
     stage = StageModule([("0", tied), ("1", nn.Linear(2, 2))], offload=1)
     with pytest.raises(ValueError, match=r"layer 0 of an offloaded stage shares a parameter"):
         stage.offload.begin(shared=[tied.weight])
+    # A copy of an offloaded stage (deepcopy, pickle) holds its values in memory.
+    stage = StageModule([("0", nn.Linear(2, 2)), ("1", nn.Linear(2, 2))], offload=1)
+    want = {k: v.clone() for k, v in stage.state_dict().items()}
+    stage.offload.begin()
+    assert stage[0].weight.numel() == 0  # on disk now
+    copy = deepcopy(stage)
+    assert copy.offload is None and all(torch.equal(copy.state_dict()[k], v) for k, v in want.items())
+    stage.offload.close()
     assert "offload" in plan(2).table() and "window 2" in plan(2).table()
     assert Plan.coerce(plan(2).to_dict()) == plan(2)

@@ -231,12 +231,15 @@ class StageModule(nn.Sequential):
 
     def _read_back(self, *args: Any) -> None:
         """Before the module's state is read or loaded: the offloaded layers come back into memory."""
-        assert self.offload is not None
-        self.offload.materialize()
+        if self.offload is not None:  # a copy keeps the hook and holds its values itself
+            self.offload.materialize()
 
     def __getstate__(self) -> dict[str, Any]:
+        if self.offload is not None:  # a copy holds the values, in memory (the files stay this module's)
+            self.offload.materialize()
         state = super().__getstate__()
         state["call"] = None  # a step's tensors are not the module's state
+        state["offload"] = None
         return state
 
 

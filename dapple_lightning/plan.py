@@ -185,6 +185,12 @@ class Plan:
                 "a stage with recompute: true runs its forward twice more per micro-batch under schedule 'zb-h1' "
                 "(its input and weight backwards each recompute); use schedule 'dapple' with recomputation"
             )
+        if self.schedule == "zb-h1" and any(s.offload is not None for s in stages):
+            # Its W adds the weights' gradients outside the window that B moved.
+            raise ValueError(
+                "a stage with offload moves its window with each backward, and schedule 'zb-h1' computes the weights' "
+                "gradients later, apart from it; use schedule 'dapple' or 'gpipe' with offload"
+            )
         if stages[0].start != 0:
             raise ValueError(f"the first stage must start at layer 0, got [{stages[0].start}, {stages[0].end})")
         for prev, nxt in itertools.pairwise(stages):

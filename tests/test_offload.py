@@ -25,7 +25,9 @@ SCRIPT = Path(__file__).parent / "scripts" / "save_after_fit.py"
 
 
 def plan(window: int | None) -> Plan:
-    return Plan.coerce({"micro_batches": 3, "stages": [{"layers": [0, 2]}, {"layers": [2, 8], "offload": window}]})
+    # The first stage: under 1F1B its program is F0 F1 B0 F2 B1 B2, so the window moves through forwards and
+    # backwards of different micro-batches in turn, with two micro-batches' graphs alive.
+    return Plan.coerce({"micro_batches": 3, "stages": [{"layers": [0, 6], "offload": window}, {"layers": [6, 8]}]})
 
 
 def save_after_fit(out: Path, plan: Plan) -> Path:
@@ -69,8 +71,8 @@ def test_an_offloaded_stage_matches_memory_and_one_device_within_its_window(tmp_
     single = fit(MODEL, tmp_path / "single", val=True)
     assert_same(on, off)
     assert_same(on, single)
-    assert not (tmp_path / "resident0.json").exists()  # stage 0 keeps its layers in memory
-    got = json.loads((tmp_path / "resident1.json").read_text())
+    assert not (tmp_path / "resident1.json").exists()  # stage 1 keeps its layers in memory
+    got = json.loads((tmp_path / "resident0.json").read_text())
     sizes = sorted(got["layer_bytes"], reverse=True)
     bound = sum(sizes[: window + 1])  # the window plus one layer
     assert sum(sizes) > bound, "the stage must have more layers than the window holds for the bound to mean anything"
@@ -120,6 +122,8 @@ def test_checkpoints_saved_with_offload_resume_without_it_and_the_reverse(tmp_pa
 def test_offload_refuses_what_it_cannot_keep_on_disk():
     with pytest.raises(ValueError, match=r"offload.* an integer >= 1"):
         Plan.coerce({"stages": [{"layers": [0, 2], "offload": 0}]})
+    with pytest.raises(ValueError, match=r"use schedule 'dapple' or 'gpipe' with offload"):
+        Plan.coerce({"schedule": "zb-h1", "stages": [{"layers": [0, 2], "offload": 1}]})
     with pytest.raises(ValueError, match=r"both recompute and offload"):
         Plan.coerce({"stages": [{"layers": [0, 2], "offload": 1, "recompute": True}]})
     with pytest.raises(ValueError, match=r"needs the pipelined layers in one nn\.Sequential"):

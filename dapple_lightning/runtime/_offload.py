@@ -237,8 +237,8 @@ class Offloader:
         if not isinstance(saved, _Saved):
             return saved
         layer = self.layers[saved.layer]
-        if not layer.params_in:  # the window did not foresee it: read it now
-            self._submit_load(layer, grads=False, state=False)
+        if not layer.params_in:  # the window did not foresee it: read it now, with the gradients it adds to
+            self._submit_load(layer, grads=True, state=False)
         self._wait(layer)
         return layer.params[saved.k].detach().as_strided(saved.size, saved.stride, saved.offset)
 

@@ -17,7 +17,9 @@ The stable, documented serialised form (what the search stores and the YAML file
 a placement other than "consecutive ranks" is written; by default stage ``s`` takes the next
 ``replicas`` ranks after stage ``s - 1``. ``recompute: true`` (default false) makes the stage
 recompute its activations in the backward (each layer under ``torch.utils.checkpoint``): it keeps
-only each layer's input per micro-batch, for one more forward per micro-batch.
+only each layer's input per micro-batch, for one more forward per micro-batch. ``offload: 2`` keeps
+the stage's parameters, gradients and optimizer state in files, with a working window of 2 layers
+in memory (see :mod:`dapple_lightning.runtime._offload`).
 """
 
 from __future__ import annotations
@@ -61,11 +63,26 @@ class Stage:
     """Recompute the stage's activations in the backward rather than keep them: each layer runs
     under non-reentrant ``torch.utils.checkpoint``, so a micro-batch keeps only its layers' inputs
     until its backward, which runs the stage's forward again first."""
+    offload: int | str | None = None
+    """Keep the stage's parameters, gradients and optimizer state in files on local disk, with a
+    working window of this many layers in memory that moves forward, then backward, through the
+    stage per micro-batch; ``"auto"``: the smallest window whose transfers hide behind compute, from
+    what the first training step measures (``None``: everything stays in memory)."""
 
     def __post_init__(self) -> None:
         _as_int(self.start, "stage start layer")
         if not isinstance(self.recompute, bool):
             raise TypeError(f"stage `recompute` must be true or false, got {self.recompute!r}")
+        if self.offload is not None and self.offload != "auto":
+            if isinstance(self.offload, bool) or not isinstance(self.offload, int) or self.offload < 1:
+                raise ValueError(
+                    f"stage `offload` is the working window in layers, an integer >= 1 (e.g. offload: 2) or 'auto', "
+                    f"got {self.offload!r}"
+                )
+            if self.recompute:
+                raise ValueError(
+                    f"stage [{self.start}, {self.end}) sets both recompute and offload; choose one of them"
+                )
         _as_int(self.end, "stage end layer")
         _as_int(self.replicas, "stage replicas")
         if self.start < 0:
@@ -98,6 +115,8 @@ class Stage:
             out["ranks"] = list(self.ranks)
         if self.recompute:
             out["recompute"] = True
+        if self.offload is not None:
+            out["offload"] = self.offload
         return out
 
     @classmethod
@@ -108,10 +127,10 @@ class Stage:
             raise TypeError(
                 f"a stage must be a mapping like {{layers: [0, 4], replicas: 1}}, got {type(data).__name__}"
             )
-        unknown = set(data) - {"layers", "replicas", "ranks", "recompute"}
+        unknown = set(data) - {"layers", "replicas", "ranks", "recompute", "offload"}
         if unknown:
             raise ValueError(
-                f"unknown stage keys {sorted(map(str, unknown))}; allowed: layers, replicas, ranks, recompute"
+                f"unknown stage keys {sorted(map(str, unknown))}; allowed: layers, replicas, ranks, recompute, offload"
             )
         if "layers" not in data:
             raise ValueError("a stage needs `layers: [start, end)`, e.g. {layers: [0, 4], replicas: 1}")
@@ -127,6 +146,7 @@ class Stage:
             replicas=data.get("replicas", 1),
             ranks=None if ranks is None else tuple(ranks),
             recompute=data.get("recompute", False),
+            offload=data.get("offload"),
         )
 
 
@@ -164,6 +184,12 @@ class Plan:
             raise ValueError(
                 "a stage with recompute: true runs its forward twice more per micro-batch under schedule 'zb-h1' "
                 "(its input and weight backwards each recompute); use schedule 'dapple' with recomputation"
+            )
+        if self.schedule == "zb-h1" and any(s.offload is not None for s in stages):
+            # Its W adds the weights' gradients outside the window that B moved.
+            raise ValueError(
+                "a stage with offload moves its window with each backward, and schedule 'zb-h1' computes the weights' "
+                "gradients later, apart from it; use schedule 'dapple' or 'gpipe' with offload"
             )
         if stages[0].start != 0:
             raise ValueError(f"the first stage must start at layer 0, got [{stages[0].start}, {stages[0].end})")
@@ -305,25 +331,21 @@ class Plan:
         cuts = ",".join(str(s.start) for s in self.stages[1:]) or "-"
         recompute = ",".join(str(k) for k, s in enumerate(self.stages) if s.recompute)
         tail = f" recompute={recompute}" if recompute else ""
+        offload = ",".join(f"{k}:{s.offload}" for k, s in enumerate(self.stages) if s.offload is not None)
+        tail += f" offload={offload}" if offload else ""
         return f"{self.notation} cuts={cuts} M={self.micro_batches} {self.schedule}{tail}"
 
     def table(self) -> str:
-        """The plan as an aligned text table (a ``recompute`` column when a stage recomputes)."""
-        recompute = any(s.recompute for s in self.stages)
-        rows = [("stage", "layers", "replicas", "ranks", "recompute")]
+        """The plan as an aligned text table (``recompute`` and ``offload`` columns when a stage uses them)."""
+        extra = [name for name in ("recompute", "offload") if any(getattr(s, name) for s in self.stages)]
+        rows = [("stage", "layers", "replicas", "ranks", *extra)]
         for index, stage in enumerate(self.stages):
             ranks = ",".join(map(str, self.stage_ranks(index)))
+            cells = {"recompute": "yes" if stage.recompute else "", "offload": _window(stage.offload)}
             rows.append(
-                (
-                    str(index),
-                    f"[{stage.start}, {stage.end})",
-                    str(stage.replicas),
-                    ranks,
-                    "yes" if stage.recompute else "",
-                )
+                (str(index), f"[{stage.start}, {stage.end})", str(stage.replicas), ranks, *map(cells.get, extra))
             )
-        columns = 5 if recompute else 4
-        rows = [row[:columns] for row in rows]
+        columns = len(rows[0])
         widths = [max(len(r[c]) for r in rows) for c in range(columns)]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
         lines.append(
@@ -389,6 +411,10 @@ def balanced_cuts(weights: Sequence[float], parts: int) -> list[int]:
     for k in range(parts, 0, -1):
         bounds.append(cut[k][bounds[-1]])
     return bounds[::-1]
+
+
+def _window(offload: int | str | None) -> str:
+    return "" if offload is None else f"window {offload}"
 
 
 def _is_omegaconf(obj: Any) -> bool:

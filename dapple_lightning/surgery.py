@@ -241,10 +241,11 @@ def partition(layers: Container | Chain, plan: Plan, rank: int) -> StageModule:
             blocks=len(layers),
             names=[name for name, _ in named],
             recompute=stage.recompute,
+            offload=stage.offload,
         )
     named = list(layers.named_children())
     blocks = len(layers) if isinstance(layers, nn.ModuleList) else None
-    return StageModule(named[stage.start : stage.end], blocks=blocks, recompute=stage.recompute)
+    return StageModule(named[stage.start : stage.end], blocks=blocks, recompute=stage.recompute, offload=stage.offload)
 
 
 @dataclass

@@ -295,3 +295,13 @@ class StackedSamplesMLP(MLP):
 
     def training_step(self, batch, batch_idx):
         return self.layers(torch.stack(batch)).pow(2).mean()
+
+
+class DeepMLP(MLP):
+    """Eight layers that each hold parameters (seven of them 16 x 16): an offloaded stage has layers to move."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        hidden = [nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(6)]
+        self.layers = nn.Sequential(nn.Linear(IN, 16), *hidden, nn.Linear(16, OUT))

@@ -47,6 +47,7 @@ from dapple_lightning.planner._select import (
     shortlist,
 )
 from dapple_lightning.planner._simulator import Event, Simulation, simulate_plan
+from dapple_lightning.planner._window import WindowChoice, choose_window, replay_window
 
 __all__ = [
     "GB",
@@ -73,10 +74,12 @@ __all__ = [
     "Simulation",
     "Stopwatch",
     "Trial",
+    "WindowChoice",
     "allocate",
     "baselines",
     "best_over_micro_batches",
     "check_objective",
+    "choose_window",
     "compute_units",
     "cores",
     "data_parallel_plan",
@@ -104,6 +107,7 @@ __all__ = [
     "read_pipedream",
     "refine",
     "refine_allreduce",
+    "replay_window",
     "replica_candidates",
     "shortlist",
     "simulate_plan",

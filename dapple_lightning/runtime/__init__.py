@@ -10,6 +10,7 @@
 - :class:`GradientReducer` sums gradients over a group while backward still runs;
 - :class:`Link` and :func:`share` move tensors and values between ranks, on the groups of
   :class:`P2PGroups`;
+- :class:`Offloader` keeps an offloaded stage's layers on disk with a working window in memory;
 - :class:`Timeline` records spans for a Chrome trace;
 - :func:`synchronize_batch_norms` and :func:`agree_buffers` keep a stage's replicas' batch
   statistics and buffers together.
@@ -21,6 +22,8 @@ from dapple_lightning.runtime._batchnorm import agree_buffers, synchronize_batch
 from dapple_lightning.runtime._blocks import Placeholder, stand_in_blocks, stand_in_layers
 from dapple_lightning.runtime._comm import Link, P2PGroups, Pending, Signature, p2p_groups, share, stage_group
 from dapple_lightning.runtime._executor import Pipeline, StepStats
+from dapple_lightning.runtime._offload import Offloader
+from dapple_lightning.runtime._offload_records import Residency
 from dapple_lightning.runtime._reducer import GradientReducer
 from dapple_lightning.runtime._stage import StageCall, StageExit, StageModule
 from dapple_lightning.runtime._timeline import DeviceEvent, Event, Timeline, bubble_fractions, write_chrome_trace
@@ -30,10 +33,12 @@ __all__ = [
     "Event",
     "GradientReducer",
     "Link",
+    "Offloader",
     "P2PGroups",
     "Pending",
     "Pipeline",
     "Placeholder",
+    "Residency",
     "Signature",
     "StageCall",
     "StageExit",

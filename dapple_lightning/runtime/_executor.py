@@ -245,6 +245,9 @@ class Pipeline:
         step = _Step(rows, forward, forward_context, carry, train, _Inbox(program, self.links))
         step.split = any(op.kind == "W" for op in program)
         self.stats = StepStats()
+        offload = self.module.offload
+        if offload is not None:
+            offload.begin(self.module.shared)
         try:
             for op in program:
                 self._handlers[op.kind](step, op)
@@ -263,6 +266,8 @@ class Pipeline:
             raise
         if train:
             self._sync_gradients()
+        if offload is not None:
+            offload.finish(self.stage_group if train else None)  # its own sum, layer by layer
         self.timeline.end_step()
         return self.stats
 
@@ -273,6 +278,8 @@ class Pipeline:
         self.reducers, self.stage_reducer = [], None
         if self.stage_group is not None:
             shared = {id(p) for p in self.shared_params}
+            offload = self.module.offload
+            shared |= {id(p) for layer in offload.layers for p in layer.params} if offload else set()
             own = [p for p in self.module.parameters() if id(p) not in shared]
             self.stage_reducer = GradientReducer(own, self.stage_group, device=self.device)
             self.reducers.append(self.stage_reducer)
@@ -289,6 +296,8 @@ class Pipeline:
         for reducer in self.reducers:
             reducer.remove()
         self.module.call = None
+        if self.module.offload is not None:  # the stage's layers back in memory, the files removed
+            self.module.offload.close()
 
     def _memory_in_use(self, step: _Step) -> int:
         """Bytes this rank holds now: the allocator's count on CUDA; elsewhere (no allocator count)

@@ -27,6 +27,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from dapple_lightning.runtime._offload import Offloader
+
 __all__ = ["StageCall", "StageExit", "StageModule"]
 
 Activation = torch.Tensor | tuple[torch.Tensor, ...]
@@ -171,11 +173,14 @@ class StageModule(nn.Sequential):
         blocks: int | None = None,
         names: Sequence[str] | None = None,
         recompute: bool = False,
+        offload: int | str | None = None,
     ) -> None:
         super().__init__(OrderedDict(layers))
         if recompute:
             _check_recomputable(self, blocks)
         self.recompute = recompute
+        self.offload = None if offload is None else _offloader(self, blocks, offload)
+        """With ``offload: W`` (or ``"auto"``): keeps the layers on disk, ``W`` of them in memory (:class:`Offloader`)."""
         """Run each layer under non-reentrant ``torch.utils.checkpoint`` while autograd records:
         a micro-batch keeps only the layers' inputs, and its backward runs each layer again."""
         # A plain attribute, not a submodule: the executor sets it around each micro-batch.
@@ -205,6 +210,8 @@ class StageModule(nn.Sequential):
         return self.call.run(self._layers, input)
 
     def _layers(self, input: Any) -> Any:
+        if self.offload is not None:
+            return self._offloaded(input, self.offload)
         if not (self.recompute and torch.is_grad_enabled()):
             return super().forward(input)
         for layer in self:
@@ -212,10 +219,39 @@ class StageModule(nn.Sequential):
             input = checkpoint(layer, input, use_reentrant=False)
         return input
 
+    def _offloaded(self, input: Any, offload: Offloader) -> Any:
+        with offload.saving():
+            for index, layer in enumerate(self):
+                offload.forward(index)
+                input = layer(input)
+                if torch.is_grad_enabled():
+                    offload.watch(index, input)
+        offload.forward_done()
+        return input
+
+    def _read_back(self, *args: Any) -> None:
+        """Before the module's state is read or loaded: the offloaded layers come back into memory."""
+        if self.offload is not None:  # a copy keeps the hook and holds its values itself
+            self.offload.materialize()
+
     def __getstate__(self) -> dict[str, Any]:
+        if self.offload is not None:  # a copy holds the values, in memory (the files stay this module's)
+            self.offload.materialize()
         state = super().__getstate__()
         state["call"] = None  # a step's tensors are not the module's state
+        state["offload"] = None
         return state
+
+
+def _offloader(stage: StageModule, blocks: int | None, window: int | str) -> Offloader:
+    if blocks is not None:
+        raise ValueError(
+            "a stage with offload needs the pipelined layers in one nn.Sequential; with a ModuleList or a chain of "
+            "containers your code calls the layers, and the window cannot follow them: leave offload off there"
+        )
+    stage.register_state_dict_pre_hook(stage._read_back)
+    stage.register_load_state_dict_pre_hook(stage._read_back)
+    return Offloader(list(stage), window)
 
 
 def _check_recomputable(stage: nn.Module, blocks: int | None) -> None:

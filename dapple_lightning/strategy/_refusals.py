@@ -38,7 +38,23 @@ def check_before_start(
             "plan='auto' profiles the whole model on every rank, and this one was built on the meta device "
             "(to be materialised stage by stage): give DappleStrategy an explicit plan"
         )
+    if isinstance(plan, Plan) and any(stage.offload is not None for stage in plan.stages):
+        _check_offload(module.trainer)
     chain = find_chain(module, sequential_name)
     if isinstance(plan, Plan):  # plan="auto" profiles the chain's layers and makes a plan that fits them
         plan.check(num_layers=len(chain), world_size=world_size)
     return chain
+
+
+def _check_offload(trainer: Any) -> None:
+    """Refuse what an offloaded stage's gradients, which live on disk, cannot do yet."""
+    if trainer.accumulate_grad_batches != 1:
+        raise ValueError(
+            f"accumulate_grad_batches={trainer.accumulate_grad_batches} with an offloaded stage: its gradients "
+            "live on disk and are not scaled per batch yet; use accumulate_grad_batches=1 or leave offload off"
+        )
+    if trainer.gradient_clip_val is not None:
+        raise ValueError(
+            f"gradient_clip_val={trainer.gradient_clip_val} with an offloaded stage: clipping reads every gradient "
+            "at once, and offload keeps them on disk; leave clipping off or offload off"
+        )

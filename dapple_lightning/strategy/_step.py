@@ -28,14 +28,45 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.optim import Optimizer
 
 from dapple_lightning.microbatch import Rows, batch_size_of, concat_slices, map_tensors, slice_batch
-from dapple_lightning.runtime import Pending, Pipeline, StageCall, share
+from dapple_lightning.runtime import Pending, Pipeline, StageCall, StageModule, share
+from dapple_lightning.strategy._checkpoint import keep_local
 
-__all__ = ["MicroBatches", "clip_grad_norm_over_stages", "to_cpu"]
+__all__ = ["MicroBatches", "clip_grad_norm_over_stages", "local_optimizers", "to_cpu"]
 
 Logged = dict[str, tuple[float, dict]]
 """Logged values by name: the global batch's value and the ``self.log`` keyword arguments."""
+
+
+def local_optimizers(optimizers: list[Optimizer], module: nn.Module, stage: StageModule) -> None:
+    """Each rank's optimizers step its own parameters: other stages' leave the param groups
+    (:func:`keep_local`), and an offloaded stage's layers step one at a time where their state lives.
+
+    Lightning steps an optimizer with ``optimizer.step(closure=...)``, whose closure runs the
+    training step (the pipeline) and the backward. With ``offload`` on the stage, each optimizer's
+    ``step`` runs the closure, then lets the stage's offloader step the optimizer over the other
+    parameters and then one layer at a time, with that layer's parameters, gradients and state
+    read in from disk (:meth:`~dapple_lightning.runtime.Offloader.step`).
+    """
+    keep_local(optimizers, module)
+    offloader = stage.offload
+    if offloader is None:
+        return
+    offloader.attach(optimizers)
+    for optimizer in optimizers:
+        original = optimizer.step
+
+        def step(closure: Any = None, *, _original: Any = original, _optimizer: Optimizer = optimizer) -> Any:
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            offloader.step(_optimizer, _original)
+            return loss
+
+        optimizer.step = step  # type: ignore[method-assign]
 
 
 class MicroBatches:

@@ -50,7 +50,7 @@ from dapple_lightning.plan import Plan
 from dapple_lightning.runtime import Pipeline, StepStats, Timeline
 from dapple_lightning.strategy._auto import AutoSetting, choose_automatically, draw_global_batch
 from dapple_lightning.strategy._batch import SameBatch, same_order
-from dapple_lightning.strategy._checkpoint import Checkpoints, group_names, keep_local
+from dapple_lightning.strategy._checkpoint import Checkpoints, group_names
 from dapple_lightning.strategy._collectives import Collectives
 from dapple_lightning.strategy._failures import PEER_LOST, as_timeout, connect, host_group, peer_lost_message
 from dapple_lightning.strategy._finetuning import adapt_finetuning
@@ -62,7 +62,7 @@ from dapple_lightning.strategy._pipelines import Buffers, Pipelines, broadcast_m
 from dapple_lightning.strategy._recovery import Recovery, RecoveryMode, is_active
 from dapple_lightning.strategy._refusals import check_before_start
 from dapple_lightning.strategy._resume import RECOVERED, begin, kept_plan, load_optimizers
-from dapple_lightning.strategy._step import MicroBatches, clip_grad_norm_over_stages
+from dapple_lightning.strategy._step import MicroBatches, clip_grad_norm_over_stages, local_optimizers
 from dapple_lightning.surgery import Chain, Cut
 
 __all__ = ["DappleStrategy"]
@@ -292,7 +292,7 @@ class DappleStrategy(Collectives):
             with self._cut.whole():  # configure_optimizers sees the model as one device has it
                 self.setup_optimizers(trainer)
                 full_names = group_names(module, self.optimizers)
-            keep_local(self.optimizers, module)
+            local_optimizers(self.optimizers, module, self._cut.stage)
             self._checkpoints.set_optimizers(self.optimizers, full_names)
             adapt_finetuning(trainer.callbacks, self)
         self.setup_precision_plugin()

@@ -1,0 +1,144 @@
+"""A stage offloaded to disk (``offload: W``) trains as in memory, and holds at most W + 1 layers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from copy import deepcopy
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import Callback
+from torch import nn
+
+from dapple_lightning import Plan
+from dapple_lightning.planner import WindowChoice, choose_window, replay_window
+from dapple_lightning.runtime import StageModule
+
+import models
+from harness import assert_close_tree, assert_same, fit
+
+MODEL = models.DeepMLP
+SCRIPT = Path(__file__).parent / "scripts" / "save_after_fit.py"
+
+
+def plan(window: int | None) -> Plan:
+    # The first stage: under 1F1B its program is F0 F1 B0 F2 B1 B2, so the window moves through forwards and
+    # backwards of different micro-batches in turn, with two micro-batches' graphs alive.
+    return Plan.coerce({"micro_batches": 3, "stages": [{"layers": [0, 6], "offload": window}, {"layers": [6, 8]}]})
+
+
+def save_after_fit(out: Path, plan: Plan) -> Path:
+    """Fit 4 steps launched plainly, ``trainer.save_checkpoint`` after ``fit`` returns (tests/scripts/save_after_fit.py)."""
+    out.mkdir(parents=True)
+    command = [sys.executable, str(SCRIPT), str(out), MODEL.__name__, json.dumps(plan.to_dict())]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out / "after_fit.ckpt"
+
+
+class Resident(Callback):
+    """The offloaded stage's residency peaks and layer sizes, written to ``folder/resident<rank>.json``."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        offload = getattr(pl_module.layers, "offload", None)
+        if offload is not None:
+            r = offload.residency
+            numbers = {
+                "tracked": r.peak_tracked,
+                "storage": r.peak_storage,
+                "alive": r.peak_alive,
+                "layers": r.peak_layers,
+                "alive_layers": r.peak_alive_layers,
+                "samples": r.samples,
+                "layer_bytes": offload.layer_bytes,
+                "files": sorted(p.name for p in offload.directory.iterdir()),
+                "window": offload.window,
+                "chosen": offload.choice is not None,
+            }
+            (self.folder / f"resident{trainer.global_rank}.json").write_text(json.dumps(numbers))
+
+
+def test_an_offloaded_stage_matches_memory_and_one_device_within_its_window(tmp_path):
+    window = 2
+    on = fit(MODEL, tmp_path / "on", plan=plan(window), val=True, callbacks=(Resident(tmp_path),))
+    off = fit(MODEL, tmp_path / "off", plan=plan(None), val=True)
+    single = fit(MODEL, tmp_path / "single", val=True)
+    assert_same(on, off)
+    assert_same(on, single)
+    assert not (tmp_path / "resident1.json").exists()  # stage 1 keeps its layers in memory
+    got = json.loads((tmp_path / "resident0.json").read_text())
+    sizes = sorted(got["layer_bytes"], reverse=True)
+    bound = sum(sizes[: window + 1])  # the window plus one layer
+    assert sum(sizes) > bound, "the stage must have more layers than the window holds for the bound to mean anything"
+    for what in ("tracked", "storage", "alive"):
+        # The optimizer step holds one whole layer (parameters, gradients, momentum) at least.
+        assert sizes[0] <= got[what] <= bound, (what, got)
+    # A layer's storage that autograd kept alive after the window left it would count here.
+    assert got["layers"] <= window + 1 and got["alive_layers"] <= window + 1, got
+    assert got["samples"] > 0
+    assert any(name.endswith(".param") for name in got["files"]) and any(".state" in n for n in got["files"])
+
+
+def test_an_offloaded_stage_on_two_replicas_sums_its_gradients_and_may_choose_its_window(tmp_path):
+    two = Plan.coerce(
+        {"micro_batches": 2, "stages": [{"layers": [0, 2]}, {"layers": [2, 8], "replicas": 2, "offload": "auto"}]}
+    )
+    on = fit(MODEL, tmp_path / "on", plan=two, callbacks=(Resident(tmp_path),))
+    assert_same(on, fit(MODEL, tmp_path / "single"))
+    for rank in (1, 2):  # each replica measured its first step and chose a window for the next ones
+        got = json.loads((tmp_path / f"resident{rank}.json").read_text())
+        assert got["chosen"] and 1 <= got["window"] <= 6
+
+
+def test_the_window_is_the_smallest_whose_transfers_hide_behind_compute():
+    # Reads take a third of a layer's forward: one layer read ahead hides them; window 1 waits at every layer.
+    assert choose_window([3.0] * 4, [6.0] * 4, [1.0] * 4, [1.0] * 4) == WindowChoice(2, 0.0, 36.0, ())
+    assert all(wait > 0 for wait in replay_window(1, [3.0] * 4, [6.0] * 4, [1.0] * 4, [1.0] * 4).values())
+    # A slow layer (layer 2) stalls under any window: the least-waiting window names it.
+    slow = choose_window([1.0] * 6, [2.0] * 6, [0.1, 0.1, 4.0, 0.1, 0.1, 0.1], [0.1] * 6)
+    assert slow.stalls == (2,) and "layers [2] wait for their transfers" in slow.describe()
+    # Reads slower than compute on every layer: no window keeps up, every layer waits.
+    assert choose_window([1.0] * 6, [2.0] * 6, [2.0] * 6, [0.5] * 6).stalls == tuple(range(6))
+
+
+def test_checkpoints_saved_with_offload_resume_without_it_and_the_reverse(tmp_path):
+    on = save_after_fit(tmp_path / "on", plan(1))
+    off = save_after_fit(tmp_path / "off", plan(None))
+    saved_on, saved_off = torch.load(on, weights_only=False), torch.load(off, weights_only=False)
+    assert_close_tree(saved_on["state_dict"], saved_off["state_dict"])
+    assert_close_tree(saved_on["optimizer_states"], saved_off["optimizer_states"])
+    assert len(saved_on["optimizer_states"][0]["state"]) == len(list(MODEL().parameters()))
+    resumed_off = fit(MODEL, tmp_path / "r1", plan=plan(None), max_steps=8, ckpt_path=str(on))
+    resumed_on = fit(MODEL, tmp_path / "r2", plan=plan(1), max_steps=8, ckpt_path=str(off))
+    assert_same(resumed_on, resumed_off)
+
+
+def test_offload_refuses_what_it_cannot_keep_on_disk():
+    with pytest.raises(ValueError, match=r"offload.* an integer >= 1"):
+        Plan.coerce({"stages": [{"layers": [0, 2], "offload": 0}]})
+    with pytest.raises(ValueError, match=r"use schedule 'dapple' or 'gpipe' with offload"):
+        Plan.coerce({"schedule": "zb-h1", "stages": [{"layers": [0, 2], "offload": 1}]})
+    with pytest.raises(ValueError, match=r"both recompute and offload"):
+        Plan.coerce({"stages": [{"layers": [0, 2], "offload": 1, "recompute": True}]})
+    with pytest.raises(ValueError, match=r"needs the pipelined layers in one nn\.Sequential"):
+        StageModule([("0", nn.Linear(2, 2))], blocks=3, offload=1)
+    tied = nn.Linear(2, 2)
+    stage = StageModule([("0", tied), ("1", nn.Linear(2, 2))], offload=1)
+    with pytest.raises(ValueError, match=r"layer 0 of an offloaded stage shares a parameter"):
+        stage.offload.begin(shared=[tied.weight])
+    # A copy of an offloaded stage (deepcopy, pickle) holds its values in memory.
+    stage = StageModule([("0", nn.Linear(2, 2)), ("1", nn.Linear(2, 2))], offload=1)
+    want = {k: v.clone() for k, v in stage.state_dict().items()}
+    stage.offload.begin()
+    assert stage[0].weight.numel() == 0  # on disk now
+    copy = deepcopy(stage)
+    assert copy.offload is None and all(torch.equal(copy.state_dict()[k], v) for k, v in want.items())
+    stage.offload.close()
+    assert "offload" in plan(2).table() and "window 2" in plan(2).table()
+    assert Plan.coerce(plan(2).to_dict()) == plan(2)

@@ -267,6 +267,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=14, help="recovery: steps of the job")
     parser.add_argument("--kill-at", type=int, default=8, help="recovery: the step whose forward the kill interrupts")
     parser.add_argument("--part", choices=["both", "overhead", "recovery"], default="both", help="what to measure")
+    parser.add_argument(
+        "--on", choices=["true", "log"], default="true", help='overhead: the "on" arm\'s recovery: True, or "log"'
+    )
     parser.add_argument("--keep", type=Path, help="keep the launches' events and logs in this folder")
     args = parser.parse_args()
     if not 0 < args.warmup < args.overhead_steps - 2 or not CHECKPOINT_EVERY < args.kill_at < args.steps:
@@ -274,6 +277,7 @@ def main() -> None:
             f"need 0 < --warmup < --overhead-steps - 2 and {CHECKPOINT_EVERY} < --kill-at < --steps "
             f"(got {args.warmup}, {args.overhead_steps}, {args.kill_at}, {args.steps})"
         )
+    os.environ["DAPPLE_BENCH_ON"] = args.on  # read by the job's "on" arm; the launches inherit it
     began, load_before = time.time(), load_average()
     with tempfile.TemporaryDirectory(prefix="dapple-recovery-bench-") as tmp:
         work = args.keep or Path(tmp)

@@ -112,3 +112,28 @@ def test_plan_auto_recovers_under_the_plan_it_trained_with(tmp_path: Path) -> No
     tables = re.findall(r"stage  layers  replicas  ranks\n((?:\d+ .*\n)+)", log)
     assert len(tables) == 2 and tables[0] == tables[1], tables
     # (Its losses are not compared with the reference's: another plan puts the dropout on other ranks.)
+
+
+def test_a_lost_stage_without_a_replica_is_replayed_from_the_log(tmp_path_factory, tmp_path: Path) -> None:
+    """recovery="log", plan 1:2: rank 0 (stage 0, no replica) is killed at step 5; the restarted rank 0 loads
+    the checkpoint of step 2 and replays steps 2-4 from its neighbours' log; the other stage keeps step 5."""
+    reference = tmp_path_factory.mktemp("log-reference") / "run"
+    train(reference, "none", reference.parent, "log")
+    out = tmp_path / "run"
+    train(out, "forward", tmp_path, "log")
+    log = (out / "log").read_text()
+    assert "dapple: rank 0 replayed steps 2-4 from its neighbours' log" in log
+    assert "dapple: recovered step 5" in log
+    assert [(out / f"done-{r}").read_text() for r in range(3)] == ["10 1"] * 3
+    expected, got = losses(reference), losses(out)
+    assert sorted(got) == list(range(10)) and all(len(runs) == 1 for runs in got.values())
+    assert min(step for step, runs in got.items() if runs[0][0] == 1) == KILL_AT  # nothing before it trained again
+    for step, [(_, loss)] in got.items():
+        assert loss == pytest.approx(expected[step][0][1], rel=1e-6, abs=0), step
+    saved = torch.load(out / "final.ckpt", map_location="cpu", weights_only=False)
+    want = torch.load(reference / "final.ckpt", map_location="cpu", weights_only=False)
+    for part in ("state_dict", "optimizer_states"):
+        mine, theirs = dict(tensors(saved[part])), dict(tensors(want[part]))
+        assert mine.keys() == theirs.keys()
+        for key, value in mine.items():
+            torch.testing.assert_close(value, theirs[key], rtol=1e-6, atol=0, msg=f"{part}{key}")

@@ -24,6 +24,7 @@ from dapple_lightning.runtime._comm import Link, P2PGroups, Pending, Signature, 
 from dapple_lightning.runtime._executor import Pipeline, StepStats
 from dapple_lightning.runtime._offload import Offloader
 from dapple_lightning.runtime._offload_records import Residency
+from dapple_lightning.runtime._recorded import Message, replaying
 from dapple_lightning.runtime._reducer import GradientReducer
 from dapple_lightning.runtime._stage import StageCall, StageExit, StageModule
 from dapple_lightning.runtime._timeline import DeviceEvent, Event, Timeline, bubble_fractions, write_chrome_trace
@@ -33,6 +34,7 @@ __all__ = [
     "Event",
     "GradientReducer",
     "Link",
+    "Message",
     "Offloader",
     "P2PGroups",
     "Pending",
@@ -48,6 +50,7 @@ __all__ = [
     "agree_buffers",
     "bubble_fractions",
     "p2p_groups",
+    "replaying",
     "share",
     "stage_group",
     "stand_in_blocks",

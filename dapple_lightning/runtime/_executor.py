@@ -149,6 +149,9 @@ class Pipeline:
             "B": Link(device, groups.gradients, groups.gradient_headers),
         }
         self.host_group = groups.host
+        self.record: Callable[[str, int, list[torch.Tensor], bool], None] | None = None
+        """Called with each message this rank sends (link, destination, tensors, tuple flag)."""
+        self.alone = False  # replaying (runtime._recorded): no connection to open
         """A gloo group over every rank for values the host reads, where the links' groups are NCCL's."""
         self._pairs: dict[tuple[int, bool], frozenset[tuple[str, int, int]]] = {}
         self._connected: set[tuple[str, int, int]] = set()
@@ -239,7 +242,7 @@ class Pipeline:
                 p.grad = None
         rows = self.rows(batch_rows)
         program = self.program(batch_rows, train=train)
-        if fresh := self._pairs[(batch_rows, train)] - self._connected:
+        if not self.alone and (fresh := self._pairs[(batch_rows, train)] - self._connected):
             connect_pairs(fresh, self.links, self.rank)  # before any of the step's messages
             self._connected |= fresh
         step = _Step(rows, forward, forward_context, carry, train, _Inbox(program, self.links))
@@ -333,6 +336,8 @@ class Pipeline:
         piece = [t[op.rows.start : op.rows.stop] for t in tensors]
         with self.timeline.span("send", op.micro_batch):
             self.links[op.kind[-1]].send(piece, op.peer, len(op.rows), pending, as_tuple=as_tuple)
+        if self.record is not None:
+            self.record(op.kind[-1], op.peer, piece, as_tuple)
 
     def _reduce(self, step: _Step, op: Op) -> None:
         for reducer in self.reducers:

@@ -64,7 +64,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler,
 
 __all__ = ["FORMAT", "EpochOrder", "Recovery", "RecoveryMode", "file_of", "is_active", "track"]
 
-RecoveryMode = bool | Literal["auto"]
+RecoveryMode = bool | Literal["auto", "log"]
 FORMAT = 1
 """Version of the files survivors write; a file of another version is not read."""
 _POLL_MAX_S = 0.005
@@ -74,9 +74,10 @@ _WINDOW_WAIT_S = 10.0
 
 
 def is_active(mode: RecoveryMode) -> bool:
-    """``"auto"``: on when torchrun's agent may restart the job (``--max-restarts`` > 0)."""
-    if mode not in ("auto", True, False):
-        raise ValueError(f"recovery must be 'auto', True or False, got {mode!r}")
+    """``"auto"``: on when torchrun's agent may restart the job (``--max-restarts`` > 0); ``"log"``: on,
+    with the log that lets an unreplicated stage be replayed (:mod:`._logbook`)."""
+    if mode not in ("auto", "log", True, False):
+        raise ValueError(f"recovery must be 'auto', 'log', True or False, got {mode!r}")
     if mode == "auto":
         return int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0 and "TORCHELASTIC_RUN_ID" in os.environ
     return bool(mode)
@@ -127,6 +128,10 @@ class Recovery:
         self._timeout_s = 120.0
         self.order: EpochOrder | None = None
         """The training loader's order, whose epoch start the snapshot keeps."""
+        self.logbook: Any = None
+        """With ``recovery="log"``: this rank's :class:`~._logbook.Logbook`."""
+        self.last_checkpoint: tuple[str, int] | None = None
+        """The last checkpoint the strategy saved: its path and global step."""
         self.recovered: dict[str, Any] | None = None
         """After a restart: the checkpoint dict recovered for this rank, until the first safe point."""
 
@@ -257,8 +262,21 @@ class Recovery:
                 "rng": _collect_rng_states(include_cuda=torch.cuda.is_available()),
                 "order": None if self.order is None else self.order.position(trainer),
                 "batches_that_stepped": trainer.fit_loop.epoch_loop._batches_that_stepped,
+                "checkpoint": self.last_checkpoint,
             }
         )
+
+    def after_step(self, args: tuple) -> None:
+        """The strategy's ``training_step`` ran: the step's log (if any) to storage."""
+        if self.active and self.logbook is not None:
+            self.logbook.end_step(self._trainer.global_step, args[0], args[1] if len(args) > 1 else 0)
+
+    def checkpointed(self, path: Any, step: int) -> None:
+        """The strategy saved a checkpoint of ``step``: the log since it is what a replay needs."""
+        if self.active:
+            self.last_checkpoint = (str(path), step)
+            if self.logbook is not None:
+                self.logbook.checkpointed(step)
 
     def _updated(self, *args: Any) -> None:
         """Optimizer step post-hook: the update is done; Lightning's bookkeeping of it follows."""
@@ -367,6 +385,8 @@ class Recovery:
             private_directory(path.parent)
             torch.save(state, tmp)  # the page cache outlives the process: no fsync needed for a restart
             os.replace(tmp, path)  # a rank killed mid-write leaves the previous file whole
+            if self.logbook is not None:
+                self.logbook.flush()
         except Exception as error:  # a full /dev/shm raises RuntimeError from torch.save, not OSError
             tmp.unlink(missing_ok=True)
             sys.stderr.write(f"dapple: rank {self.rank} could not keep its state for recovery in {path}: {error}\n")

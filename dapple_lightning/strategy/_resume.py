@@ -20,6 +20,7 @@ The data position is :class:`~._recovery.EpochOrder`'s.
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,6 +30,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from dapple_lightning.plan import Plan
+from dapple_lightning.strategy._logbook import Logbook, replay_lost_stages
 from dapple_lightning.strategy._recovery import FORMAT, Recovery, file_of, is_active, private_directory
 
 __all__ = ["RECOVERED", "begin", "kept_plan", "load_optimizers", "recover"]
@@ -55,9 +57,15 @@ def begin(recovery: Recovery, trainer: Any, plan: Plan, group: Any) -> None:
         for stale in file_of(rank).parent.glob(f"*rank{rank}.pt*"):
             stale.unlink(missing_ok=True)
     recovery.start(trainer, identity)
+    if recovery.active and recovery.mode == "log":
+        logs = file_of(rank).parent / f"log-rank{rank}"
+        if not _restarted():
+            shutil.rmtree(logs, ignore_errors=True)
+        recovery.logbook = Logbook(plan, rank, logs)
+        trainer.strategy._pipeline.record = recovery.logbook.record
     if not recovery.active or not _restarted():
         return
-    checkpoint = recover(identity, plan, group)
+    checkpoint = recover(identity, plan, group, trainer.strategy)
     if checkpoint is not None:
         recovery.resume_from(checkpoint)
         # Lightning restores from it as from a checkpoint file: its strategy.setup comes before the restore.
@@ -97,20 +105,22 @@ def kept_plan(recovery: Recovery, group: Any) -> Plan | None:
     return Plan.from_yaml(found)
 
 
-def recover(identity: Mapping[str, Any], plan: Plan, group: Any) -> dict[str, Any] | None:
+def recover(identity: Mapping[str, Any], plan: Plan, group: Any, strategy: Any) -> dict[str, Any] | None:
     """The checkpoint dict of the newest step every stage kept, for this rank; ``None`` if there is
-    none (collective over every rank; ``group``: a gloo group, or ``None`` under gloo)."""
+    none (collective over every rank; ``group``: a gloo group, or ``None`` under gloo). With the
+    log (``recovery="log"``), a stage without a replica that kept it is replayed (:mod:`._logbook`)."""
     rank, world = identity["rank"], identity["world"]
     mine = _read(rank, identity)
-    held: list[Any] = [None] * world
-    dist.all_gather_object(held, None if mine is None else mine["step"], group=group)
-    step = _newest_common(held, plan)
+    kept: list[Any] = [None] * world
+    dist.all_gather_object(kept, None if mine is None else (mine["step"], mine["snapshot"]["checkpoint"]), group=group)
+    held = [None if k is None else k[0] for k in kept]
+    step, lost = _newest_common(held, plan), []
+    why = "no kept state (the failure came before the first step)"
+    if step is None and any(h is not None for h in held):
+        why = "no step that every stage kept (every replica of a stage was lost)"
+        if strategy._recovery.logbook is not None:
+            step, lost, why = _replayable(kept, plan, strategy, why, group)
     if step is None:
-        why = (
-            "no step that every stage kept (every replica of a stage was lost)"
-            if any(h is not None for h in held)
-            else "no kept state (the failure came before the first step, or in the work between two steps)"
-        )
         rank_zero_warn(
             f"dapple: the job was restarted, and recovery found {why}; it starts as the script says "
             "(its ckpt_path, or the start)"
@@ -118,18 +128,47 @@ def recover(identity: Mapping[str, Any], plan: Plan, group: Any) -> dict[str, An
         return None
     sources = {}
     for needy in (r for r in range(world) if held[r] != step):
-        source = min(r for r in plan.stage_ranks(plan.stage_of(needy)) if held[r] == step)
+        source = min(
+            r for r in range(world) if held[r] == step and (needy in lost or plan.stage_of(r) == plan.stage_of(needy))
+        )
         sources[needy] = source
-        if rank == source:
-            dist.send_object_list([mine], dst=needy, group=group)
+        if rank == source:  # a replayed rank needs only the small state: its own weights are replayed
+            sent = (
+                {k: v for k, v in mine.items() if k not in ("state_dict", "optimizer_states")}
+                if needy in lost
+                else mine
+            )
+            dist.send_object_list([sent], dst=needy, group=group)
         elif rank == needy:
             box: list[Any] = [None]
             dist.recv_object_list(box, src=source, group=group)
             mine = box[0]
     assert mine is not None
+    if rank in lost:
+        module, optimizers = strategy.lightning_module, strategy.optimizers
+        mine = {**mine, "state_dict": module.state_dict(), "optimizer_states": [o.state_dict() for o in optimizers]}
     moved = ", ".join(f"rank {n} from rank {s}" for n, s in sources.items()) or "none"
     rank_zero_info(f"dapple: recovered step {step} from the ranks' kept state (sent to replacements: {moved})")
     return _as_checkpoint(mine, step)
+
+
+def _replayable(kept: list[Any], plan: Plan, strategy: Any, why: str, group: Any) -> tuple[int | None, list[int], str]:
+    """The newest kept step, with the ranks to replay to reach it, when every stage that lacks it
+    has one rank and the ranks that kept it name one checkpoint before it (collective)."""
+    step = max(k[0] for k in kept if k is not None)
+    lacking = [
+        s for s in range(plan.num_stages) if all(kept[r] is None or kept[r][0] != step for r in plan.stage_ranks(s))
+    ]
+    checkpoints = {k[1] for k in kept if k is not None and k[0] == step}
+    if any(plan.stages[s].replicas > 1 for s in lacking) or len(checkpoints) != 1 or None in checkpoints:
+        return None, [], why + ", and no log and checkpoint to replay it from"
+    (checkpoint,) = checkpoints
+    lost = [plan.stage_ranks(s)[0] for s in lacking]
+    trainer = strategy.lightning_module.trainer
+    refusal = replay_lost_stages(strategy, trainer, plan, lost, checkpoint, step, group)
+    if refusal is not None:
+        return None, [], f"a stage to replay, which cannot be: {refusal}"
+    return step, lost, ""
 
 
 def _read(rank: int, identity: Mapping[str, Any]) -> dict[str, Any] | None:

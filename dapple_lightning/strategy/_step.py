@@ -166,6 +166,8 @@ class MicroBatches:
             stats = pipeline.run(total, forward, train=train, forward_context=context, carry=carry)
         finally:
             del module.log
+        if pipeline.alone:  # a replay (runtime._recorded): its loss and logs were shared when it first ran
+            return 0.0, {}
         return self._combine(pipeline, loss_sum, capture, stats.carried)
 
     def _combine(

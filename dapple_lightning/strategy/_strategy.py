@@ -51,17 +51,17 @@ from dapple_lightning.runtime import Pipeline, StepStats, Timeline
 from dapple_lightning.strategy._auto import AutoSetting, choose_automatically, draw_global_batch
 from dapple_lightning.strategy._batch import SameBatch, same_order
 from dapple_lightning.strategy._checkpoint import Checkpoints, group_names
-from dapple_lightning.strategy._collectives import Collectives
+from dapple_lightning.strategy._checkpoint_hooks import CheckpointHooks
 from dapple_lightning.strategy._failures import PEER_LOST, as_timeout, connect, host_group, peer_lost_message
 from dapple_lightning.strategy._finetuning import adapt_finetuning
 from dapple_lightning.strategy._heartbeat import SILENT, watch_peers
-from dapple_lightning.strategy._launcher import STATE_LEFT_IN_SPAWNED_RANKS, SpawnLauncher
+from dapple_lightning.strategy._launcher import SpawnLauncher
 from dapple_lightning.strategy._materialize import STAYS_CUT, materialize, meta_context, on_meta, unmoved_on_meta
 from dapple_lightning.strategy._memory import parse_memory, warn_if_over_budget, write_trace
 from dapple_lightning.strategy._pipelines import Buffers, Pipelines, broadcast_module
 from dapple_lightning.strategy._recovery import Recovery, RecoveryMode, is_active
 from dapple_lightning.strategy._refusals import check_before_start
-from dapple_lightning.strategy._resume import RECOVERED, begin, kept_plan, load_optimizers
+from dapple_lightning.strategy._resume import begin, kept_plan
 from dapple_lightning.strategy._step import MicroBatches, clip_grad_norm_over_stages, local_optimizers
 from dapple_lightning.surgery import Chain, Cut
 
@@ -70,7 +70,7 @@ __all__ = ["DappleStrategy"]
 PlanLike = Plan | Mapping[str, Any] | str | Any
 
 
-class DappleStrategy(Collectives):
+class DappleStrategy(CheckpointHooks):
     """Synchronous pipeline + data parallel training with a DAPPLE plan.
 
     Args:
@@ -100,7 +100,8 @@ class DappleStrategy(Collectives):
         async_save: write checkpoints in the background; training waits only while the
             values are copied, and the next save waits for the previous one.
         recovery: survive a lost rank under torchrun's restarts without a checkpoint (:mod:`._recovery`);
-            ``"auto"``: when ``torchrun --max-restarts`` > 0.
+            ``"auto"``: when ``torchrun --max-restarts`` > 0; ``"log"``: on, and stages without a
+            replica can be replayed from their neighbours' log (:mod:`._logbook`).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend: as for Lightning's ``DDPStrategy``.
     """
@@ -373,6 +374,7 @@ class DappleStrategy(Collectives):
     def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
         assert self._steps is not None and self._pipeline is not None and self._buffers is not None
         loss = self._steps.train(self._pipeline, args, kwargs, self.precision_plugin.train_step_context)
+        self._recovery.after_step(args)
         self._buffers.agree()
         return loss
 
@@ -405,63 +407,6 @@ class DappleStrategy(Collectives):
     def _evaluate(self, hook: str, args: tuple, kwargs: dict, context: Callable) -> Any:
         assert self._steps is not None and self._pipeline is not None
         return self._steps.evaluate(self._pipeline, hook, args, kwargs, context)
-
-    # ------------------------------------------------------------------------ checkpoints
-
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        # After the cut, each rank loads only what it holds (a sharded checkpoint reads only that).
-        return True
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The unpartitioned state dict (collective); on rank 0, meta stand-ins for other ranks' entries,
-        which :meth:`save_checkpoint` fills in as it writes."""
-        attached = self._checkpoints.module is not None
-        return self._checkpoints.model_state() if attached else self.lightning_module.state_dict()
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """The optimizer's state in the single-device layout (collective; stand-ins as above)."""
-        known = bool(self._checkpoints.optimizers)
-        return self._checkpoints.optimizer_state(optimizer) if known else optimizer.state_dict()
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Write a file (or a sharded directory) under a temporary name, then rename (collective)."""
-        if self._spawned_ranks_kept_state:
-            raise RuntimeError(STATE_LEFT_IN_SPAWNED_RANKS)
-        self._checkpoints.save(checkpoint, filepath, storage_options, self.checkpoint_io)
-
-    def wait_for_checkpoint(self) -> None:
-        """Block until an asynchronous save in flight is written; raise its error (collective-free)."""
-        self._checkpoints.wait()
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        if self._recovery.recovered is not None:  # newer than the script's checkpoint, which it started from
-            return self._recovery.recovered
-        return self._checkpoints.load(checkpoint_path, self.checkpoint_io, weights_only)
-
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        if self._checkpoints.module is None:
-            super().load_model_state_dict(checkpoint, strict)
-        else:
-            self._checkpoints.load_model(checkpoint, strict and RECOVERED not in checkpoint)
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        if RECOVERED in checkpoint:
-            load_optimizers(self.optimizers, checkpoint)
-        else:
-            self._checkpoints.load_optimizers(checkpoint)
-        _optimizers_to_device(self.optimizers, self.root_device)
-
-    @override
-    def remove_checkpoint(self, filepath: Any) -> None:
-        self._checkpoints.remove(filepath, self.checkpoint_io)
 
     # -------------------------------------------------------------------------- the end
 

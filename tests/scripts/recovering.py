@@ -1,10 +1,12 @@
 """Trains under torchrun with restarts and kills a stage-0 replica at one point of step 5, once.
 
-Usage: torchrun --nproc_per_node 3 --max-restarts 1 recovering.py OUT_DIR WHERE [auto]
+Usage: torchrun --nproc_per_node 3 --max-restarts 1 recovering.py OUT_DIR WHERE [auto | log]
 WHERE: none (the uninterrupted reference) | forward | backward | allreduce | optimizer | step (at
 the start of training_step, in any stage) | validation (in the validation run after step 5's
 update), or stop (SIGSTOP in the forward: a hung rank, which only the heartbeat detects). With
-``auto``, the plan is ``plan="auto"``'s.
+``auto``, the plan is ``plan="auto"``'s. With ``log``, the plan is 1:2, rank 0 (stage 0, which has
+no replica) is the victim, ``recovery="log"``, and every rank saves a checkpoint after step 2: the
+restarted rank 0 replays steps 2-4 from its neighbours' log.
 
 Plan 2:1 over an MLP: layers 0-3 on ranks 0 and 1, the rest (with a dropout, so the last stage's
 RNG state must come back too) on rank 2. Shuffled batches over 2.5 epochs and a per-step LR
@@ -32,9 +34,9 @@ from dapple_lightning import DappleStrategy
 
 out, where = Path(sys.argv[1]), sys.argv[2]
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-AUTO = sys.argv[3:] == ["auto"]
+AUTO, LOG = sys.argv[3:] == ["auto"], sys.argv[3:] == ["log"]
 KILL_AT = 5  # the sixth optimizer step
-victim = 1  # a replica of stage 0 (under plan="auto": the last rank of the first stage with replicas)
+victim = 0 if LOG else 1  # a replica of stage 0 (plan="auto": the last rank of the first replicated stage)
 STEPS = 10
 step = 0  # the global step being trained
 
@@ -115,6 +117,9 @@ class Losses(Callback):
             with open(out / "losses.txt", "a") as f:
                 f.write(f"{ATTEMPT} {trainer.global_step - 1} {float(outputs['loss']):.10g}\n")
 
+        if LOG and trainer.global_step == 2:
+            trainer.save_checkpoint(out / "step2.ckpt")
+
     def on_validation_end(self, trainer, pl_module):
         if trainer.global_rank == 0:
             with open(out / "val.txt", "a") as f:
@@ -122,11 +127,15 @@ class Losses(Callback):
 
 
 torch.manual_seed(0)
-plan = {"micro_batches": 2, "stages": [{"layers": [0, 4], "replicas": 2}, {"layers": [4, 9], "replicas": 1}]}
+replicas = (1, 2) if LOG else (2, 1)
+plan = {
+    "micro_batches": 2,
+    "stages": [{"layers": [0, 4], "replicas": replicas[0]}, {"layers": [4, 9], "replicas": replicas[1]}],
+}
 trainer = Trainer(
     accelerator="cpu",
     devices=3,
-    strategy=DappleStrategy("auto" if AUTO else plan),
+    strategy=DappleStrategy("auto" if AUTO else plan, recovery="log" if LOG else "auto"),
     max_steps=STEPS,
     logger=False,
     enable_progress_bar=False,

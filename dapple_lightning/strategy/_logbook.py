@@ -1,0 +1,186 @@
+"""Recovery for a stage without a replica: its neighbours log what they send it; after its rank is
+lost, the replacement replays its steps since the last checkpoint (issue 16, SWIFT's logging).
+
+With ``DappleStrategy(recovery="log")``, every rank that sends to a rank of an unreplicated stage
+keeps, per training step, the messages it sent that rank (the activations in, or the gradients
+in) in host memory, and writes them to node-local storage with the state recovery keeps when a
+peer is lost; the lowest-ranked of them keeps the step's global batch too (the stage's own rows,
+labels and inputs come from it). The log is cut back at every checkpoint the strategy saves:
+steps before the one saved before it are dropped, so it holds the steps since the last two
+checkpoints.
+
+After torchrun's restart, :func:`replay_lost_stages` (from :func:`._resume.recover`, collective):
+when a stage has no rank that kept the recovered step and one rank, its replacement loads its
+part of the last checkpoint, receives the log from each neighbour, and runs the steps since the
+checkpoint again alone (:func:`dapple_lightning.runtime.replaying`), with the optimizer and its
+per-step LR schedules; the other stages keep the step they kept and do not roll back. Refused,
+with the job then starting as the script says: gradient clipping (its norm spans every stage),
+schedulers stepped per epoch or on a metric, a checkpoint or log step missing.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.apply_func import move_data_to_device
+
+from dapple_lightning.plan import Plan
+from dapple_lightning.runtime import Message, replaying
+from dapple_lightning.strategy._recovery import private_directory
+
+__all__ = ["Logbook", "replay_lost_stages"]
+
+
+def _neighbours(plan: Plan, rank: int) -> list[int]:
+    stage = plan.stage_of(rank)
+    return sorted(r for s in (stage - 1, stage + 1) if 0 <= s < plan.num_stages for r in plan.stage_ranks(s))
+
+
+def _watched(plan: Plan, rank: int) -> list[int]:
+    """Ranks of unreplicated stages that ``rank`` sends to."""
+    alone = [plan.stage_ranks(s)[0] for s in range(plan.num_stages) if plan.stages[s].replicas == 1]
+    return [r for r in alone if r != rank and rank in _neighbours(plan, r)]
+
+
+class Logbook:
+    """This rank's log of what it sent to unreplicated stages, per training step: in host memory
+    while training runs (one copy of the messages, no write), to storage when the rank writes its
+    kept state after a loss (:meth:`flush`), so that it outlives torchrun's restart."""
+
+    def __init__(self, plan: Plan, rank: int, directory: Path) -> None:
+        self.rank, self.directory = rank, directory
+        self.watched = set(_watched(plan, rank))
+        self.keeps_batch = any(min(_neighbours(plan, lost)) == rank for lost in self.watched)
+        self._messages: dict[tuple[str, int], list[Message]] = {}
+        self._steps: dict[int, dict[str, Any]] = {}
+        self._checkpoints: list[int] = []
+
+    def record(self, link: str, dst: int, tensors: list[torch.Tensor], as_tuple: bool) -> None:
+        if dst in self.watched:
+            copies = [t.detach().to("cpu", copy=True) for t in tensors]
+            self._messages.setdefault((link, dst), []).append((copies, as_tuple))
+
+    def end_step(self, step: int, batch: Any, batch_idx: int) -> None:
+        """The step's messages (and batch) join the log."""
+        if not self.watched:
+            return
+        entry = {"messages": self._messages, "batch_idx": batch_idx}
+        if self.keeps_batch:
+            entry["batch"] = move_data_to_device(batch, "cpu")
+        self._messages = {}
+        self._steps[step] = entry
+
+    def checkpointed(self, step: int) -> None:
+        """A checkpoint of ``step`` was saved: only the steps since the one before it stay (in memory,
+        and on storage from an earlier loss)."""
+        self._checkpoints = [*self._checkpoints[-1:], step]
+        if len(self._checkpoints) < 2:
+            return
+        for old in [s for s in self._steps if s < self._checkpoints[0]]:
+            del self._steps[old]
+        if self.directory.is_dir():
+            for path in self.directory.glob("step*.pt"):
+                if int(path.stem[4:]) < self._checkpoints[0]:
+                    path.unlink(missing_ok=True)
+
+    def flush(self) -> None:
+        """The log to storage, a file per step, each under a temporary name then renamed (called with
+        the rank's kept state, after a loss)."""
+        if not self._steps:
+            return
+        private_directory(self.directory)
+        for step, entry in self._steps.items():
+            path = self.directory / f"step{step}.pt"
+            tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+            torch.save(entry, tmp)
+            os.replace(tmp, path)
+
+    def read(self, steps: range, lost: int) -> list[dict[str, Any]] | None:
+        """This rank's entries for ``lost`` over ``steps``; ``None`` if one is missing."""
+        entries = []
+        for step in steps:
+            path = self.directory / f"step{step}.pt"
+            if not path.is_file():
+                return None
+            entry = torch.load(path, map_location="cpu", weights_only=False)
+            messages = {k: v for k, v in entry["messages"].items() if k[1] == lost}
+            entries.append({**entry, "messages": messages})
+        return entries
+
+
+def replay_lost_stages(
+    strategy: Any, trainer: Any, plan: Plan, lost: list[int], checkpoint: tuple[str, int], step: int, group: Any
+) -> str | None:
+    """Replay every rank in ``lost`` (each an unreplicated stage's) from ``checkpoint`` (path, its
+    step) up to ``step`` (collective over every rank). ``None`` when done; else why it was refused,
+    on every rank, before any state changed."""
+    rank, (path, start) = dist.get_rank(), checkpoint
+    logbook: Logbook = strategy._recovery.logbook
+    logs: dict[int, Any] = {}
+    for victim in lost:
+        if rank in _neighbours(plan, victim):
+            dist.send_object_list([logbook.read(range(start, step), victim)], dst=victim, group=group)
+        elif rank == victim:
+            for sender in _neighbours(plan, victim):
+                box: list[Any] = [None]
+                dist.recv_object_list(box, src=sender, group=group)
+                logs[sender] = box[0]
+    refusal = _refusal(strategy, trainer, path, start, step, logs) if rank in lost else None
+    refusals: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(refusals, refusal, group=group)
+    if found := next((r for r in refusals if r is not None), None):
+        return found
+    if rank in lost:
+        _replay(strategy, trainer, path, start, step, logs)
+    return None
+
+
+def _refusal(strategy: Any, trainer: Any, path: str, start: int, step: int, logs: Mapping[int, Any]) -> str | None:
+    missing = [sender for sender, entries in logs.items() if entries is None]
+    if missing:
+        return f"the log of steps {start}-{step - 1} is incomplete on rank(s) {missing}"
+    if not Path(path).exists():
+        return f"the checkpoint {path} is not there"
+    if strategy._pipeline.reducers:
+        return "the stage shares parameters with other stages, whose gradients a replay alone cannot sum"
+    if trainer.gradient_clip_val:
+        return "gradient clipping's norm spans every stage, which a replay alone cannot compute"
+    if any(c.interval != "step" or c.reduce_on_plateau for c in trainer.lr_scheduler_configs):
+        return "only schedulers stepped per step (interval='step', not on a metric) can be replayed"
+    return None
+
+
+def _replay(strategy: Any, trainer: Any, path: str, start: int, step: int, logs: Mapping[int, Any]) -> None:
+    configs = trainer.lr_scheduler_configs
+    checkpoint = strategy.load_checkpoint(path)
+    strategy._checkpoints.load_model(checkpoint, strict=False)
+    strategy._checkpoints.load_optimizers(checkpoint)
+    for config, state in zip(configs, checkpoint.get("lr_schedulers", []), strict=False):
+        config.scheduler.load_state_dict(state)
+    steps, pipeline = strategy._steps, strategy._pipeline
+    for i in range(step - start):
+        entries = [entries[i] for entries in logs.values()]
+        batch = next(e["batch"] for e in entries if "batch" in e)
+        batch_idx = entries[0]["batch_idx"]
+        inbox: dict[tuple[str, int], list[Message]] = {}
+        for sender, entry in zip(logs, entries, strict=True):
+            for (link, _), messages in entry["messages"].items():
+                inbox[(link, sender)] = messages
+        with replaying(pipeline, inbox):
+            steps.dataloader_idx = 0
+            steps.train(pipeline, (batch, batch_idx), {}, strategy.precision_plugin.train_step_context)
+        for optimizer in strategy.optimizers:
+            optimizer.zero_grad()
+        steps.add_fresh_gradients(1.0)
+        for optimizer in strategy.optimizers:
+            optimizer.step()
+        for config in configs:  # as Lightning steps them: by the batch's index in its epoch
+            if (batch_idx + 1) % config.frequency == 0:
+                config.scheduler.step()
+    sys.stderr.write(f"dapple: rank {dist.get_rank()} replayed steps {start}-{step - 1} from its neighbours' log\n")

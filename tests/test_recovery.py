@@ -23,6 +23,16 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 KILL_AT = 5
 
 
+def recovered(out: Path, where: str, tmp: Path, *plan: str) -> str:
+    """Train with the kill at ``where``; the log, once it is clear the job recovered and ended at step 10
+    after one restart."""
+    train(out, where, tmp, *plan)
+    log = (out / "log").read_text()
+    assert "dapple: recovered step" in log
+    assert [(out / f"done-{r}").read_text() for r in range(3)] == ["10 1"] * 3
+    return log
+
+
 def train(out: Path, where: str, tmp: Path, *plan: str) -> None:
     out.mkdir()
     proc = subprocess.run(
@@ -67,8 +77,7 @@ def reference(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("where", ["forward", "backward", "allreduce", "optimizer", "validation", "stop"])
 def test_killed_replica_recovers_without_a_checkpoint(where: str, reference: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    train(out, where, tmp_path)
-    assert [(out / f"done-{r}").read_text() for r in range(3)] == ["10 1"] * 3  # ended at step 10, after a restart
+    recovered(out, where, tmp_path)
     expected, got = losses(reference), losses(out)
     assert sorted(got) == list(range(10))
     for step, runs in got.items():
@@ -84,7 +93,6 @@ def test_killed_replica_recovers_without_a_checkpoint(where: str, reference: Pat
         for attempt, loss in runs:
             assert loss == pytest.approx(expected_val[step][0][1], rel=1e-6, abs=0), (step, attempt)
     assert all(len(runs) == 1 for step, runs in got.items() if step != KILL_AT)
-    assert "dapple: recovered step" in (out / "log").read_text()
     saved = torch.load(out / "final.ckpt", map_location="cpu", weights_only=False)
     want = torch.load(reference / "final.ckpt", map_location="cpu", weights_only=False)
     for part in ("state_dict", "optimizer_states", "lr_schedulers"):
@@ -94,18 +102,16 @@ def test_killed_replica_recovers_without_a_checkpoint(where: str, reference: Pat
             torch.testing.assert_close(value, theirs[key], rtol=1e-6, atol=0, msg=f"{part}{key}")
         if part == "lr_schedulers":
             assert saved[part] == want[part]
-    assert not list(tmp_path.glob("dapple-recovery/*/rank*.pt"))  # a finished run leaves no kept state
+    assert list(tmp_path.glob("dapple-recovery-*/*")) and not list(tmp_path.glob("dapple-recovery-*/*/rank*.pt"))
 
 
 def test_plan_auto_recovers_under_the_plan_it_trained_with(tmp_path: Path) -> None:
     """After the restart, plan="auto" does not choose again (the kept state belongs to one plan). The
     victim is a replica in the plan auto chose."""
     out = tmp_path / "run"
-    train(out, "step", tmp_path, "auto")
-    log = (out / "log").read_text()
+    log = recovered(out, "step", tmp_path, "auto")
     assert "plan='auto' takes the plan the job trained with" in log
     assert "dapple: recovered step 5" in log
-    assert [(out / f"done-{r}").read_text() for r in range(3)] == ["10 1"] * 3
     got = losses(out)
     assert sorted(got) == list(range(10)) and all(len(runs) == 1 for runs in got.values())
     # The restarted job prints the same plan table as the first attempt chose.
@@ -120,11 +126,9 @@ def test_a_lost_stage_without_a_replica_is_replayed_from_the_log(tmp_path_factor
     reference = tmp_path_factory.mktemp("log-reference") / "run"
     train(reference, "none", reference.parent, "log")
     out = tmp_path / "run"
-    train(out, "forward", tmp_path, "log")
-    log = (out / "log").read_text()
+    log = recovered(out, "forward", tmp_path, "log")
     assert "dapple: rank 0 replayed steps 2-4 from its neighbours' log" in log
     assert "dapple: recovered step 5" in log
-    assert [(out / f"done-{r}").read_text() for r in range(3)] == ["10 1"] * 3
     expected, got = losses(reference), losses(out)
     assert sorted(got) == list(range(10)) and all(len(runs) == 1 for runs in got.values())
     assert min(step for step, runs in got.items() if runs[0][0] == 1) == KILL_AT  # nothing before it trained again

@@ -62,6 +62,8 @@ from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler, SequentialSampler
 
+from dapple_lightning.strategy._step import to_cpu
+
 __all__ = ["FORMAT", "EpochOrder", "Recovery", "RecoveryMode", "file_of", "is_active", "track"]
 
 RecoveryMode = bool | Literal["auto", "log"]
@@ -377,7 +379,7 @@ class Recovery:
             "step": self._snapshot["global_step"],
             "snapshot": self._snapshot,
             "state_dict": {k: self._buffers.get(k, v).detach().cpu() for k, v in module.state_dict().items()},
-            "optimizer_states": [_to_cpu(o.state_dict()) for o in strategy.optimizers],
+            "optimizer_states": [to_cpu(o.state_dict()) for o in strategy.optimizers],
         }
         path = file_of(self.rank)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -461,16 +463,6 @@ def _inside_a_batch(progress: dict[str, Any]) -> None:
         if counts["ready"] == counts["started"] == counts["processed"] == counts["completed"]:
             counts["ready"] += 1
             counts["started"] += 1
-
-
-def _to_cpu(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return obj
 
 
 def _end(rank: int, reason: str) -> None:

@@ -87,15 +87,9 @@ def kept_plan(recovery: Recovery, group: Any) -> Plan | None:
     state, rather than a new choice the kept state would not fit (collective over every rank)."""
     if not is_active(recovery.mode) or not _restarted():
         return None
-    path, mine = file_of(dist.get_rank()), None
-    if path.is_file() and private_directory(path.parent):
-        try:  # memory-mapped: the tensors are not read
-            state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-        except Exception:  # a torn file: as if it were not there
-            state = {}
-        same_job = state.get("run") == os.environ.get("TORCHELASTIC_RUN_ID") and state.get("fit") == _fits
-        if state.get("format") == FORMAT and same_job and state.get("world") == dist.get_world_size():
-            mine = state.get("plan")
+    job = {"run": os.environ.get("TORCHELASTIC_RUN_ID"), "fit": _fits, "world": dist.get_world_size()}
+    state = _read(dist.get_rank(), job, mmap=True)
+    mine = None if state is None else state["plan"]
     plans: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(plans, mine, group=group)
     found = next((p for p in plans if p is not None), None)
@@ -110,7 +104,7 @@ def recover(identity: Mapping[str, Any], plan: Plan, group: Any, strategy: Any) 
     none (collective over every rank; ``group``: a gloo group, or ``None`` under gloo). With the
     log (``recovery="log"``), a stage without a replica that kept it is replayed (:mod:`._logbook`)."""
     rank, world = identity["rank"], identity["world"]
-    mine = _read(rank, identity)
+    mine = _read(rank, {k: identity[k] for k in ("run", "plan", "world", "stage", "fit")})
     kept: list[Any] = [None] * world
     dist.all_gather_object(kept, None if mine is None else (mine["step"], mine["snapshot"]["checkpoint"]), group=group)
     held = [None if k is None else k[0] for k in kept]
@@ -171,19 +165,19 @@ def _replayable(kept: list[Any], plan: Plan, strategy: Any, why: str, group: Any
     return step, lost, ""
 
 
-def _read(rank: int, identity: Mapping[str, Any]) -> dict[str, Any] | None:
+def _read(rank: int, identity: Mapping[str, Any], *, mmap: bool = False) -> dict[str, Any] | None:
+    """``rank``'s kept state if it is this job's (format and the ``identity`` keys given match);
+    ``mmap``: the tensors are not read."""
     path = file_of(rank)
     if not path.is_file():
         return None
     private_directory(path.parent)  # refuses a directory another user could have planted a file in
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False)  # this run's own file
+        state = torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)  # this run's own file
     except Exception as error:  # a torn or foreign file: as if it were not there
         rank_zero_warn(f"dapple: could not read the kept state {path}: {error}")
         return None
-    same = state.get("format") == FORMAT and all(
-        state.get(k) == identity[k] for k in ("run", "plan", "world", "stage", "fit")
-    )
+    same = state.get("format") == FORMAT and all(state.get(k) == v for k, v in identity.items())
     return state if same else None
 
 

@@ -243,30 +243,39 @@ class Recovery:
 
     def _take(self) -> dict[str, Any]:
         """The step's small state; and the module's buffers (running statistics), which its forward
-        changes before the vote: a write must hold them as they were at the step's start."""
+        changes before the vote: a write must hold them as they were at the step's start.
+
+        Taken every step, so only what can be shared with live objects is copied: the loops'
+        progress comes as fresh dicts (their own ``state_dict`` entries, which may hold a data
+        loader's state, are copied), the RNG states are fresh arrays and immutable tuples."""
         trainer = self._trainer
-        connector = trainer._checkpoint_connector
         params = {id(p) for p in trainer.lightning_module.parameters()}
         self._buffers = {
             k: v.detach().clone()
             for k, v in trainer.lightning_module.state_dict(keep_vars=True).items()
             if id(v) not in params
         }
+        loops = trainer._checkpoint_connector._get_loops_state_dict()
+        for loop in loops.values():
+            for key in [k for k in loop if k.endswith("state_dict")]:
+                loop[key] = copy.deepcopy(loop[key])
         precision = trainer.strategy.precision_plugin
-        return copy.deepcopy(
-            {
-                "epoch": trainer.current_epoch,
-                "global_step": trainer.global_step,
-                "loops": connector._get_loops_state_dict(),
-                "callbacks": call._call_callbacks_state_dict(trainer),
-                "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
-                "precision": (type(precision).__qualname__, precision.state_dict()),
-                "rng": _collect_rng_states(include_cuda=torch.cuda.is_available()),
-                "order": None if self.order is None else self.order.position(trainer),
-                "batches_that_stepped": trainer.fit_loop.epoch_loop._batches_that_stepped,
-                "checkpoint": self.last_checkpoint,
-            }
-        )
+        return {
+            "epoch": trainer.current_epoch,
+            "global_step": trainer.global_step,
+            "loops": loops,
+            "rng": _collect_rng_states(include_cuda=torch.cuda.is_available()),
+            "batches_that_stepped": trainer.fit_loop.epoch_loop._batches_that_stepped,
+            "checkpoint": self.last_checkpoint,
+            **copy.deepcopy(
+                {
+                    "callbacks": call._call_callbacks_state_dict(trainer),
+                    "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
+                    "precision": (type(precision).__qualname__, precision.state_dict()),
+                    "order": None if self.order is None else self.order.position(trainer),
+                }
+            ),
+        }
 
     def after_step(self, args: tuple) -> None:
         """The strategy's ``training_step`` ran: the step's log (if any) to storage."""
@@ -298,7 +307,9 @@ class Recovery:
             decision = self._store.compare_set(key, "", "commit")
         else:
             decision = self._await(key)
-        if self.rank == 0 and step >= 2:  # every rank has voted on step - 1, so step - 2's keys are done with
+        # Every rank has voted on step - 1, so step - 2's keys are done with. The last rank (on the last
+        # stage, which ends its backward first and waits here anyway) deletes them, off the critical path.
+        if self.rank == self._identity["world"] - 1 and step >= 2:
             for old in (f"votes/{step - 2}", f"decision/{step - 2}"):
                 self._store.delete_key(old)
         if decision != b"commit":

@@ -5,6 +5,9 @@ Usage: torchrun --standalone --nproc_per_node 3 --max-restarts 1 _recovery_job.p
 MODE:
     overhead    ROUNDS rounds of two fits of STEPS steps each in the same processes, no failure:
                 ``DappleStrategy(recovery=False)`` and ``recovery=True``, the order turned every round
+    alternate   one fit of STEPS steps with ``recovery=True`` whose per-step work (the snapshot at the
+                safe point, the vote) is switched on and off step by step, in pairs whose order
+                turns every pair (on off, off on, on off, ...), so the steps compared are neighbours
     recover     ``recovery=True``; rank 1 (a stage-0 replica) SIGKILLs itself in its forward of
                 step KILL_AT on the first attempt, and the restarted job recovers without a checkpoint
     checkpoint  ``recovery=False`` and a ``ModelCheckpoint`` every 5 steps; the same kill; the
@@ -144,6 +147,19 @@ class Events(Callback):
             timing[label]["cpu"].append(time.process_time())
 
 
+def alternate_on(step: int) -> bool:
+    """Whether recovery's per-step work runs in ``step`` (``alternate`` mode): pairs on-off, off-on, ..."""
+    return (step % 2 == 0) == ((step // 2) % 2 == 0)
+
+
+class Alternate(Callback):
+    """Switches recovery's per-step work for the next step, the same on every rank (by its number).
+    At the end of a step every bit of its bookkeeping is done and the next safe point is ahead."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        trainer.strategy._recovery.active = alternate_on(trainer.global_step)
+
+
 class TimedCheckpoint(ModelCheckpoint):
     def _save_checkpoint(self, trainer, filepath):
         event("saving")
@@ -159,6 +175,8 @@ def newest_checkpoint() -> str | None:
 def fit(recovery: bool, steps: int) -> None:
     """One ``fit`` of a fresh model and trainer."""
     callbacks: list[Callback] = [Events()]
+    if MODE == "alternate":
+        callbacks.append(Alternate())
     if MODE == "checkpoint":
         callbacks.append(TimedCheckpoint(OUT / "ckpt", "{step}", every_n_train_steps=CHECKPOINT_EVERY, save_top_k=-1))
     trainer = Trainer(
@@ -191,5 +209,7 @@ if MODE == "overhead":
             label = f"{'on' if recovery else 'off'}-{r}"
             fit(recovery, STEPS)
     (OUT / f"timing-{RANK}.json").write_text(json.dumps(timing))
+elif MODE == "alternate":
+    fit(True, STEPS)
 else:
     fit(MODE == "recover", STEPS)

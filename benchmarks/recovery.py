@@ -12,6 +12,11 @@ momentum; plan 2:1, M = 2: four layers on ranks 0 and 1, two on rank 2) under
    rank: the strategy's ``batch_to_device`` (the snapshot) and the precision plugin's
    ``_after_closure`` (the vote; on the rank that arrives last, no wait for the others is in it, so
    the minimum over the ranks is the vote's own store round trips).
+   ``--part alternate``: the same per-step work measured between neighbouring steps instead of
+   between fits: one fit of ``--alternate-steps`` steps with ``recovery=True`` whose snapshot and
+   vote are switched on and off step by step (pairs on-off, off-on, ...; the heartbeat, the
+   signal handler and the data-order wrapper stay on in both), so the drift of a shared machine
+   between fits is out of the comparison; per pair, on/off and on - off of rank 0's step times.
 2. **Recovery time.** ``--repeats`` launches of each, interleaved: rank 1 (a stage-0 replica)
    SIGKILLs itself in its forward of step ``--kill-at`` of ``--steps``;
    ``recover``: ``recovery=True``, no checkpoint; ``checkpoint``: ``recovery=False``, a
@@ -22,6 +27,7 @@ momentum; plan 2:1, M = 2: four layers on ranks 0 and 1, two on rank 2) under
 
     python benchmarks/recovery.py                 # about 6 minutes on 2 busy cores
     python benchmarks/recovery.py --rounds 2 --repeats 1 --overhead-steps 12   # smoke run
+    python benchmarks/recovery.py --part alternate  # the per-step cost between neighbouring steps
 """
 
 from __future__ import annotations
@@ -116,6 +122,43 @@ def overhead(work: Path, rounds: int, steps: int, warmup: int) -> dict[str, Any]
         for arm in ("off", "on"):
             x[f"cpu-{arm}"] = sum(median_step(t[f"{arm}-{r}"]["cpu"], warmup) for t in timings)
     return {"rounds": per_round, "hooks": hooks, "wall": wall}
+
+
+def alternate(work: Path, steps: int, warmup: int) -> dict[str, Any]:
+    """Part 1 within one fit: per pair of neighbouring steps, the on step's time against the off one's."""
+    wall = launch(work / "alternate", "alternate", steps, -1)
+    ends = events_by_label(work / "alternate")["alternate"]
+    pairs = []
+    for first in range(max(2, warmup + warmup % 2), len(ends) - 1, 2):  # steps first, first + 1
+        times = {step: ends[step] - ends[step - 1] for step in (first, first + 1)}
+        on, off = (times[first], times[first + 1]) if alternate_on(first) else (times[first + 1], times[first])
+        pairs.append({"on": on, "off": off})
+    return {"pairs": pairs, "wall": wall}
+
+
+def alternate_on(step: int) -> bool:
+    """The job's schedule of on and off steps (``_recovery_job.alternate_on``)."""
+    return (step % 2 == 0) == ((step // 2) % 2 == 0)
+
+
+def show_alternate(result: dict[str, Any]) -> None:
+    pairs = result["pairs"]
+    ratios = [x["on"] / x["off"] for x in pairs]
+    added = [1e3 * (x["on"] - x["off"]) for x in pairs]
+    print(f"\n### Per-step overhead between neighbouring steps ({len(pairs)} pairs, rank 0)\n")
+    print("| | median | 90% bootstrap of the median | min to max |")
+    print("|---|---|---|---|")
+    print(f"| off step, ms | {1e3 * statistics.median(x['off'] for x in pairs):.1f} | | |")
+    print(f"| on step, ms | {1e3 * statistics.median(x['on'] for x in pairs):.1f} | | |")
+    low, high = bootstrap_median(ratios)
+    print(
+        f"| on / off | {statistics.median(ratios):.4f} | {low:.4f} to {high:.4f} | {min(ratios):.3f} to {max(ratios):.3f} |"
+    )
+    low, high = bootstrap_median(added)
+    print(
+        f"| on - off, ms | {statistics.median(added):+.2f} | {low:+.2f} to {high:+.2f} | {min(added):+.1f} to {max(added):+.1f} |"
+    )
+    print(f"\n(launch wall time {result['wall']:.0f} s)")
 
 
 def events_by_label(out: Path) -> dict[str, list[float]]:
@@ -266,7 +309,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="recovery: launches per mode, interleaved")
     parser.add_argument("--steps", type=int, default=14, help="recovery: steps of the job")
     parser.add_argument("--kill-at", type=int, default=8, help="recovery: the step whose forward the kill interrupts")
-    parser.add_argument("--part", choices=["both", "overhead", "recovery"], default="both", help="what to measure")
+    parser.add_argument(
+        "--part", choices=["both", "overhead", "alternate", "recovery"], default="both", help="what to measure"
+    )
+    parser.add_argument("--alternate-steps", type=int, default=400, help="alternate: steps of the one fit")
     parser.add_argument(
         "--on", choices=["true", "log"], default="true", help='overhead: the "on" arm\'s recovery: True, or "log"'
     )
@@ -277,20 +323,24 @@ def main() -> None:
             f"need 0 < --warmup < --overhead-steps - 2 and {CHECKPOINT_EVERY} < --kill-at < --steps "
             f"(got {args.warmup}, {args.overhead_steps}, {args.kill_at}, {args.steps})"
         )
+    if args.part == "alternate" and args.on == "log":
+        parser.error("--part alternate switches the snapshot and the vote, not the log's copies: use --part overhead")
     os.environ["DAPPLE_BENCH_ON"] = args.on  # read by the job's "on" arm; the launches inherit it
     began, load_before = time.time(), load_average()
     with tempfile.TemporaryDirectory(prefix="dapple-recovery-bench-") as tmp:
         work = args.keep or Path(tmp)
         runs: dict[str, list[dict[str, Any]]] = {"recover": [], "checkpoint": []}
-        for i in range(args.repeats if args.part != "overhead" else 0):
+        for i in range(args.repeats if args.part in ("both", "recovery") else 0):
             for mode in ("recover", "checkpoint") if i % 2 == 0 else ("checkpoint", "recover"):
                 runs[mode].append(recovery_run(work / f"{mode}-{i}", mode, args.steps, args.kill_at))
                 print(
                     f"{mode} {i}: step {args.kill_at} again {runs[mode][-1]['again']:.2f} s after the kill", flush=True
                 )
-        if args.part != "recovery":
+        if args.part in ("both", "overhead"):
             show_overhead(overhead(work, args.rounds, args.overhead_steps, args.warmup))
-    if args.part != "overhead":
+        if args.part == "alternate":
+            show_alternate(alternate(work, args.alternate_steps, args.warmup))
+    if args.part in ("both", "recovery"):
         show_recovery(runs, args.kill_at)
     print(
         f"\nwhole benchmark {time.time() - began:.0f} s; load average {load_before} at the start, "

@@ -11,7 +11,8 @@ snapshot, to node-local storage and ends; torchrun's agent then restarts every r
 Consistency comes from a per-step vote in the launcher's store, just before the optimizer step
 (after Lightning's closure and gradient clipping, inside the optimizer's step): every rank adds one to the step's count, and the rank that
 completes it decides ``commit``; a rank that learns of a lost peer while waiting decides
-``abort``. The decision is one ``compare_set`` on one key, so it is a single fact for every rank:
+``abort`` (the heartbeat thread writes it, on a store client of its own, to wake the ranks waiting
+on the key). The decision is one ``compare_set`` on one key, so it is a single fact for every rank:
 on ``commit`` every live rank steps (the step is local and cannot fail because of a peer), on
 ``abort`` none does. A gloo collective cannot serve as the vote: it can complete on one rank and
 fail on another when a third dies in it.
@@ -44,13 +45,12 @@ the ``step`` phase, so no write sees half an optimizer step.
 from __future__ import annotations
 
 import copy
+import datetime
 import os
 import signal
 import sys
 import tempfile
 import threading
-import time
-from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -60,17 +60,15 @@ from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler, SequentialSampler
 
+from dapple_lightning.strategy._order import EpochOrder, track
 from dapple_lightning.strategy._step import to_cpu
 
-__all__ = ["FORMAT", "EpochOrder", "Recovery", "RecoveryMode", "file_of", "is_active", "track"]
+__all__ = ["FORMAT", "Recovery", "RecoveryMode", "file_of", "is_active"]
 
 RecoveryMode = bool | Literal["auto", "log"]
 FORMAT = 1
 """Version of the files survivors write; a file of another version is not read."""
-_POLL_MAX_S = 0.005
-"""The longest pause between two looks at the vote's decision."""
 _WINDOW_WAIT_S = 10.0
 """How long a lost peer's watcher waits for the main thread to reach a safe point from the window."""
 
@@ -122,7 +120,9 @@ class Recovery:
         self._trainer: Any = None
         self._identity: dict[str, Any] = {}
         self._snapshot: dict[str, Any] | None = None
-        self._store: Any = None
+        self._store: Any = None  # the main thread's client of the launcher's store, for the vote
+        self._aborts: Any = None  # another client, for the heartbeat thread: it aborts a vote being waited on
+        self._pending: str | None = None  # the decision key the main thread waits on
         self._votes = 0
         self._signals: Any = None
         self._unwrap: Any = None  # puts the precision plugin's closure hook back
@@ -144,14 +144,14 @@ class Recovery:
 
     def __getstate__(self) -> dict[str, Any]:  # the strategy travels to spawned ranks before any fit
         state = self.__dict__.copy()
-        for name in ("_lock", "_written", "_lost", "_unwrap", "_trainer", "_store", "_signals", "_buffers"):
+        for name in ("_lock", "_written", "_lost", "_unwrap", "_trainer", "_store", "_aborts", "_signals", "_buffers"):
             state.pop(name)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._fresh_sync()
-        self._unwrap = self._trainer = self._store = self._signals = None
+        self._unwrap = self._trainer = self._store = self._aborts = self._signals = None
         self._buffers = {}
 
     # ------------------------------------------------------------------ set-up
@@ -165,9 +165,8 @@ class Recovery:
         self._lost.clear()
         if not is_active(self.mode):
             return
-        store = dist.distributed_c10d._get_default_store()
-        self._store = dist.PrefixStore(f"dapple/vote/{identity['fit']}", store)
         self._timeout_s = identity["timeout_s"]
+        self._store, self._aborts = (_vote_store(trainer, identity["fit"], self._timeout_s) for _ in range(2))
         if trainer.accumulate_grad_batches != 1 or not trainer.lightning_module.automatic_optimization:
             rank_zero_warn(
                 "dapple: recovery needs automatic optimization without gradient accumulation (one optimizer step "
@@ -320,15 +319,21 @@ class Recovery:
             )
 
     def _await(self, key: str) -> bytes:
-        """The decision, once the last rank made it; ``abort`` (made here) once a peer is known lost or the
-        process group's timeout passed. Polled (a timed-out store wait logs a warning each time), with a
-        pause that grows from a fraction of a millisecond, so the last vote is seen at once."""
-        deadline, pause = time.monotonic() + self._timeout_s, 1e-4
-        while not self._store.check([key]):
-            if self._lost.wait(pause) or self._exit_at_safe_point or time.monotonic() > deadline:
+        """The decision, once the last rank made it; ``abort`` once a peer is known lost (the heartbeat
+        thread writes it, which wakes every waiting rank) or the process group's timeout passed. The
+        store answers a wait when the key is set: nothing polls while a rank waits for slower stages."""
+        self._pending = key
+        try:
+            # After publishing the key: a loss seen before then was missed by on_peer_lost's abort.
+            if self._lost.is_set() or self._exit_at_safe_point:
                 return self._store.compare_set(key, "", "abort")
-            pause = min(2 * pause, _POLL_MAX_S)
-        return self._store.get(key)
+            try:
+                self._store.wait([key], datetime.timedelta(seconds=self._timeout_s))
+            except RuntimeError:  # the timeout (DistStoreError), or the store is gone
+                return self._store.compare_set(key, "", "abort")
+            return self._store.get(key)
+        finally:
+            self._pending = None
 
     # ------------------------------------------------------------------ a loss
 
@@ -354,6 +359,11 @@ class Recovery:
     def on_peer_lost(self, reason: str) -> None:
         """The heartbeat thread's end (the main thread may be blocked in a receive for good)."""
         self._lost.set()
+        if self.active and (pending := self._pending) is not None:
+            try:  # the main thread waits for a vote that the lost peer will never cast
+                self._aborts.compare_set(pending, "", "abort")
+            except RuntimeError as error:
+                sys.stderr.write(f"dapple: rank {self.rank} could not abort the vote on {pending}: {error}\n")
         if self.active:
             with self._lock:
                 if self._phase == "step":
@@ -410,60 +420,19 @@ class Recovery:
             _end(self.rank, "torchrun stopped this attempt")
 
 
-class EpochOrder(Sampler):
-    """The training loader's sampler, with the epoch's start remembered and a resumable position."""
-
-    def __init__(self, inner: Sampler, batch_size: int) -> None:
-        self.inner, self.batch_size = inner, batch_size
-        self.epoch_start: torch.Tensor | None = None
-        self._resume: Mapping[str, Any] | None = None
-
-    def resume(self, position: Mapping[str, Any]) -> None:
-        """The next epoch's iteration starts where ``position`` (from :meth:`position`) was."""
-        self._resume = position
-
-    def position(self, trainer: Any) -> dict[str, Any]:
-        """Where the epoch stands at a safe point: its order's seed state and the batches done."""
-        # Processed, not completed: a state taken in on_train_batch_end is restored with the batch completed.
-        done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
-        return {"generator": self.epoch_start, "skip": done}
-
-    def __iter__(self) -> Iterator[Any]:
-        generator = getattr(self.inner, "generator", None)
-        skip = 0
-        if self._resume is not None:
-            if generator is not None and self._resume["generator"] is not None:
-                generator.set_state(self._resume["generator"])
-            skip, self._resume = self._resume["skip"] * self.batch_size, None
-        self.epoch_start = generator.get_state() if isinstance(generator, torch.Generator) else None
-        indices = iter(self.inner)
-        for _ in range(skip):
-            next(indices, None)
-        yield from indices
-
-    def __len__(self) -> int:
-        return len(self.inner)  # type: ignore[arg-type]
-
-
-def track(dataloader: object, pending: Mapping[str, Any] | None) -> EpochOrder | None:
-    """Put an :class:`EpochOrder` under ``dataloader``'s batch sampler (once); ``None`` where the
-    order cannot be told again: no plain ``BatchSampler`` over a map-style dataset, a loader that
-    restores its own position (Lightning's stateful ones), or a sampler whose order is drawn from
-    the global RNG (neither sequential nor with a ``generator``). Its epoch then restarts from its
-    first batch after a recovery, as Lightning warns."""
-    if not isinstance(dataloader, DataLoader) or type(dataloader.batch_sampler) is not BatchSampler:
-        return None
-    if isinstance(dataloader.dataset, IterableDataset) or callable(getattr(dataloader, "load_state_dict", None)):
-        return None
-    batches = dataloader.batch_sampler
-    inner = batches.sampler.inner if isinstance(batches.sampler, EpochOrder) else batches.sampler
-    if not isinstance(inner, SequentialSampler) and not isinstance(getattr(inner, "generator", None), torch.Generator):
-        return None
-    if not isinstance(batches.sampler, EpochOrder):
-        batches.sampler = EpochOrder(batches.sampler, batches.batch_size)
-    if pending is not None:
-        batches.sampler.resume(pending)
-    return batches.sampler
+def _vote_store(trainer: Any, fit: int, timeout_s: float) -> Any:
+    """A client of the launcher's store (torchrun's agent, or rank 0 under Lightning's launcher), under
+    keys of this attempt's fit only: the agent's store outlives the attempts."""
+    env = trainer.strategy.cluster_environment
+    attempt = f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"
+    client = dist.TCPStore(
+        env.main_address,
+        env.main_port,
+        is_master=False,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    return dist.PrefixStore(f"dapple/vote/{attempt}/{fit}", client)
 
 
 def _inside_a_batch(progress: dict[str, Any]) -> None:

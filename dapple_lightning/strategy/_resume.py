@@ -14,7 +14,7 @@ storage when a peer is lost. After the restart's rendezvous, :func:`recover` (co
    module and optimizer state, loops, callbacks, schedulers and precision state; the RNG states
    and the data position wait for the first safe point, where they were taken.
 
-The data position is :class:`~._recovery.EpochOrder`'s.
+The data position is :class:`~._order.EpochOrder`'s.
 """
 
 from __future__ import annotations

@@ -2,6 +2,8 @@
 
 Usage: torchrun --standalone --nproc_per_node 3 --max-restarts 1 _recovery_job.py OUT MODE STEPS KILL_AT [ROUNDS]
 
+With ``DAPPLE_BENCH_PLAN=replicas`` (``--nproc_per_node 2``), the plan is one stage of every layer on 2 ranks.
+
 MODE:
     overhead    ROUNDS rounds of two fits of STEPS steps each in the same processes, no failure:
                 ``DappleStrategy(recovery=False)`` and ``recovery=True``, the order turned every round
@@ -60,6 +62,9 @@ PLAN = {
     "micro_batches": 2,
     "stages": [{"layers": [0, CUT], "replicas": 2}, {"layers": [CUT, 2 * LAYERS], "replicas": 1}],
 }
+if os.environ.get("DAPPLE_BENCH_PLAN") == "replicas":  # one stage of every layer on 2 ranks (no pipeline)
+    PLAN = {"micro_batches": 2, "stages": [{"layers": [0, 2 * LAYERS], "replicas": 2}]}
+RANKS = sum(stage["replicas"] for stage in PLAN["stages"])
 step = 0  # the global step being trained
 label = MODE  # the fit being run
 timing: dict[str, dict[str, list[float]]] = {}
@@ -181,7 +186,7 @@ def fit(recovery: bool, steps: int) -> None:
         callbacks.append(TimedCheckpoint(OUT / "ckpt", "{step}", every_n_train_steps=CHECKPOINT_EVERY, save_top_k=-1))
     trainer = Trainer(
         accelerator="cpu",
-        devices=3,
+        devices=RANKS,
         # The "on" arm: recovery=True, or with DAPPLE_BENCH_ON=log, recovery="log" (rank 2's stage has no
         # replica, so ranks 0 and 1 log what they send it, and rank 0 the batch).
         strategy=DappleStrategy(PLAN, recovery=(ON if recovery else False)),

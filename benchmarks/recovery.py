@@ -49,8 +49,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = Path(__file__).with_name("_recovery_job.py")
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "3"]
-TORCHRUN += ["--max-restarts", "1"]
+RANKS = {"pipeline": 3, "replicas": 2}
+"""Ranks of each ``--plan``: 2:1 (four layers on 2 replicas, two on one rank), or one stage on 2 ranks."""
 CHECKPOINT_EVERY = 5  # as in the job
 PHASES = [
     ("spawned", "kill to the restarted ranks' start (detection, survivors' exit, torchrun's restart)"),
@@ -69,8 +69,10 @@ def launch(out: Path, mode: str, steps: int, kill_at: int, rounds: int = 1) -> f
     with tempfile.TemporaryDirectory(prefix="dapple-recovery-bench-", dir=shm) as kept:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "DAPPLE_RECOVERY_DIR": kept}
         start = time.time()
+        ranks = RANKS[os.environ.get("DAPPLE_BENCH_PLAN", "pipeline")]
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
         proc = subprocess.run(
-            [*TORCHRUN, str(JOB), str(out), mode, str(steps), str(kill_at), str(rounds)],
+            [*torchrun, "--max-restarts", "1", str(JOB), str(out), mode, str(steps), str(kill_at), str(rounds)],
             capture_output=True,
             text=True,
             timeout=600,
@@ -104,7 +106,8 @@ def overhead(work: Path, rounds: int, steps: int, warmup: int) -> dict[str, Any]
     for r in range(rounds):
         off, on = median_step(rank0[f"off-{r}"], warmup), median_step(rank0[f"on-{r}"], warmup)
         per_round.append({"off": off, "on": on, "ratio": on / off, "added": on - off})
-    timings = [json.loads((work / "overhead" / f"timing-{rank}.json").read_text()) for rank in range(3)]
+    ranks = RANKS[os.environ.get("DAPPLE_BENCH_PLAN", "pipeline")]
+    timings = [json.loads((work / "overhead" / f"timing-{rank}.json").read_text()) for rank in range(ranks)]
     hooks = {}
     for hook in ("batch_to_device", "after_closure"):
         for arm in ("off", "on"):
@@ -316,6 +319,12 @@ def main() -> None:
     parser.add_argument(
         "--on", choices=["true", "log"], default="true", help='overhead: the "on" arm\'s recovery: True, or "log"'
     )
+    parser.add_argument(
+        "--plan",
+        choices=list(RANKS),
+        default="pipeline",
+        help="overhead: 2:1 on 3 ranks (pipeline), or one stage on 2 ranks (replicas: one rank per core here)",
+    )
     parser.add_argument("--keep", type=Path, help="keep the launches' events and logs in this folder")
     args = parser.parse_args()
     if not 0 < args.warmup < args.overhead_steps - 2 or not CHECKPOINT_EVERY < args.kill_at < args.steps:
@@ -325,6 +334,9 @@ def main() -> None:
         )
     if args.part == "alternate" and args.on == "log":
         parser.error("--part alternate switches the snapshot and the vote, not the log's copies: use --part overhead")
+    if args.plan != "pipeline" and args.part in ("both", "recovery"):
+        parser.error("--plan replicas measures the overhead only: use --part overhead or --part alternate")
+    os.environ["DAPPLE_BENCH_PLAN"] = args.plan  # read by the job and by launch()
     os.environ["DAPPLE_BENCH_ON"] = args.on  # read by the job's "on" arm; the launches inherit it
     began, load_before = time.time(), load_average()
     with tempfile.TemporaryDirectory(prefix="dapple-recovery-bench-") as tmp:

@@ -141,3 +141,56 @@ def test_a_lost_stage_without_a_replica_is_replayed_from_the_log(tmp_path_factor
         assert mine.keys() == theirs.keys()
         for key, value in mine.items():
             torch.testing.assert_close(value, theirs[key], rtol=1e-6, atol=0, msg=f"{part}{key}")
+
+
+def test_the_snapshot_holds_lightnings_own_loop_state_at_every_point_of_a_fit(tmp_path: Path) -> None:
+    """Recovery builds the loops' state itself (per step, cheaply): it must be what Lightning's
+    checkpoints hold, at every hook of training and validation, and share nothing with the live loops."""
+    from lightning.pytorch import Callback, LightningModule, Trainer
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from dapple_lightning.strategy._recovery import loops_state
+
+    class Tiny(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.layer(batch[0]).pow(2).mean()
+
+        def validation_step(self, batch, batch_idx):
+            self.log("val", self.layer(batch[0]).mean())
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    class Compare(Callback):
+        seen = 0
+
+        def check(self, trainer, *args) -> None:
+            ours, theirs = loops_state(trainer), trainer._checkpoint_connector._get_loops_state_dict()
+            assert ours == theirs
+            before = trainer.fit_loop.epoch_loop.batch_progress.total.ready
+            ours["fit_loop"]["epoch_loop.batch_progress"]["total"]["ready"] += 1  # a copy, not the loop's own
+            assert trainer.fit_loop.epoch_loop.batch_progress.total.ready == before
+            self.seen += 1
+
+        on_train_batch_start = on_train_batch_end = on_before_optimizer_step = check
+        on_validation_batch_end = on_train_epoch_end = on_validation_end = check
+
+    data = DataLoader(TensorDataset(torch.randn(24, 4)), batch_size=4)
+    compare = Compare()
+    trainer = Trainer(
+        max_epochs=2,
+        val_check_interval=3,
+        limit_val_batches=2,
+        callbacks=[compare],
+        default_root_dir=tmp_path,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(Tiny(), data, data)
+    assert compare.seen > 40  # 12 steps x 3 training hooks, 4 validations x 2 batches, ...

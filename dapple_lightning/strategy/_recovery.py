@@ -57,6 +57,8 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
+from lightning.pytorch.loops.loop import _Loop
+from lightning.pytorch.loops.progress import _BaseProgress
 from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -64,7 +66,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from dapple_lightning.strategy._order import EpochOrder, track
 from dapple_lightning.strategy._step import to_cpu
 
-__all__ = ["FORMAT", "Recovery", "RecoveryMode", "file_of", "is_active"]
+__all__ = ["FORMAT", "Recovery", "RecoveryMode", "file_of", "is_active", "loops_state"]
 
 RecoveryMode = bool | Literal["auto", "log"]
 FORMAT = 1
@@ -244,9 +246,8 @@ class Recovery:
         """The step's small state; and the module's buffers (running statistics), which its forward
         changes before the vote: a write must hold them as they were at the step's start.
 
-        Taken every step, so only what can be shared with live objects is copied: the loops'
-        progress comes as fresh dicts (their own ``state_dict`` entries, which may hold a data
-        loader's state, are copied), the RNG states are fresh arrays and immutable tuples."""
+        Taken every step, so only what can be shared with live objects is copied: the RNG states
+        are fresh arrays and immutable tuples, and the loops' state is built by :func:`loops_state`."""
         trainer = self._trainer
         params = {id(p) for p in trainer.lightning_module.parameters()}
         self._buffers = {
@@ -254,15 +255,11 @@ class Recovery:
             for k, v in trainer.lightning_module.state_dict(keep_vars=True).items()
             if id(v) not in params
         }
-        loops = trainer._checkpoint_connector._get_loops_state_dict()
-        for loop in loops.values():
-            for key in [k for k in loop if k.endswith("state_dict")]:
-                loop[key] = copy.deepcopy(loop[key])
         precision = trainer.strategy.precision_plugin
         return {
             "epoch": trainer.current_epoch,
             "global_step": trainer.global_step,
-            "loops": loops,
+            "loops": loops_state(trainer),
             "rng": _collect_rng_states(include_cuda=torch.cuda.is_available()),
             "batches_that_stepped": trainer.fit_loop.epoch_loop._batches_that_stepped,
             "checkpoint": self.last_checkpoint,
@@ -418,6 +415,30 @@ class Recovery:
             self._writing = False
         if self._stop_after_write:  # torchrun is stopping the attempt: the failure path would only delay it
             _end(self.rank, "torchrun stopped this attempt")
+
+
+def loops_state(trainer: Any) -> dict[str, Any]:
+    """Lightning's loops' state dict (what its checkpoints hold under ``"loops"``), built without
+    ``dataclasses.asdict``, whose recursive copies were most of a step's snapshot: a progress
+    tracker's state is its ``__dict__`` (as its ``load_state_dict`` reads it back) of numbers and
+    nested trackers. A loop's own ``state_dict`` entry (a data loader's state, say) is deep-copied."""
+
+    def progress(tracker: _BaseProgress) -> dict[str, Any]:
+        return {k: progress(v) if isinstance(v, _BaseProgress) else v for k, v in vars(tracker).items()}
+
+    def loop(it: _Loop, into: dict[str, Any], prefix: str) -> dict[str, Any]:
+        into[prefix + "state_dict"] = copy.deepcopy(it.on_save_checkpoint())
+        for name, value in vars(it).items():
+            if isinstance(value, _BaseProgress):
+                into[prefix + name] = progress(value)
+            elif isinstance(value, _Loop):
+                loop(value, into, f"{prefix}{name}.")
+        return into
+
+    return {
+        f"{name}_loop": loop(getattr(trainer, f"{name}_loop"), {}, "")
+        for name in ("fit", "validate", "test", "predict")
+    }
 
 
 def _vote_store(trainer: Any, fit: int, timeout_s: float) -> Any:

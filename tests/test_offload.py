@@ -14,7 +14,8 @@ from lightning.pytorch import Callback
 from torch import nn
 
 from dapple_lightning import Plan
-from dapple_lightning.planner import WindowChoice, choose_window, replay_window
+from dapple_lightning.planner import AUTO_WINDOW_MOST, WindowChoice, choose_window, replay_window
+from dapple_lightning.planner._stage_memory import offloaded_model_bytes
 from dapple_lightning.runtime import StageModule
 
 import models
@@ -76,9 +77,13 @@ def test_an_offloaded_stage_matches_memory_and_one_device_within_its_window(tmp_
     sizes = sorted(got["layer_bytes"], reverse=True)
     bound = sum(sizes[: window + 1])  # the window plus one layer
     assert sum(sizes) > bound, "the stage must have more layers than the window holds for the bound to mean anything"
+    # What the memory budget prices this stage's model state at (planner._stage_memory): never less than held.
+    params = [2 * sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in MODEL().layers[:6]]
+    priced = max(offloaded_model_bytes(params, got["layer_bytes"], window))
+    assert priced < sum(sizes)
     for what in ("tracked", "storage", "alive"):
         # The optimizer step holds one whole layer (parameters, gradients, momentum) at least.
-        assert sizes[0] <= got[what] <= bound, (what, got)
+        assert sizes[0] <= got[what] <= min(bound, priced), (what, got, priced)
     # A layer's storage that autograd kept alive after the window left it would count here.
     assert got["layers"] <= window + 1 and got["alive_layers"] <= window + 1, got
     assert got["samples"] > 0
@@ -105,6 +110,14 @@ def test_the_window_is_the_smallest_whose_transfers_hide_behind_compute():
     assert slow.stalls == (2,) and "layers [2] wait for their transfers" in slow.describe()
     # Reads slower than compute on every layer: no window keeps up, every layer waits.
     assert choose_window([1.0] * 6, [2.0] * 6, [2.0] * 6, [0.5] * 6).stalls == tuple(range(6))
+    # One read of 3.5 layers' compute hides only 5 layers ahead; auto stops at AUTO_WINDOW_MOST (what the budget
+    # prices it at) and names the layer that waits there.
+    burst = [0.1] * 6 + [3.5] + [0.1] * 5
+    assert choose_window([1.0] * 12, [2.0] * 12, burst, [0.1] * 12, most=12) == WindowChoice(5, 0.0, 36.0, ())
+    capped = choose_window([1.0] * 12, [2.0] * 12, burst, [0.1] * 12)
+    assert capped.window == AUTO_WINDOW_MOST == 4 and capped.stalls == (6,)
+    with pytest.raises(ValueError, match="most is the largest window"):
+        choose_window([1.0], [1.0], [1.0], [1.0], most=0)
 
 
 def test_checkpoints_saved_with_offload_resume_without_it_and_the_reverse(tmp_path):

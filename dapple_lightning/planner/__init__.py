@@ -47,9 +47,10 @@ from dapple_lightning.planner._select import (
     shortlist,
 )
 from dapple_lightning.planner._simulator import Event, Simulation, simulate_plan
-from dapple_lightning.planner._window import WindowChoice, choose_window, replay_window
+from dapple_lightning.planner._window import AUTO_WINDOW_MOST, WindowChoice, choose_window, replay_window
 
 __all__ = [
+    "AUTO_WINDOW_MOST",
     "GB",
     "MEMORY_MARGIN",
     "OBJECTIVES",

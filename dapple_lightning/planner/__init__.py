@@ -20,6 +20,7 @@ from dapple_lightning.planner._dp import (
     plan_dapple,
     replica_candidates,
 )
+from dapple_lightning.planner._levers import OFFLOAD_CANDIDATES, offloaded_plan, shortlist_with_levers
 from dapple_lightning.planner._links import (
     MEMORY_MARGIN,
     compute_units,
@@ -54,6 +55,7 @@ __all__ = [
     "GB",
     "MEMORY_MARGIN",
     "OBJECTIVES",
+    "OFFLOAD_CANDIDATES",
     "PLACEMENTS",
     "REFERENCE_PROFILES",
     "SETTLE_STEPS",
@@ -98,6 +100,7 @@ __all__ = [
     "measure_in_turns",
     "micro_batch_candidates",
     "node_ranks",
+    "offloaded_plan",
     "over_budget",
     "parse_memory",
     "peak_limit",
@@ -111,6 +114,7 @@ __all__ = [
     "replay_window",
     "replica_candidates",
     "shortlist",
+    "shortlist_with_levers",
     "simulate_plan",
     "stage_memory_lines",
     "straight_plan",

@@ -100,10 +100,19 @@ def offloaded_plan(
     budget = cluster.memory_bytes
     lifted = dataclasses.replace(cluster, memory_bytes=_LIFTED)
     best: tuple[tuple[int, float], Plan, str] | None = None
-    for planned in plan_dapple(
-        profile, lifted, global_batch, top=OFFLOAD_CANDIDATES, optimizer_factor=optimizer_factor
-    ):
-        plan = planned.plan
+    candidates = [
+        planned.plan
+        for objective in ("time", "memory")
+        for planned in plan_dapple(
+            profile,
+            lifted,
+            global_batch,
+            top=OFFLOAD_CANDIDATES,
+            optimizer_factor=optimizer_factor,
+            objective=objective,
+        )
+    ]
+    for plan in dict.fromkeys(candidates):
         whole = estimate(plan, profile, cluster, global_batch, optimizer_factor=optimizer_factor).memory_bytes
         over = [k for k, peak in enumerate(whole) if peak > budget]
         stages = [dataclasses.replace(s, offload="auto") if k in over else s for k, s in enumerate(plan.stages)]

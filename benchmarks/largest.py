@@ -13,6 +13,8 @@ the budget; the largest fitting size is reported with its plan and predicted ste
     offload         what ``plan="auto"`` chooses under the budget (``planner.shortlist_with_levers``):
                     in memory while a plan fits, then recomputing, then the stages over it
                     offloaded to local disk (``offload: auto``)
+    auto            planned as ``offload``, then run with ``plan="auto"`` and the budget as
+                    ``memory_limit``: the job profiles, plans and offloads by itself
 
 The profile comes from one run of ``profile_layers`` on a model of 2 blocks (the blocks are
 alike, so a model of any depth is that profile's block repeated). Then each objective's plan at
@@ -56,7 +58,7 @@ from benchmarks._harness import bare_trainer, launch, lightning_timer, median, s
 
 MiB = 2**20
 BATCH, SEQ = 8, 256
-OBJECTIVES = ("straight", "time", "memory", "memory+recompute", "offload")
+OBJECTIVES = ("straight", "time", "memory", "memory+recompute", "offload", "auto")
 
 
 # ============================================================================ models
@@ -111,7 +113,7 @@ def plan_for(objective: str, prof: Any, cluster: Any) -> Any:
 
     if objective == "straight":
         return straight_plan(prof, cluster, BATCH)
-    if objective == "offload":
+    if objective in ("offload", "auto"):
         return _with_levers(prof, cluster)
     kind = "time" if objective == "time" else "memory"
     try:
@@ -192,7 +194,9 @@ def worker(args: argparse.Namespace) -> None:
     rank = trainer.global_rank
     warned = any("predicted to need more memory" in str(w.message) for w in caught)
     record = {"stage": strategy.plan.stage_of(rank), "peak": probe.before + probe.tracker.peak, **timer.rec.data}
-    record.update(resident=probe.resident, window=probe.window, warned=warned)
+    record.update(resident=probe.resident, window=probe.window, warned=warned, plan=strategy.plan.describe())
+    if strategy.auto_plan is not None:
+        record.update(lever=strategy.auto_plan.lever, profiling_s=strategy.auto_plan.profiling_s)
     write_record(rank, record)
     if dist.is_initialized():
         dist.barrier()
@@ -207,7 +211,7 @@ def resident_mib(field: str) -> float:
 
 
 def run(objective: str, blocks: int, planned: Any, args: argparse.Namespace) -> dict[str, Any]:
-    plan = planned.plan.to_dict()
+    plan = "auto" if objective == "auto" else planned.plan.to_dict()
     spec = ["--worker", "--blocks", str(blocks), "--plan", json.dumps(plan), "--steps", str(args.steps)]
     spec += ["--ranks", str(args.ranks), "--budget-mib", str(args.budget_mib)]
     # Blocks of 128 KiB and more from mmap, back to the kernel when freed: the resident set is what is live.
@@ -221,6 +225,9 @@ def run(objective: str, blocks: int, planned: Any, args: argparse.Namespace) -> 
         "windows": [r["window"] for r in records],
         "warned": any(r["warned"] for r in records),
         "stages": [r["stage"] for r in records],
+        "ran": records[0]["plan"],
+        "ran_lever": records[0].get("lever"),
+        "profiling_s": records[0].get("profiling_s"),
     }
 
 
@@ -300,6 +307,8 @@ def report(rows: list[dict[str, Any]], budget_mib: float) -> None:
             f"{r['predicted_step_s']:.3f} | {step} | {predicted} | {measured}{under} | {resident} | "
             f"{r.get('warned', 'not run')} |"
         )
+        if r.get("ran") and r["ran"] != r["plan"]:
+            print(f"  ({r['objective']}: ran {r['ran']}; {r.get('ran_lever')}; planned in {r.get('profiling_s')} s)")
         if r.get("lever"):
             print(f"  ({r['objective']}: {r['lever']}; windows chosen per rank: {r.get('windows')})")
 

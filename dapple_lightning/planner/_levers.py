@@ -8,9 +8,10 @@ activations and their layers in memory. When none fits ``Cluster.memory_bytes`` 
    its activations only where it would not fit otherwise;
 2. **offload** (STRONGHOLD, ``Stage.offload``), where the runtime can offload (one
    ``nn.Sequential`` on CPU: the caller says when it cannot): the planner's
-   :data:`OFFLOAD_CANDIDATES` fastest plans with the budget lifted, each with the stages predicted
-   over the budget offloaded (``offload: "auto"``, priced at its widest window, see
-   ``_stage_memory``), kept when every stage then fits. The plan that offloads the fewest layers
+   :data:`OFFLOAD_CANDIDATES` fastest plans and as many of least peak memory (mCAP's objective:
+   the fastest put most layers on the first stages, whose activations then fill the budget), with
+   the budget lifted, each with the stages predicted over the budget offloaded (``offload:
+   "auto"``, priced at its widest window, see ``_stage_memory``), kept when every stage then fits. The plan that offloads the fewest layers
    (counted on every replica) wins, the fastest predicted among equals: the transfers are what
    the cost model does not price (the disk's speed is measured only in the offloaded stage's first
    step, which then picks a window that hides them where it can), so its predicted step is the
@@ -35,7 +36,7 @@ from dapple_lightning.planner._select import shortlist
 __all__ = ["OFFLOAD_CANDIDATES", "offloaded_plan", "shortlist_with_levers"]
 
 OFFLOAD_CANDIDATES = 16
-"""How many of the planner's fastest plans (the budget lifted) :func:`offloaded_plan` offloads in turn."""
+"""How many of the planner's fastest plans, and of its least-memory ones, :func:`offloaded_plan` offloads in turn."""
 
 _LIFTED = 1e30  # bytes: a budget no stage reaches (the cluster wants a finite one)
 

@@ -10,15 +10,30 @@ the budget; the largest fitting size is reported with its plan and predicted ste
     time            ``plan_dapple(objective="time")``: DAPPLE's fastest plan under the budget
     memory          ``plan_dapple(objective="memory")``: mCAP's least per-rank peak
     memory+recompute  the same, stages allowed to recompute (``plan_dapple(recompute=True)``)
+    offload         what ``plan="auto"`` chooses under the budget (``planner.shortlist_with_levers``):
+                    in memory while a plan fits, then recomputing, then the stages over it
+                    offloaded to local disk (``offload: auto``)
+    auto            planned as ``offload``, then run with ``plan="auto"`` and the budget as
+                    ``memory_limit``: the job profiles, plans and offloads by itself
 
 The profile comes from one run of ``profile_layers`` on a model of 2 blocks (the blocks are
 alike, so a model of any depth is that profile's block repeated). Then each objective's plan at
 its largest size is trained for a few steps by Lightning; each rank's live-bytes tracker
 (``planner.live_bytes``, from the start of training to its end, plus the rank's parameters)
-gives its measured peak, which must be under the budget.
+gives its measured peak, which must be under the budget. The runs go through Lightning's budget:
+``DappleStrategy(plan, memory_limit=budget)``, whose rank 0 prices the plan again on the real
+batch and would warn if it were over (recorded).
+
+An offloaded stage's reads run on its worker thread, which the live-bytes tracker does not see,
+so each rank also measures its resident set: the kernel's peak (``VmHWM``, reset through
+``/proc/self/clear_refs`` after the first step, which writes an offloaded stage out) over the later
+steps, less the process's resident memory at the start of training without the rank's
+parameters then (the libraries, Lightning, the process group). glibc serves blocks of 128 KiB and
+more from mmap (``MALLOC_MMAP_THRESHOLD_``), so that freed tensors leave the resident set.
 
     python benchmarks/largest.py                       # plan, then one run per objective
     python benchmarks/largest.py --plan-only           # the planning table alone (seconds)
+    python benchmarks/largest.py --objectives memory+recompute,offload   # without and with offload
 """
 
 from __future__ import annotations
@@ -27,6 +42,7 @@ import argparse
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +58,7 @@ from benchmarks._harness import bare_trainer, launch, lightning_timer, median, s
 
 MiB = 2**20
 BATCH, SEQ = 8, 256
-OBJECTIVES = ("straight", "time", "memory", "memory+recompute")
+OBJECTIVES = ("straight", "time", "memory", "memory+recompute", "offload", "auto")
 
 
 # ============================================================================ models
@@ -97,11 +113,30 @@ def plan_for(objective: str, prof: Any, cluster: Any) -> Any:
 
     if objective == "straight":
         return straight_plan(prof, cluster, BATCH)
+    if objective in ("offload", "auto"):
+        return _with_levers(prof, cluster)
     kind = "time" if objective == "time" else "memory"
     try:
         return plan_dapple(prof, cluster, BATCH, objective=kind, recompute=objective == "memory+recompute")[0]
     except ValueError:
         return None  # no plan fits
+
+
+def _with_levers(prof: Any, cluster: Any) -> Any:
+    """``plan="auto"``'s first choice under the budget (in memory, recomputing, then offloaded), or ``None``."""
+    from types import SimpleNamespace
+
+    from dapple_lightning.planner import estimate, shortlist_with_levers
+
+    try:
+        close, _, lever = shortlist_with_levers(prof, cluster, BATCH)
+    except ValueError:
+        return None  # no plan fits, even offloaded
+    plan = close[0][0]
+    priced = estimate(plan, prof, cluster, BATCH)
+    return SimpleNamespace(
+        plan=plan, predicted_step_s=priced.step_s, stage_memory_bytes=priced.memory_bytes, lever=lever
+    )
 
 
 def largest(objective: str, base: Any, cluster: Any, most: int) -> tuple[int, Any]:
@@ -129,38 +164,71 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
 
     class Probe(pl.Callback):
-        """The live-bytes tracker from the start of training to its end."""
+        """The live-bytes tracker from the start of training to its end; the resident set's peak after
+        the first step, less what the process held at the start besides its parameters."""
 
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             self.before = sum(t.untyped_storage().nbytes() for t in [*pl_module.parameters(), *pl_module.buffers()])
+            self.baseline = resident_mib("VmRSS") * MiB - self.before
             self.tracker = live_bytes()
             self.tracker.__enter__()
 
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            if batch_idx == 0:  # an offloaded stage is on disk now
+                Path("/proc/self/clear_refs").write_text("5")  # VmHWM starts again from now
+
         def on_train_end(self, trainer: Any, pl_module: Any) -> None:
             self.tracker.__exit__(None, None, None)
+            self.resident = resident_mib("VmHWM") * MiB - self.baseline
+            offload = getattr(pl_module.layers, "offload", None)
+            self.window = None if offload is None else offload.window
 
     module, loader = build(args.blocks, args.steps)
     probe, timer = Probe(), lightning_timer()
     plan = json.loads(args.plan)
-    strategy = DappleStrategy(plan, start_method="popen")
+    strategy = DappleStrategy(plan, start_method="popen", memory_limit=args.budget_mib * MiB)
     trainer = bare_trainer(strategy, args.ranks, args.steps, [probe, timer])
-    trainer.fit(module, train_dataloaders=loader)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, train_dataloaders=loader)
     rank = trainer.global_rank
+    warned = any("predicted to need more memory" in str(w.message) for w in caught)
     record = {"stage": strategy.plan.stage_of(rank), "peak": probe.before + probe.tracker.peak, **timer.rec.data}
+    record.update(resident=probe.resident, window=probe.window, warned=warned, plan=strategy.plan.describe())
+    if strategy.auto_plan is not None:
+        record.update(lever=strategy.auto_plan.lever, profiling_s=strategy.auto_plan.profiling_s)
     write_record(rank, record)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
 
 
+def resident_mib(field: str) -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
 def run(objective: str, blocks: int, planned: Any, args: argparse.Namespace) -> dict[str, Any]:
-    plan = planned.plan.to_dict()
+    plan = "auto" if objective == "auto" else planned.plan.to_dict()
     spec = ["--worker", "--blocks", str(blocks), "--plan", json.dumps(plan), "--steps", str(args.steps)]
-    spec += ["--ranks", str(args.ranks)]
+    spec += ["--ranks", str(args.ranks), "--budget-mib", str(args.budget_mib)]
+    # Blocks of 128 KiB and more from mmap, back to the kernel when freed: the resident set is what is live.
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)
     records = launch(__file__, spec, args.ranks, timeout=args.timeout, what=f"{objective} at {blocks} blocks")
     periods, _ = step_times(records[0], args.warmup)
-    peaks = [r["peak"] for r in records]
-    return {"step_s": median(periods), "peaks": peaks, "stages": [r["stage"] for r in records]}
+    return {
+        "step_s": median(periods),
+        "peaks": [r["peak"] for r in records],
+        "resident": [r["resident"] for r in records],
+        "windows": [r["window"] for r in records],
+        "warned": any(r["warned"] for r in records),
+        "stages": [r["stage"] for r in records],
+        "ran": records[0]["plan"],
+        "ran_lever": records[0].get("lever"),
+        "profiling_s": records[0].get("profiling_s"),
+    }
 
 
 # ======================================================================= orchestration
@@ -177,6 +245,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="training steps per run (default 5)")
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of the step time (default 2)")
     parser.add_argument("--plan-only", action="store_true", help="plan, do not train")
+    parser.add_argument(
+        "--objectives", default=",".join(OBJECTIVES), help="comma-separated, of: " + " ".join(OBJECTIVES)
+    )
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--out", help="also write the rows as JSON here")
     args = parser.parse_args()
@@ -191,7 +262,10 @@ def main() -> None:
     cluster = local_cluster(args.ranks, units if units < args.ranks else None, args.budget_mib * MiB)
     base = profile(BATCH // 2)
     rows = []
-    for objective in OBJECTIVES:
+    chosen = args.objectives.split(",")
+    if unknown := sorted(set(chosen) - set(OBJECTIVES)):
+        parser.error(f"unknown objectives {unknown}; choose from {list(OBJECTIVES)}")
+    for objective in chosen:
         blocks, planned = largest(objective, base, cluster, args.most)
         row: dict[str, Any] = {"objective": objective, "blocks": blocks}
         if planned is not None:
@@ -200,6 +274,7 @@ def main() -> None:
             row.update(
                 plan=plan.describe(),
                 recompute=recompute,
+                lever=getattr(planned, "lever", None),
                 params_m=sum(x.param_bytes for x in deepen(base, blocks).layers) / 4e6,
                 predicted_step_s=planned.predicted_step_s,
                 predicted_mib=[m / MiB for m in planned.stage_memory_bytes],
@@ -215,20 +290,27 @@ def main() -> None:
 
 def report(rows: list[dict[str, Any]], budget_mib: float) -> None:
     print(f"\n| objective | largest N (blocks) | parameters | plan | predicted step s | measured step s | "
-          f"predicted peak MiB per stage | measured peak MiB per rank (budget {budget_mib:.0f}) |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
+          f"predicted peak MiB per stage | measured peak MiB per rank (budget {budget_mib:.0f}) | "
+          "resident peak MiB per rank | warned |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if not r["blocks"]:
-            print(f"| {r['objective']} | none fits | | | | | | |")
+            print(f"| {r['objective']} | none fits | | | | | | | | |")
             continue
         measured = "; ".join(f"{p / MiB:.1f}" for p in r.get("peaks", [])) or "not run"
         under = "" if "peaks" not in r else (" (all under)" if max(r["peaks"]) <= budget_mib * MiB else " (OVER)")
+        resident = "; ".join(f"{p / MiB:.1f}" for p in r.get("resident", [])) or "not run"
         step = f"{r['step_s']:.3f}" if "step_s" in r else "not run"
         predicted = "; ".join(f"{m:.1f}" for m in r["predicted_mib"])
         print(
             f"| {r['objective']} | {r['blocks']} | {r['params_m']:.1f} M | {r['plan']} | "
-            f"{r['predicted_step_s']:.3f} | {step} | {predicted} | {measured}{under} |"
+            f"{r['predicted_step_s']:.3f} | {step} | {predicted} | {measured}{under} | {resident} | "
+            f"{r.get('warned', 'not run')} |"
         )
+        if r.get("ran") and r["ran"] != r["plan"]:
+            print(f"  ({r['objective']}: ran {r['ran']}; {r.get('ran_lever')}; planned in {r.get('profiling_s')} s)")
+        if r.get("lever"):
+            print(f"  ({r['objective']}: {r['lever']}; windows chosen per rank: {r.get('windows')})")
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ from dapple_lightning.planner import (
     profile_layers,
     refine,
     refine_allreduce,
-    shortlist,
+    shortlist_with_levers,
 )
 from dapple_lightning.surgery import standing_in
 
@@ -286,16 +286,16 @@ def small_batch_of(rows: int) -> int | None:
 
 def _shortlist_on_rank_zero(
     profile: ModelProfile, cluster: Cluster, global_batch: int, **options: Any
-) -> tuple[list[tuple[Plan, float]], float | None]:
-    """``planner.shortlist`` with ``options``, run on rank 0 alone and broadcast: the search runs
-    once, and every rank trials the same plans in the same order."""
+) -> tuple[list[tuple[Plan, float]], float | None, str | None]:
+    """``planner.shortlist_with_levers`` with ``options``, run on rank 0 alone and broadcast: the
+    search runs once, and every rank trials the same plans in the same order."""
     box: list[Any] = [None]
     if not dist.is_initialized() or dist.get_rank() == 0:
-        close, dp_step = shortlist(profile, cluster, global_batch, **options)
-        box = [([(plan.to_dict(), predicted) for plan, predicted in close], dp_step)]
+        close, dp_step, lever = shortlist_with_levers(profile, cluster, global_batch, **options)
+        box = [([(plan.to_dict(), predicted) for plan, predicted in close], dp_step, lever)]
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(box, 0)
-    return [(Plan.coerce(plan), predicted) for plan, predicted in box[0][0]], box[0][1]
+    return [(Plan.coerce(plan), predicted) for plan, predicted in box[0][0]], box[0][1], box[0][2]
 
 
 def windows(param_bytes: Sequence[int], window_bytes: int | None) -> list[range]:
@@ -371,6 +371,7 @@ def choose_plan(
     objective: str = "time",
     memory_margin: float = 0.1,
     memory_limit: float | None = None,
+    offload_refused: str | None = None,
 ) -> AutoPlan:
     """Profile, measure and plan (collective on every rank); the plan is rank 0's choice.
 
@@ -395,7 +396,9 @@ def choose_plan(
     ``planner.plan_dapple``): the fastest plan that fits (``"time"``), the least per-device peak
     memory (``"memory"``), or the fastest within ``memory_margin`` of that least peak
     (``"time-within-memory"``); ``plan="auto"`` runs under ``"time"``. No plan is chosen over
-    ``memory_limit`` bytes per rank (``None``: the device's memory, see ``planner.device_memory``)."""
+    ``memory_limit`` bytes per rank (``None``: the device's memory, see ``planner.device_memory``);
+    when none fits, stages recompute, else are offloaded (``planner.shortlist_with_levers``; not when
+    ``offload_refused`` says why the runtime cannot offload here), and the report says which and why."""
     start = time.perf_counter()
     if not 0.0 <= margin < 1.0:  # before the profiling, not after
         raise ValueError(f"margin must be in [0, 1), got {margin!r}")
@@ -410,14 +413,9 @@ def choose_plan(
         profile = _with_step_outside(profile, big, (small, *step_outside(small)) if small else None)
     profile = _averaged(profile, device)
     cluster = _within(measure_cluster(device, nodes=nodes), memory_limit)
-    close, dp_step = _shortlist_on_rank_zero(
-        profile,
-        cluster,
-        global_batch,
-        optimizer_factor=optimizer_factor,
-        margin=margin,
-        objective=objective,
-        memory_margin=memory_margin,
+    options = dict(optimizer_factor=optimizer_factor, margin=margin, objective=objective, memory_margin=memory_margin)
+    close, dp_step, lever = _shortlist_on_rank_zero(
+        profile, cluster, global_batch, offload_refused=offload_refused, **options
     )
     trials: tuple[Trial, ...] = ()
     plan, predicted = close[0]
@@ -433,7 +431,8 @@ def choose_plan(
             dp_plan = Plan.data_parallel(profile.num_layers, cluster.world_size)
             dp_step = estimate(dp_plan, profile, cluster, global_batch, optimizer_factor=optimizer_factor).step_s
     spent = time.perf_counter() - start
-    return _decided(plan, predicted, dp_step, profile, cluster, spent, trials, global_batch, optimizer_factor)
+    decided = _decided(plan, predicted, dp_step, profile, cluster, spent, trials, global_batch, optimizer_factor)
+    return replace(decided, lever=lever)
 
 
 def _decided(

@@ -11,7 +11,7 @@ import torch
 
 from dapple_lightning import Plan
 from dapple_lightning.autoplan import choose_plan
-from dapple_lightning.planner import format_bytes, over_budget, parse_memory
+from dapple_lightning.planner import format_bytes, over_budget, parse_memory, stage_memory_lines
 from dapple_lightning.strategy._memory import predicted_memory
 from dapple_lightning.surgery import find_chain
 
@@ -60,8 +60,8 @@ def test_auto_never_chooses_a_plan_over_the_limit():
     assert 0 < peak <= 2**30
     assert "predicted peak memory per rank (budget 1.00 GiB):" in roomy.report()
     assert "stage 0 (layers 0-6, 1 replica):" in roomy.report()
-    # Below what the only plan of one rank needs: refused, naming the least need.
-    with pytest.raises(ValueError, match=r"no plan fits in .* the least memory any plan needs is"):
+    # Below what the only plan of one rank needs, even recomputing or offloaded: refused, naming the least need.
+    with pytest.raises(ValueError, match=r"no plan fits in .* the least memory any plan needs is .* neither recomp"):
         choose_plan(layers, x, torch.device("cpu"), global_batch=8, memory_limit=peak / 2)
 
 
@@ -78,6 +78,27 @@ def test_a_given_plan_is_priced_per_stage_and_the_stages_over_the_limit_are_name
     assert message is not None and "stage 0 (layers 0-4)" in message and "stage 1" not in message
     assert format_bytes(peaks[0]) in message and "more micro-batches" in message
     assert over_budget(plan, peaks, peaks[0]) is None
+
+
+def test_a_given_plan_with_offload_is_priced_at_its_window_and_refused_only_when_even_that_is_over():
+    module = models.DeepMLP()
+    batch = next(iter(models.loader()))
+
+    def priced(offload):
+        plan = Plan.coerce({"micro_batches": 3, "stages": [{"layers": [0, 6], "offload": offload}, {"layers": [6, 8]}]})
+        return plan, predicted_memory(module, find_chain(module), plan, batch)
+
+    (whole_plan, whole), (one_plan, one), (auto_plan, auto) = priced(None), priced(1), priced("auto")
+    # Window 1 holds 2 of the 6 layers' parameters + gradients; auto is priced at its widest window.
+    assert one[0] < auto[0] < whole[0] and one[1] == auto[1] == whole[1]
+    roomy = (auto[0] + whole[0]) / 2
+    assert over_budget(one_plan, one, roomy) is None and over_budget(auto_plan, auto, roomy) is None
+    assert "stage 0 (layers 0-5)" in over_budget(whole_plan, whole, roomy)
+    assert "offload: 1 or 'auto'" in over_budget(whole_plan, whole, roomy)
+    assert "offloaded, window 1" in stage_memory_lines(one_plan, one, roomy)[0]
+    # Over the limit even offloaded: named like any stage.
+    message = over_budget(one_plan, one, one[0] * 0.9)
+    assert message is not None and f"stage 0 (layers 0-5) {format_bytes(one[0])}" in message
 
 
 class SlowToProfile(models.MLP):

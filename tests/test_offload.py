@@ -13,8 +13,20 @@ import torch
 from lightning.pytorch import Callback
 from torch import nn
 
-from dapple_lightning import Plan
-from dapple_lightning.planner import WindowChoice, choose_window, replay_window
+from dapple_lightning import DappleStrategy, Plan
+from dapple_lightning.autoplan import optimizer_factory
+from dapple_lightning.planner import (
+    AUTO_WINDOW_MOST,
+    Cluster,
+    WindowChoice,
+    choose_window,
+    offloaded_plan,
+    plan_dapple,
+    profile_layers,
+    replay_window,
+    shortlist_with_levers,
+)
+from dapple_lightning.planner._stage_memory import offloaded_model_bytes
 from dapple_lightning.runtime import StageModule
 
 import models
@@ -76,9 +88,13 @@ def test_an_offloaded_stage_matches_memory_and_one_device_within_its_window(tmp_
     sizes = sorted(got["layer_bytes"], reverse=True)
     bound = sum(sizes[: window + 1])  # the window plus one layer
     assert sum(sizes) > bound, "the stage must have more layers than the window holds for the bound to mean anything"
+    # What the memory budget prices this stage's model state at (planner._stage_memory): never less than held.
+    params = [2 * sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in MODEL().layers[:6]]
+    priced = max(offloaded_model_bytes(params, got["layer_bytes"], window))
+    assert priced < sum(sizes)
     for what in ("tracked", "storage", "alive"):
         # The optimizer step holds one whole layer (parameters, gradients, momentum) at least.
-        assert sizes[0] <= got[what] <= bound, (what, got)
+        assert sizes[0] <= got[what] <= min(bound, priced), (what, got, priced)
     # A layer's storage that autograd kept alive after the window left it would count here.
     assert got["layers"] <= window + 1 and got["alive_layers"] <= window + 1, got
     assert got["samples"] > 0
@@ -105,6 +121,14 @@ def test_the_window_is_the_smallest_whose_transfers_hide_behind_compute():
     assert slow.stalls == (2,) and "layers [2] wait for their transfers" in slow.describe()
     # Reads slower than compute on every layer: no window keeps up, every layer waits.
     assert choose_window([1.0] * 6, [2.0] * 6, [2.0] * 6, [0.5] * 6).stalls == tuple(range(6))
+    # One read of 3.5 layers' compute hides only 5 layers ahead; auto stops at AUTO_WINDOW_MOST (what the budget
+    # prices it at) and names the layer that waits there.
+    burst = [0.1] * 6 + [3.5] + [0.1] * 5
+    assert choose_window([1.0] * 12, [2.0] * 12, burst, [0.1] * 12, most=12) == WindowChoice(5, 0.0, 36.0, ())
+    capped = choose_window([1.0] * 12, [2.0] * 12, burst, [0.1] * 12)
+    assert capped.window == AUTO_WINDOW_MOST == 4 and capped.stalls == (6,)
+    with pytest.raises(ValueError, match="most is the largest window"):
+        choose_window([1.0], [1.0], [1.0], [1.0], most=0)
 
 
 def test_checkpoints_saved_with_offload_resume_without_it_and_the_reverse(tmp_path):
@@ -142,3 +166,48 @@ def test_offload_refuses_what_it_cannot_keep_on_disk():
     stage.offload.close()
     assert "offload" in plan(2).table() and "window 2" in plan(2).table()
     assert Plan.coerce(plan(2).to_dict()) == plan(2)
+
+
+class Chosen(Callback):
+    """What plan='auto' chose and reported, and the offloaded stages' windows, in ``folder/chosen<rank>.json``."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        auto = trainer.strategy.auto_plan
+        offload = getattr(pl_module.layers, "offload", None)
+        stage = trainer.strategy.plan.stage_of(trainer.global_rank)
+        numbers = {"plan": auto.plan.to_dict(), "report": auto.report(), "stage": stage}
+        numbers["window"] = offload.window if offload is not None else None
+        (self.folder / f"chosen{trainer.global_rank}.json").write_text(json.dumps(numbers))
+
+
+TIGHT = 14000  # bytes per rank: below what any in-memory plan of MODEL on 2 ranks needs, above an offloaded one
+
+
+def test_auto_offloads_a_stage_only_when_no_plan_fits_in_memory(tmp_path):
+    module = MODEL()
+    x, _ = next(iter(models.loader()))
+    # The profile plan='auto' takes on 2 ranks (half the batch), priced here against the budgets.
+    profile = profile_layers(list(module.layers), x[: len(x) // 2], optimizer=optimizer_factory(module), repeats=1)
+
+    def within(limit: float) -> Cluster:
+        return Cluster(1, 2, 1e9, 1e9, 1e9, 1e9, latency_s=0.0, memory_bytes=limit)
+
+    close, _, lever = shortlist_with_levers(profile, within(2**30), len(x))
+    assert lever is None and all(s.offload is None for plan, _ in close for s in plan.stages)
+    with pytest.raises(ValueError, match="no plan fits in"):
+        plan_dapple(profile, within(TIGHT), len(x), recompute=True)
+    assert offloaded_plan(profile, within(TIGHT), len(x)) is not None
+    strategy = DappleStrategy(start_method="forkserver", memory_limit=TIGHT)
+    metrics, weights = fit(MODEL, tmp_path / "auto", devices=2, strategy=strategy, callbacks=(Chosen(tmp_path),))
+    chosen = json.loads((tmp_path / "chosen0.json").read_text())
+    offloaded = [k for k, s in enumerate(chosen["plan"]["stages"]) if s.get("offload") == "auto"]
+    assert offloaded and f"offload: auto on stage {offloaded[0]} (layers" in chosen["report"], chosen
+    assert "OVER BUDGET" not in chosen["report"]
+    for rank in (0, 1):  # an offloaded stage's ranks measured their first step and chose a window
+        got = json.loads((tmp_path / f"chosen{rank}.json").read_text())
+        assert (got["window"] is not None) == (got["stage"] in offloaded), got
+        assert got["window"] is None or 1 <= got["window"] <= AUTO_WINDOW_MOST, got
+    assert_same((metrics, weights), fit(MODEL, tmp_path / "single"))

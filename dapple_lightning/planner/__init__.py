@@ -20,6 +20,7 @@ from dapple_lightning.planner._dp import (
     plan_dapple,
     replica_candidates,
 )
+from dapple_lightning.planner._levers import OFFLOAD_CANDIDATES, offloaded_plan, shortlist_with_levers
 from dapple_lightning.planner._links import (
     MEMORY_MARGIN,
     compute_units,
@@ -47,12 +48,14 @@ from dapple_lightning.planner._select import (
     shortlist,
 )
 from dapple_lightning.planner._simulator import Event, Simulation, simulate_plan
-from dapple_lightning.planner._window import WindowChoice, choose_window, replay_window
+from dapple_lightning.planner._window import AUTO_WINDOW_MOST, WindowChoice, choose_window, replay_window
 
 __all__ = [
+    "AUTO_WINDOW_MOST",
     "GB",
     "MEMORY_MARGIN",
     "OBJECTIVES",
+    "OFFLOAD_CANDIDATES",
     "PLACEMENTS",
     "REFERENCE_PROFILES",
     "SETTLE_STEPS",
@@ -97,6 +100,7 @@ __all__ = [
     "measure_in_turns",
     "micro_batch_candidates",
     "node_ranks",
+    "offloaded_plan",
     "over_budget",
     "parse_memory",
     "peak_limit",
@@ -110,6 +114,7 @@ __all__ = [
     "replay_window",
     "replica_candidates",
     "shortlist",
+    "shortlist_with_levers",
     "simulate_plan",
     "stage_memory_lines",
     "straight_plan",

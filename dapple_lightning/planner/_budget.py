@@ -12,7 +12,7 @@ import math
 import re
 from collections.abc import Sequence
 
-from dapple_lightning.plan import Plan
+from dapple_lightning.plan import Plan, Stage
 
 __all__ = ["MEMORY_UNITS", "format_bytes", "over_budget", "parse_memory", "stage_memory_lines"]
 
@@ -73,7 +73,7 @@ def stage_memory_lines(plan: Plan, stage_bytes: Sequence[float], budget: float) 
         mark = "  OVER BUDGET" if peak > budget else ""
         lines.append(
             f"  stage {index} (layers {stage.start}-{stage.end - 1}, {stage.replicas} "
-            f"{'replica' if stage.replicas == 1 else 'replicas'}{', recomputing' if stage.recompute else ''}): "
+            f"{'replica' if stage.replicas == 1 else 'replicas'}{_lever(stage)}): "
             f"{format_bytes(peak)} of {format_bytes(budget)} ({share}){mark}"
         )
     return lines
@@ -92,6 +92,13 @@ def over_budget(plan: Plan, stage_bytes: Sequence[float], budget: float) -> str 
     return (
         f"plan {plan.describe()} is predicted to need more memory per rank than memory_limit "
         f"{format_bytes(budget)}: {named}. Give the heavy stages fewer layers or more replicas, use more "
-        "micro-batches (each keeps fewer rows alive), make them recompute (recompute: true), or let "
-        "plan='auto' choose a plan that fits"
+        "micro-batches (each keeps fewer rows alive), make them recompute (recompute: true) or keep their "
+        "layers on disk (offload: 1 or 'auto', nn.Sequential on CPU), or let plan='auto' choose a plan that fits"
     )
+
+
+def _lever(stage: Stage) -> str:
+    """How the stage lowers its memory, for its line: recomputing, or offloaded with its window."""
+    if stage.offload is not None:
+        return f", offloaded, window {stage.offload}"
+    return ", recomputing" if stage.recompute else ""

@@ -358,7 +358,7 @@ class CostModel:
         send = tuple(self.transfer(stages[k].end, m, places[k], places[k + 1]) for k in range(count - 1))
         depth = [min(count - k, m) if plan.schedule == "dapple" else m for k in range(count)]
         memory = tuple(
-            self.stage_memory(s.start, s.end, samples[k], depth[k], s.replicas, m, s.recompute)
+            self._memory.stage_bytes(s.start, s.end, samples[k], depth[k], s.replicas, m, s.recompute, s.offload)
             for k, s in enumerate(stages)
         )
         tail: Tail | None = None

@@ -32,6 +32,8 @@ class AutoPlan:
     """The chosen plan's predicted peak per rank of each stage (the budget is ``cluster.memory_bytes``)."""
     one_f_one_b_step_s: float | None = None
     """For a ``zb-h1`` plan: the same stages' predicted step under DAPPLE's 1F1B schedule."""
+    lever: str | None = None
+    """When no plan fitted the budget as it was: which stages recompute or are offloaded, and why."""
 
     def report(self) -> str:
         lines = [
@@ -71,6 +73,8 @@ class AutoPlan:
                 f"{self.one_f_one_b_step_s * 1e3:.1f} ms under DAPPLE's 1F1B on the same stages"
                 + (" (both measured above)" if any(t.plan.schedule == "dapple" for t in self.trials) else "")
             )
+        if self.lever is not None:
+            lines.append(self.lever)
         if self.stage_memory_bytes:
             lines.append(f"predicted peak memory per rank (budget {format_bytes(self.cluster.memory_bytes)}):")
             lines += stage_memory_lines(self.plan, self.stage_memory_bytes, self.cluster.memory_bytes)

@@ -32,6 +32,23 @@ keeps per micro-batch only each layer's input (``cut_bytes``) and its output; it
 is, once, its largest layer's whole peak (what that layer saves, made again in the backward,
 plus its transient).
 
+A stage that **offloads** (``Stage.offload``: its layers on disk, a working window of ``W`` in
+memory, ``runtime._offload``) holds its model state only in part, in two phases::
+
+    max(moving + K kept + transient,     # the schedule's forwards and backwards
+        stepping + update)               # the gradient sum and the optimizer step, layer by layer
+
+- ``moving``: the ``W + 1`` largest layers' parameters and gradients: the window, plus the layer
+  whose gradients are being written out while the next one is read (never its optimizer state).
+- ``stepping``: the 2 largest layers' parameters, gradients and optimizer state: the layer the
+  optimizer steps (or the replicas sum) and the next one being read.
+- ``update``: one layer's optimizer-step temporaries (the largest), not the stage's.
+- no ``grads``: the runtime keeps an offloaded layer's gradients on disk, not a second set in memory.
+
+``offload: auto`` is priced at :data:`~._window.AUTO_WINDOW_MOST`, the widest window it may pick.
+Not priced: the whole stage is in memory until its first training step writes it out (the model is
+built whole), and a checkpoint's save or load reads it back whole.
+
 ``grads`` and ``closing`` are this runtime's: they are counted for layers whose optimizer step
 was measured (``update_peak_bytes``); other profiles (the papers', hand-written ones) are priced
 as ``static + K kept + transient``. Each term only grows as a stage takes more layers or keeps
@@ -45,8 +62,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from dapple_lightning.planner._profile import ModelProfile
+from dapple_lightning.planner._window import AUTO_WINDOW_MOST
 
-__all__ = ["MemoryParts", "StageMemory", "cumulative", "peak_bytes", "range_max", "sparse_max"]
+__all__ = [
+    "MemoryParts",
+    "StageMemory",
+    "cumulative",
+    "offload_window",
+    "offloaded_model_bytes",
+    "peak_bytes",
+    "range_max",
+    "sparse_max",
+]
 
 
 def cumulative(values: Sequence[float]) -> tuple[float, ...]:
@@ -131,9 +158,45 @@ class StageMemory:
         )
 
     def stage_bytes(
-        self, start: int, end: int, samples: int, depth: int, replicas: int, micro_batches: int, recompute: bool = False
+        self,
+        start: int,
+        end: int,
+        samples: int,
+        depth: int,
+        replicas: int,
+        micro_batches: int,
+        recompute: bool = False,
+        offload: int | str | None = None,
     ) -> float:
+        if offload is not None:
+            return self.offloaded_bytes(start, end, samples, depth, offload)
         return peak_bytes(self.parts(start, end, samples, replicas, recompute), depth, micro_batches)
+
+    def offloaded_bytes(self, start: int, end: int, samples: int, depth: int, offload: int | str) -> float:
+        """The peak of layers ``[start, end)`` offloaded with window ``offload`` (``W`` or ``"auto"``),
+        keeping ``depth`` micro-batches (see the module docstring)."""
+        layers = self.profile.layers[start:end]
+        moving, stepping = offloaded_model_bytes(
+            [2.0 * x.param_bytes for x in layers],
+            [2.0 * x.param_bytes + x.optimizer_bytes(self.optimizer_factor) for x in layers],
+            offload_window(offload),
+        )
+        update = max((float(x.update_peak_bytes or 0) for x in layers), default=0.0)
+        kept = self.kept_bytes(start, end, samples)
+        return max(moving + depth * kept + self.transient_bytes(start, end, samples), stepping + update)
+
+
+def offload_window(offload: int | str) -> int:
+    """The window an offloaded stage is priced at: ``W``, or for ``"auto"`` the widest it may pick."""
+    return AUTO_WINDOW_MOST if offload == "auto" else int(offload)
+
+
+def offloaded_model_bytes(resident: Sequence[float], whole: Sequence[float], window: int) -> tuple[float, float]:
+    """The most model state an offloaded stage holds, from each layer's parameter + gradient bytes
+    (``resident``) and those plus its optimizer state (``whole``): while its window moves (the
+    ``window + 1`` largest ``resident``), and while it steps layer by layer (the 2 largest ``whole``)."""
+    moving = sum(sorted(resident, reverse=True)[: window + 1])
+    return moving, sum(sorted(whole, reverse=True)[:2])
 
 
 MemoryParts = tuple[float, float, float, float, float]

@@ -5,9 +5,9 @@ the order asked: when layer ``i`` starts, the layers that left the window are wr
 layers up to ``W - 1`` ahead are read in, and layer ``i`` waits for its own read. :func:`replay_window`
 replays one forward sweep (parameters read, nothing written) and one backward sweep (parameters and
 gradients read, gradients written) from measured per-layer times, and says how long each layer
-waits. :func:`choose_window` takes the smallest window whose waits stay within a share of the
-compute, or, when none does, the one that waits least, naming the layers that still wait. Pure: no
-torch.
+waits. :func:`choose_window` takes the smallest window (of at most :data:`AUTO_WINDOW_MOST` layers) whose
+waits stay within a share of the compute, or, when none does, the one that waits least, naming the
+layers that still wait. Pure: no torch.
 """
 
 from __future__ import annotations
@@ -15,7 +15,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["WindowChoice", "choose_window", "replay_window"]
+__all__ = ["AUTO_WINDOW_MOST", "WindowChoice", "choose_window", "replay_window"]
+
+AUTO_WINDOW_MOST = 4
+"""The largest window :func:`choose_window` picks (``offload: auto``), so that the memory budget can
+price an ``auto`` stage before its window is measured. One worker moves the layers one after the
+other, so once a window holds the next layer's read its queue is full: a wider one hides more only
+where a few layers move much more than they compute (their neighbours' compute absorbs the burst)."""
 
 
 @dataclass(frozen=True)
@@ -93,18 +99,22 @@ def choose_window(
     write_s: Sequence[float],
     *,
     tolerance: float = 0.05,
+    most: int = AUTO_WINDOW_MOST,
 ) -> WindowChoice:
-    """The smallest window whose layers wait at most ``tolerance`` of the compute (and each layer at
-    most that share of its own), else the window that waits least, naming the layers that wait.
-    The first layer of each sweep waits for its own read under any window: that wait is not counted."""
+    """The smallest window up to ``most`` layers whose layers wait at most ``tolerance`` of the compute
+    (and each layer at most that share of its own), else the window up to ``most`` that waits least,
+    naming the layers that wait. The first layer of each sweep waits for its own read under any
+    window: that wait is not counted."""
     n = len(forward_s)
     if n == 0 or not len(backward_s) == len(read_s) == len(write_s) == n:
         raise ValueError(
             "choose_window needs one forward, backward, read and write time per layer (at least one layer)"
         )
+    if isinstance(most, bool) or not isinstance(most, int) or most < 1:
+        raise ValueError(f"choose_window's most is the largest window in layers, an integer >= 1, got {most!r}")
     compute = sum(forward_s) + sum(backward_s)
     best: WindowChoice | None = None
-    for window in range(1, n + 1):
+    for window in range(1, min(n, most) + 1):
         forward, backward = _waits(window, forward_s, backward_s, read_s, write_s)
         forward[0] = backward[n - 1] = 0.0  # nothing is in memory when a sweep starts
         waits = {i: forward[i] + backward[i] for i in range(n)}

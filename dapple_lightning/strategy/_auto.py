@@ -29,6 +29,7 @@ from dapple_lightning.planner import SETTLE_STEPS, Measured
 from dapple_lightning.runtime import Pipeline, StageModule, Timeline, stand_in_layers
 from dapple_lightning.strategy._auto_blocks import BlockChain, put_in_place
 from dapple_lightning.strategy._pipelines import Pipelines
+from dapple_lightning.strategy._refusals import offload_refusal
 from dapple_lightning.strategy._resident import Resident, parameter_bytes
 from dapple_lightning.strategy._step import MicroBatches
 from dapple_lightning.surgery import Chain, capture_input, partition, set_submodule, split_ties, unchanged
@@ -118,6 +119,7 @@ def choose_automatically(setting: AutoSetting, batch: Any, chain: Chain) -> Auto
                 step_outside=step_outside,
                 trial=trials,
                 memory_limit=setting.memory_limit,
+                offload_refused=offload_refusal(module.trainer, chain, setting.device),
             )
         finally:
             trials.close()

@@ -9,8 +9,10 @@ shared evenly by the node's ranks).
 it). A plan given by hand is the user's call, so it is not refused: rank 0 profiles the layers
 once on a micro-batch of the first training batch (the meters of ``planner._memory``: saved
 bytes, peaks, the optimizer's real state), prices the plan with the cost model and warns, naming
-each stage over the budget with its numbers, while the other ranks wait in the launcher's store. It runs where the module is when the strategy sets
-up (before the cut, so usually the CPU); it is a prediction, not a measurement of the device.
+each stage over the budget with its numbers, while the other ranks wait in the launcher's store.
+A stage with ``offload`` is priced at its window, not its layers (``planner._stage_memory``). It
+runs where the module is when the strategy sets up (before the cut, so usually the CPU); it is a
+prediction, not a measurement of the device.
 
 **The trace.** :func:`write_trace` gathers every rank's timeline on rank 0 and writes the Chrome
 trace (``runtime.write_chrome_trace``).

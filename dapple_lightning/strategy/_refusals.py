@@ -9,7 +9,7 @@ from dapple_lightning.plan import Plan
 from dapple_lightning.strategy._materialize import on_meta
 from dapple_lightning.surgery import Chain, find_chain
 
-__all__ = ["SUPPORTED_PRECISION", "check_before_start"]
+__all__ = ["SUPPORTED_PRECISION", "check_before_start", "offload_refusal"]
 
 SUPPORTED_PRECISION = frozenset({"32-true", "32", "64-true", "64", "bf16-mixed", "bf16-true", "16-true"})
 
@@ -48,13 +48,28 @@ def check_before_start(
 
 def _check_offload(trainer: Any) -> None:
     """Refuse what an offloaded stage's gradients, which live on disk, cannot do yet."""
+    if (problem := _offload_trainer_refusal(trainer)) is not None:
+        raise ValueError(problem)
+
+
+def _offload_trainer_refusal(trainer: Any) -> str | None:
     if trainer.accumulate_grad_batches != 1:
-        raise ValueError(
+        return (
             f"accumulate_grad_batches={trainer.accumulate_grad_batches} with an offloaded stage: its gradients "
             "live on disk and are not scaled per batch yet; use accumulate_grad_batches=1 or leave offload off"
         )
     if trainer.gradient_clip_val is not None:
-        raise ValueError(
+        return (
             f"gradient_clip_val={trainer.gradient_clip_val} with an offloaded stage: clipping reads every gradient "
             "at once, and offload keeps them on disk; leave clipping off or offload off"
         )
+    return None
+
+
+def offload_refusal(trainer: Any, chain: Chain, device: Any) -> str | None:
+    """Why no stage of this job could be offloaded (``plan="auto"`` then does not propose it), or ``None``."""
+    if not chain.called_whole:
+        return "the pipelined layers are a ModuleList or a chain of containers, and offload needs one nn.Sequential"
+    if device.type != "cpu":
+        return f"the device is {device}, and offload keeps layers on local disk with the CPU as the device"
+    return _offload_trainer_refusal(trainer)

@@ -55,7 +55,8 @@ ROUNDS = int(sys.argv[5]) if MODE == "overhead" else 1
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
 RANK = int(os.environ["RANK"])
 VICTIM = 1  # a replica of stage 0
-WIDTH, LAYERS, BATCH = 1024, 6, 64  # Linear(1024, 1024) + Tanh, six times: 6.3M parameters
+WIDTH, LAYERS = 1024, 6  # Linear(1024, 1024) + Tanh, six times: 6.3M parameters
+BATCH = int(os.environ.get("DAPPLE_BENCH_BATCH", 64))
 CHECKPOINT_EVERY = 5
 CUT = 2 * LAYERS - 4  # stage 0: four Linear layers on two replicas; stage 1: two on one rank
 PLAN = {

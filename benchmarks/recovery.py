@@ -325,6 +325,7 @@ def main() -> None:
         default="pipeline",
         help="overhead: 2:1 on 3 ranks (pipeline), or one stage on 2 ranks (replicas: one rank per core here)",
     )
+    parser.add_argument("--batch", type=int, default=64, help="rows per step (longer steps, the same per-step work)")
     parser.add_argument("--keep", type=Path, help="keep the launches' events and logs in this folder")
     args = parser.parse_args()
     if not 0 < args.warmup < args.overhead_steps - 2 or not CHECKPOINT_EVERY < args.kill_at < args.steps:
@@ -336,6 +337,7 @@ def main() -> None:
         parser.error("--part alternate switches the snapshot and the vote, not the log's copies: use --part overhead")
     if args.plan != "pipeline" and args.part in ("both", "recovery"):
         parser.error("--plan replicas measures the overhead only: use --part overhead or --part alternate")
+    os.environ["DAPPLE_BENCH_BATCH"] = str(args.batch)
     os.environ["DAPPLE_BENCH_PLAN"] = args.plan  # read by the job and by launch()
     os.environ["DAPPLE_BENCH_ON"] = args.on  # read by the job's "on" arm; the launches inherit it
     began, load_before = time.time(), load_average()

@@ -47,10 +47,12 @@ from __future__ import annotations
 import copy
 import datetime
 import os
+import pickle
 import signal
 import sys
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -106,6 +108,22 @@ def private_directory(path: Path) -> Path:
     return path
 
 
+@dataclass(frozen=True)
+class _Snapshot:
+    """A step's small state, pickled when taken: one bytes object per step instead of a tree of dicts
+    that would live through the step (and through the garbage collector's older generations)."""
+
+    step: int
+    packed: bytes
+
+    @classmethod
+    def of(cls, state: dict[str, Any]) -> _Snapshot:
+        return cls(state["global_step"], pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def unpack(self) -> dict[str, Any]:
+        return pickle.loads(self.packed)
+
+
 class Recovery:
     """One rank's side of recovery while it trains: snapshot, vote, write on a loss."""
 
@@ -121,7 +139,7 @@ class Recovery:
         self._stop_after_write = False  # a SIGTERM came during the write
         self._trainer: Any = None
         self._identity: dict[str, Any] = {}
-        self._snapshot: dict[str, Any] | None = None
+        self._snapshot: _Snapshot | None = None
         self._store: Any = None  # the main thread's client of the launcher's store, for the vote
         self._aborts: Any = None  # another client, for the heartbeat thread: it aborts a vote being waited on
         self._pending: str | None = None  # the decision key the main thread waits on
@@ -236,7 +254,7 @@ class Recovery:
             self.active = False
             rank_zero_warn("dapple: gradient accumulation began, which recovery cannot follow; recovery is off")
             return
-        snapshot = self._take()
+        snapshot = _Snapshot.of(self._take())
         with self._lock:
             self._snapshot, self._phase = snapshot, "step"
         if self._exit_at_safe_point:
@@ -246,8 +264,8 @@ class Recovery:
         """The step's small state; and the module's buffers (running statistics), which its forward
         changes before the vote: a write must hold them as they were at the step's start.
 
-        Taken every step, so only what can be shared with live objects is copied: the RNG states
-        are fresh arrays and immutable tuples, and the loops' state is built by :func:`loops_state`."""
+        Taken every step: the caller keeps it pickled (:class:`_Snapshot`), which is the copy that
+        makes it independent of the live objects."""
         trainer = self._trainer
         params = {id(p) for p in trainer.lightning_module.parameters()}
         self._buffers = {
@@ -263,14 +281,10 @@ class Recovery:
             "rng": _collect_rng_states(include_cuda=torch.cuda.is_available()),
             "batches_that_stepped": trainer.fit_loop.epoch_loop._batches_that_stepped,
             "checkpoint": self.last_checkpoint,
-            **copy.deepcopy(
-                {
-                    "callbacks": call._call_callbacks_state_dict(trainer),
-                    "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
-                    "precision": (type(precision).__qualname__, precision.state_dict()),
-                    "order": None if self.order is None else self.order.position(trainer),
-                }
-            ),
+            "callbacks": call._call_callbacks_state_dict(trainer),
+            "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
+            "precision": (type(precision).__qualname__, precision.state_dict()),
+            "order": None if self.order is None else self.order.position(trainer),
         }
 
     def after_step(self, args: tuple) -> None:
@@ -297,7 +311,7 @@ class Recovery:
             return
         with self._lock:
             self._phase = "window"  # a write from now on waits for the end of the update
-        step = self._snapshot["global_step"]
+        step = self._snapshot.step
         key = f"decision/{step}"
         if self._store.add(f"votes/{step}", 1) == self._identity["world"]:
             decision = self._store.compare_set(key, "", "commit")
@@ -341,9 +355,10 @@ class Recovery:
         self._lost.set()
         with self._lock:
             if self._phase == "after":  # the update and its bookkeeping are done: Lightning's state as it is
-                self._snapshot = self._take()
+                state = self._take()
                 if self._trainer.validating:
-                    _inside_a_batch(self._snapshot["loops"]["fit_loop"]["epoch_loop.val_loop.batch_progress"])
+                    _inside_a_batch(state["loops"]["fit_loop"]["epoch_loop.val_loop.batch_progress"])
+                self._snapshot = _Snapshot.of(state)
                 self._phase = "step"
             if self._phase == "step":
                 self._write()
@@ -394,8 +409,8 @@ class Recovery:
         state = {
             "format": FORMAT,
             **self._identity,
-            "step": self._snapshot["global_step"],
-            "snapshot": self._snapshot,
+            "step": self._snapshot.step,
+            "snapshot": self._snapshot.unpack(),
             "state_dict": {k: self._buffers.get(k, v).detach().cpu() for k, v in module.state_dict().items()},
             "optimizer_states": [to_cpu(o.state_dict()) for o in strategy.optimizers],
         }

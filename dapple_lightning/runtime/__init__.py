@@ -11,6 +11,8 @@
 - :class:`Link` and :func:`share` move tensors and values between ranks, on the groups of
   :class:`P2PGroups`;
 - :class:`Offloader` keeps an offloaded stage's layers on disk with a working window in memory;
+- :func:`backward_input` and :func:`backward_weight` split a micro-batch's backward into its
+  input gradients (a zero-bubble ``B``) and its weights' (``W``);
 - :class:`Timeline` records spans for a Chrome trace;
 - :func:`synchronize_batch_norms` and :func:`agree_buffers` keep a stage's replicas' batch
   statistics and buffers together.
@@ -26,6 +28,7 @@ from dapple_lightning.runtime._offload import Offloader
 from dapple_lightning.runtime._offload_records import Residency
 from dapple_lightning.runtime._recorded import Message, replaying
 from dapple_lightning.runtime._reducer import GradientReducer
+from dapple_lightning.runtime._split_backward import WeightWork, backward_input, backward_weight
 from dapple_lightning.runtime._stage import StageCall, StageExit, StageModule
 from dapple_lightning.runtime._timeline import DeviceEvent, Event, Timeline, bubble_fractions, write_chrome_trace
 
@@ -47,7 +50,10 @@ __all__ = [
     "StageModule",
     "StepStats",
     "Timeline",
+    "WeightWork",
     "agree_buffers",
+    "backward_input",
+    "backward_weight",
     "bubble_fractions",
     "p2p_groups",
     "replaying",

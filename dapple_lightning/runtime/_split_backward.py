@@ -12,18 +12,54 @@ The graph analysis follows what torch.distributed.pipelining's ``stage_backward_
 ``stage_backward_weight`` do. Where it cannot split (a weight whose path to the outputs never
 meets the inputs' part, e.g. when no input needs a gradient), ``W`` back-propagates from the
 outputs to the weights instead: correct, at the price of redoing the input path.
+
+Between a micro-batch's ``B`` and its ``W`` the frontier gradients and the graph stay alive, so
+later allocations cannot reuse their memory; when they are freed, glibc's malloc hands the top
+of its heap back to the OS (its trim threshold follows the largest freed block, a few MiB) and
+the next micro-batch faults the same pages in again, zero-filled by the kernel: measured by
+``benchmarks/split_backward.py``, that costs more than the split's engine calls and graph
+analysis together. So the first ``B`` of a process fixes malloc's thresholds
+(:func:`keep_freed_memory`): freed memory stays in the process for reuse, as a caching allocator
+would keep it, and the process' resident memory stays at its peak.
 """
 
 from __future__ import annotations
 
+import ctypes
+import os
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
+from torch.overrides import has_torch_function
 
-__all__ = ["WeightWork", "backward_input", "backward_weight"]
+__all__ = ["WeightWork", "backward_input", "backward_weight", "keep_freed_memory"]
+
+# glibc's mallopt parameters (malloc.h) and the values set: blocks up to 32 MiB (glibc's largest
+# fixed mmap threshold on 64-bit) come from the heap, and up to 1 GiB free at its top stays mapped.
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_TRIM_BYTES, _MMAP_BYTES = 1 << 30, 32 << 20
+_ENV = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
+_malloc_fixed: bool | None = None
+
+
+def keep_freed_memory() -> bool:
+    """Make glibc's malloc keep freed memory in the process (once per process; see the module
+    docstring). Does nothing where the C library has no ``mallopt`` (not glibc) or where one of
+    glibc's ``MALLOC_*_`` tuning variables is set: the user's setting wins. Returns whether the
+    thresholds are now fixed by this call or an earlier one."""
+    global _malloc_fixed
+    if _malloc_fixed is None:
+        _malloc_fixed = False
+        if not any(name in os.environ for name in _ENV):
+            mallopt = getattr(ctypes.CDLL(None), "mallopt", None)  # the C library the process runs
+            # Both are set: setting one alone turns off glibc's moving mmap threshold, which
+            # would then stay at 128 KiB and map (and fault in) every larger tensor afresh.
+            if mallopt is not None and mallopt(_M_MMAP_THRESHOLD, _MMAP_BYTES) == 1:
+                _malloc_fixed = mallopt(_M_TRIM_THRESHOLD, _TRIM_BYTES) == 1
+    return _malloc_fixed
 
 
 @dataclass(eq=False)
@@ -123,6 +159,7 @@ def backward_input(
 ) -> tuple[list[torch.Tensor | None], WeightWork]:
     """Gradients of ``inputs`` (``None`` where unused) from ``outputs`` seeded with ``grads``
     (``None`` for a scalar loss); the graph stays alive for :func:`backward_weight`."""
+    keep_freed_memory()
     pairs = [(o, g) for o, g in zip(outputs, grads, strict=True) if o.requires_grad]
     needing = [t for t in inputs if t.requires_grad]
     weights = [w for w in weights if w.requires_grad]
@@ -159,6 +196,23 @@ def _clamp(saved: tuple[torch.Tensor | None, ...]):
     return lambda grad_outputs: saved
 
 
+# torch.autograd.backward re-checks every seed against its node's metadata and turns its
+# arguments into tuples on each call; W makes one call per group per micro-batch (about 30 for a
+# stage of 4 transformer blocks), and its seeds are what the engine itself gave those nodes in B.
+# So it calls the engine the way torch.autograd.backward ends, where that function exists.
+_engine_run_backward = getattr(torch.autograd.graph, "_engine_run_backward", None)
+
+
+def _accumulate(edges: list[GradientEdge], seeds: list[torch.Tensor], weights: list[torch.Tensor]) -> None:
+    """Back-propagate ``seeds`` from ``edges`` into the ``.grad`` of ``weights`` only."""
+    if _engine_run_backward is None or has_torch_function((*seeds, *weights)):
+        torch.autograd.backward(edges, seeds, retain_graph=True, inputs=weights)
+        return
+    _engine_run_backward(
+        tuple(edges), tuple(seeds), True, False, tuple(weights), allow_unreachable=True, accumulate_grad=True
+    )
+
+
 def backward_weight(work: WeightWork) -> None:
     """Accumulate the weights' gradients of a micro-batch whose :func:`backward_input` has run."""
     for group in work.groups:
@@ -178,7 +232,7 @@ def backward_weight(work: WeightWork) -> None:
             if len(group.nodes) > 1 and node in group.grads
         ]
         try:
-            torch.autograd.backward(edges, seeds, retain_graph=True, inputs=group.weights)
+            _accumulate(edges, seeds, group.weights)
         finally:
             for handle in clamps:
                 handle.remove()

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from copy import deepcopy
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -28,6 +29,7 @@ from dapple_lightning.planner import (
 )
 from dapple_lightning.planner._stage_memory import offloaded_model_bytes
 from dapple_lightning.runtime import StageModule
+from dapple_lightning.strategy import consolidate_checkpoint
 
 import models
 from harness import assert_close_tree, assert_same, fit
@@ -42,10 +44,10 @@ def plan(window: int | None) -> Plan:
     return Plan.coerce({"micro_batches": 3, "stages": [{"layers": [0, 6], "offload": window}, {"layers": [6, 8]}]})
 
 
-def save_after_fit(out: Path, plan: Plan) -> Path:
+def save_after_fit(out: Path, plan: Plan, **strategy: Any) -> Path:
     """Fit 4 steps launched plainly, ``trainer.save_checkpoint`` after ``fit`` returns (tests/scripts/save_after_fit.py)."""
     out.mkdir(parents=True)
-    command = [sys.executable, str(SCRIPT), str(out), MODEL.__name__, json.dumps(plan.to_dict())]
+    command = [sys.executable, str(SCRIPT), str(out), MODEL.__name__, json.dumps(plan.to_dict()), json.dumps(strategy)]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out / "after_fit.ckpt"
@@ -141,6 +143,12 @@ def test_checkpoints_saved_with_offload_resume_without_it_and_the_reverse(tmp_pa
     resumed_off = fit(MODEL, tmp_path / "r1", plan=plan(None), max_steps=8, ckpt_path=str(on))
     resumed_on = fit(MODEL, tmp_path / "r2", plan=plan(1), max_steps=8, ckpt_path=str(off))
     assert_same(resumed_on, resumed_off)
+    # Sharded (torch.distributed.checkpoint): each owner writes its part, the offloaded stage's from disk.
+    sharded = save_after_fit(tmp_path / "sharded", plan(1), state_dict_type="sharded")
+    one = torch.load(consolidate_checkpoint(sharded, tmp_path / "one.ckpt"), weights_only=False)
+    assert_close_tree(one["state_dict"], saved_off["state_dict"])
+    assert_close_tree(one["optimizer_states"], saved_off["optimizer_states"])
+    assert_same(fit(MODEL, tmp_path / "r3", plan=plan(None), max_steps=8, ckpt_path=str(sharded)), resumed_off)
 
 
 def test_offload_refuses_what_it_cannot_keep_on_disk():

@@ -78,6 +78,22 @@ def reference(tmp_path_factory) -> Path:
 def test_killed_replica_recovers_without_a_checkpoint(where: str, reference: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
     recovered(out, where, tmp_path)
+    assert_like_the_reference(out, reference, where)
+    assert list(tmp_path.glob("dapple-recovery-*/*")) and not list(tmp_path.glob("dapple-recovery-*/*/rank*.pt"))
+
+
+def test_offloaded_stages_recover_like_stages_in_memory(reference: Path, tmp_path: Path) -> None:
+    """Both stages on disk (offload: 1): the survivors write, and the replica sends, what is on disk;
+    the run still gives the uninterrupted in-memory run's losses and final state."""
+    out = tmp_path / "run"
+    log = recovered(out, "forward", tmp_path, "offload")
+    assert len(re.findall(r"\n0 +\[0, 4\) +2 +0,1 +window 1\n1 +\[4, 9\) +1 +2 +window 1\n", log)) == 2  # both attempts
+    assert_like_the_reference(out, reference, "forward")
+
+
+def assert_like_the_reference(out: Path, reference: Path, where: str) -> None:
+    """Every step's loss, every validation's and the final weights, optimizer and scheduler state are
+    the uninterrupted run's; only the step the kill interrupted was trained twice."""
     expected, got = losses(reference), losses(out)
     assert sorted(got) == list(range(10))
     for step, runs in got.items():
@@ -102,7 +118,6 @@ def test_killed_replica_recovers_without_a_checkpoint(where: str, reference: Pat
             torch.testing.assert_close(value, theirs[key], rtol=1e-6, atol=0, msg=f"{part}{key}")
         if part == "lr_schedulers":
             assert saved[part] == want[part]
-    assert list(tmp_path.glob("dapple-recovery-*/*")) and not list(tmp_path.glob("dapple-recovery-*/*/rank*.pt"))
 
 
 def test_plan_auto_recovers_under_the_plan_it_trained_with(tmp_path: Path) -> None:

@@ -1,12 +1,14 @@
 """Trains under torchrun with restarts and kills a stage-0 replica at one point of step 5, once.
 
-Usage: torchrun --nproc_per_node 3 --max-restarts 1 recovering.py OUT_DIR WHERE [auto | log]
+Usage: torchrun --nproc_per_node 3 --max-restarts 1 recovering.py OUT_DIR WHERE [auto | log | offload]
 WHERE: none (the uninterrupted reference) | forward | backward | allreduce | optimizer | step (at
 the start of training_step, in any stage) | validation (in the validation run after step 5's
 update), or stop (SIGSTOP in the forward: a hung rank, which only the heartbeat detects). With
 ``auto``, the plan is ``plan="auto"``'s. With ``log``, the plan is 1:2, rank 0 (stage 0, which has
 no replica) is the victim, ``recovery="log"``, and every rank saves a checkpoint after step 2: the
-restarted rank 0 replays steps 2-4 from its neighbours' log.
+restarted rank 0 replays steps 2-4 from its neighbours' log. With ``offload``, both stages keep
+their layers on disk (``offload: 1``): the survivors' state and the replica's hand-over are read
+from there.
 
 Plan 2:1 over an MLP: layers 0-3 on ranks 0 and 1, the rest (with a dropout, so the last stage's
 RNG state must come back too) on rank 2. Shuffled batches over 2.5 epochs and a per-step LR
@@ -34,7 +36,7 @@ from dapple_lightning import DappleStrategy
 
 out, where = Path(sys.argv[1]), sys.argv[2]
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-AUTO, LOG = sys.argv[3:] == ["auto"], sys.argv[3:] == ["log"]
+AUTO, LOG, OFFLOAD = (sys.argv[3:] == [option] for option in ("auto", "log", "offload"))
 KILL_AT = 5  # the sixth optimizer step
 victim = 0 if LOG else 1  # a replica of stage 0 (plan="auto": the last rank of the first replicated stage)
 STEPS = 10
@@ -132,6 +134,9 @@ plan = {
     "micro_batches": 2,
     "stages": [{"layers": [0, 4], "replicas": replicas[0]}, {"layers": [4, 9], "replicas": replicas[1]}],
 }
+if OFFLOAD:
+    for stage in plan["stages"]:
+        stage["offload"] = 1
 trainer = Trainer(
     accelerator="cpu",
     devices=3,

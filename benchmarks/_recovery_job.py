@@ -2,7 +2,8 @@
 
 Usage: torchrun --standalone --nproc_per_node 3 --max-restarts 1 _recovery_job.py OUT MODE STEPS KILL_AT [ROUNDS]
 
-With ``DAPPLE_BENCH_PLAN=replicas`` (``--nproc_per_node 2``), the plan is one stage of every layer on 2 ranks.
+With ``DAPPLE_BENCH_PLAN=replicas`` (``--nproc_per_node 2``), the plan is one stage of every layer on 2 ranks;
+with ``stages``, 1:1 with the same cut (no stage has a replica: for the overhead alone).
 
 MODE:
     overhead    ROUNDS rounds of two fits of STEPS steps each in the same processes, no failure:
@@ -65,6 +66,11 @@ PLAN = {
 }
 if os.environ.get("DAPPLE_BENCH_PLAN") == "replicas":  # one stage of every layer on 2 ranks (no pipeline)
     PLAN = {"micro_batches": 2, "stages": [{"layers": [0, 2 * LAYERS], "replicas": 2}]}
+if os.environ.get("DAPPLE_BENCH_PLAN") == "stages":  # 1:1, the same cut (no replica: overhead only)
+    PLAN = {
+        "micro_batches": 2,
+        "stages": [{"layers": [0, CUT], "replicas": 1}, {"layers": [CUT, 2 * LAYERS], "replicas": 1}],
+    }
 RANKS = sum(stage["replicas"] for stage in PLAN["stages"])
 step = 0  # the global step being trained
 label = MODE  # the fit being run

@@ -49,8 +49,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = Path(__file__).with_name("_recovery_job.py")
-RANKS = {"pipeline": 3, "replicas": 2}
-"""Ranks of each ``--plan``: 2:1 (four layers on 2 replicas, two on one rank), or one stage on 2 ranks."""
+RANKS = {"pipeline": 3, "replicas": 2, "stages": 2}
+"""Ranks of each ``--plan``: 2:1 (four layers on 2 replicas, two on one rank), one stage on 2 ranks,
+or 1:1 with the same cut (no replica, so nothing could be recovered: the per-step cost alone)."""
 CHECKPOINT_EVERY = 5  # as in the job
 PHASES = [
     ("spawned", "kill to the restarted ranks' start (detection, survivors' exit, torchrun's restart)"),
@@ -323,7 +324,8 @@ def main() -> None:
         "--plan",
         choices=list(RANKS),
         default="pipeline",
-        help="overhead: 2:1 on 3 ranks (pipeline), or one stage on 2 ranks (replicas: one rank per core here)",
+        help="overhead: 2:1 on 3 ranks (pipeline), one stage on 2 ranks (replicas), or 1:1 on 2 ranks (stages); "
+        "the last two have one rank per core here",
     )
     parser.add_argument("--batch", type=int, default=64, help="rows per step (longer steps, the same per-step work)")
     parser.add_argument("--keep", type=Path, help="keep the launches' events and logs in this folder")
@@ -336,7 +338,7 @@ def main() -> None:
     if args.part == "alternate" and args.on == "log":
         parser.error("--part alternate switches the snapshot and the vote, not the log's copies: use --part overhead")
     if args.plan != "pipeline" and args.part in ("both", "recovery"):
-        parser.error("--plan replicas measures the overhead only: use --part overhead or --part alternate")
+        parser.error(f"--plan {args.plan} measures the overhead only: use --part overhead or --part alternate")
     os.environ["DAPPLE_BENCH_BATCH"] = str(args.batch)
     os.environ["DAPPLE_BENCH_PLAN"] = args.plan  # read by the job and by launch()
     os.environ["DAPPLE_BENCH_ON"] = args.on  # read by the job's "on" arm; the launches inherit it

@@ -62,6 +62,11 @@ PHASES = [
 ]
 
 
+def ranks() -> int:
+    """The job's number of ranks, for the plan ``main`` chose (``DAPPLE_BENCH_PLAN``, read by the job too)."""
+    return RANKS[os.environ.get("DAPPLE_BENCH_PLAN", "pipeline")]
+
+
 def launch(out: Path, mode: str, steps: int, kill_at: int, rounds: int = 1) -> float:
     """Runs the job under torchrun; its wall time. Raises with the log's tail if it fails."""
     out.mkdir(parents=True)
@@ -70,8 +75,7 @@ def launch(out: Path, mode: str, steps: int, kill_at: int, rounds: int = 1) -> f
     with tempfile.TemporaryDirectory(prefix="dapple-recovery-bench-", dir=shm) as kept:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "DAPPLE_RECOVERY_DIR": kept}
         start = time.time()
-        ranks = RANKS[os.environ.get("DAPPLE_BENCH_PLAN", "pipeline")]
-        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks())]
         proc = subprocess.run(
             [*torchrun, "--max-restarts", "1", str(JOB), str(out), mode, str(steps), str(kill_at), str(rounds)],
             capture_output=True,
@@ -107,8 +111,7 @@ def overhead(work: Path, rounds: int, steps: int, warmup: int) -> dict[str, Any]
     for r in range(rounds):
         off, on = median_step(rank0[f"off-{r}"], warmup), median_step(rank0[f"on-{r}"], warmup)
         per_round.append({"off": off, "on": on, "ratio": on / off, "added": on - off})
-    ranks = RANKS[os.environ.get("DAPPLE_BENCH_PLAN", "pipeline")]
-    timings = [json.loads((work / "overhead" / f"timing-{rank}.json").read_text()) for rank in range(ranks)]
+    timings = [json.loads((work / "overhead" / f"timing-{rank}.json").read_text()) for rank in range(ranks())]
     hooks = {}
     for hook in ("batch_to_device", "after_closure"):
         for arm in ("off", "on"):

@@ -301,11 +301,10 @@ class CostModel:
         """What :func:`peak_bytes` makes a stage's peak of, for any number of micro-batches it keeps."""
         return self._memory.parts(start, end, samples, replicas, recompute)
 
-    def stage_memory(
-        self, start: int, end: int, samples: int, depth: int, replicas: int, micro_batches: int, recompute: bool = False
-    ) -> float:
+    def stage_memory(self, start: int, end: int, samples: int, depth: int, replicas: int, micro_batches: int,
+                     recompute: bool = False, offload: int | str | None = None) -> float:  # fmt: skip
         """Peak bytes per device of layers ``[start, end)`` keeping ``depth`` micro-batches (``_stage_memory``)."""
-        return self._memory.stage_bytes(start, end, samples, depth, replicas, micro_batches, recompute)
+        return self._memory.stage_bytes(start, end, samples, depth, replicas, micro_batches, recompute, offload)
 
     def cut_bytes(self, cut: int, micro_batches: int) -> float:
         """Bytes of one micro-batch's tensors crossing the cut before layer ``cut``."""
@@ -358,7 +357,7 @@ class CostModel:
         send = tuple(self.transfer(stages[k].end, m, places[k], places[k + 1]) for k in range(count - 1))
         depth = [min(count - k, m) if plan.schedule == "dapple" else m for k in range(count)]
         memory = tuple(
-            self._memory.stage_bytes(s.start, s.end, samples[k], depth[k], s.replicas, m, s.recompute, s.offload)
+            self.stage_memory(s.start, s.end, samples[k], depth[k], s.replicas, m, s.recompute, s.offload)
             for k, s in enumerate(stages)
         )
         tail: Tail | None = None

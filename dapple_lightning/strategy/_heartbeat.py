@@ -35,7 +35,7 @@ from pathlib import Path
 import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
 
-__all__ = ["GRACE_S", "INTERVAL_S", "SILENT", "STALE_S", "Heartbeat", "watch_peers"]
+__all__ = ["GRACE_S", "INTERVAL_S", "SILENT", "STALE_S", "Heartbeat", "attempt", "launcher_client", "watch_peers"]
 
 INTERVAL_S = 0.4
 """How often a rank beats and looks at its peers."""
@@ -82,9 +82,7 @@ class Heartbeat:
         self._on_lost = on_lost or self._exit
         self._never_beat_s = timeout.total_seconds()
         self._prefix = f"dapple/heartbeat/{namespace}"
-        self._store = dist.TCPStore(
-            address, port, is_master=False, timeout=timedelta(seconds=STALE_S), wait_for_workers=False
-        )
+        self._store = launcher_client(address, port, timedelta(seconds=STALE_S))
         self._watched = sorted({(rank + k) % world_size for k in (1, 2)} - {rank})
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"dapple-heartbeat-{rank}", daemon=True)
@@ -235,6 +233,19 @@ class _Silent:
 SILENT = _Silent()
 
 
+def attempt() -> str:
+    """This launch's part of a store key: torchrun's agent keeps its store across restarts, so each
+    run and each attempt in it has keys of its own."""
+    return f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"
+
+
+def launcher_client(address: str, port: int, timeout: timedelta) -> dist.TCPStore:
+    """A connection of this thread's own to the launcher's store (torchrun's agent, or rank 0 under
+    Lightning's launcher): a client's operations run one at a time, so a thread that must not wait
+    behind another's blocking call needs its own."""
+    return dist.TCPStore(address, port, is_master=False, timeout=timeout, wait_for_workers=False)
+
+
 def watch_peers(
     env: ClusterEnvironment | None,
     rank: int,
@@ -247,9 +258,7 @@ def watch_peers(
     :data:`SILENT` for a single rank."""
     if world_size == 1 or env is None:
         return SILENT
-    # torchrun's agent keeps its store across restarts: each attempt, and each run in it, has its own keys.
-    attempt = f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"
-    namespace = f"{attempt}/{next(_runs)}"
+    namespace = f"{attempt()}/{next(_runs)}"
     heartbeat = Heartbeat(
         rank, world_size, env.main_address, env.main_port, backend, timeout, namespace=namespace, on_lost=on_lost
     )

@@ -65,6 +65,7 @@ from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from dapple_lightning.strategy._heartbeat import attempt, launcher_client
 from dapple_lightning.strategy._order import EpochOrder, track
 from dapple_lightning.strategy._step import to_cpu
 
@@ -237,6 +238,7 @@ class Recovery:
             self._unwrap()
             self._unwrap = None
         self.active = False
+        self._store = self._aborts = None  # the vote's connections to the launcher's store
 
     # ------------------------------------------------------------------ the step
 
@@ -371,9 +373,10 @@ class Recovery:
     def on_peer_lost(self, reason: str) -> None:
         """The heartbeat thread's end (the main thread may be blocked in a receive for good)."""
         self._lost.set()
-        if self.active and (pending := self._pending) is not None:
+        aborts, pending = self._aborts, self._pending  # (close() may clear them as this runs)
+        if self.active and aborts is not None and pending is not None:
             try:  # the main thread waits for a vote that the lost peer will never cast
-                self._aborts.compare_set(pending, "", "abort")
+                aborts.compare_set(pending, "", "abort")
             except RuntimeError as error:
                 sys.stderr.write(f"dapple: rank {self.rank} could not abort the vote on {pending}: {error}\n")
         if self.active:
@@ -460,15 +463,8 @@ def _vote_store(trainer: Any, fit: int, timeout_s: float) -> Any:
     """A client of the launcher's store (torchrun's agent, or rank 0 under Lightning's launcher), under
     keys of this attempt's fit only: the agent's store outlives the attempts."""
     env = trainer.strategy.cluster_environment
-    attempt = f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"
-    client = dist.TCPStore(
-        env.main_address,
-        env.main_port,
-        is_master=False,
-        wait_for_workers=False,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
-    return dist.PrefixStore(f"dapple/vote/{attempt}/{fit}", client)
+    client = launcher_client(env.main_address, env.main_port, datetime.timedelta(seconds=timeout_s))
+    return dist.PrefixStore(f"dapple/vote/{attempt()}/{fit}", client)
 
 
 def _inside_a_batch(progress: dict[str, Any]) -> None:

@@ -164,7 +164,7 @@ def test_the_snapshot_holds_lightnings_own_loop_state_at_every_point_of_a_fit(tm
     from lightning.pytorch import Callback, LightningModule, Trainer
     from torch.utils.data import DataLoader, TensorDataset
 
-    from dapple_lightning.strategy._recovery import loops_state
+    from dapple_lightning.strategy._snapshot import loops_state
 
     class Tiny(LightningModule):
         def __init__(self) -> None:

@@ -44,32 +44,28 @@ the ``step`` phase, so no write sees half an optimizer step.
 
 from __future__ import annotations
 
-import copy
 import datetime
 import os
-import pickle
 import signal
 import sys
 import tempfile
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
-from lightning.pytorch.loops.loop import _Loop
-from lightning.pytorch.loops.progress import _BaseProgress
 from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from dapple_lightning.strategy._heartbeat import attempt, launcher_client
 from dapple_lightning.strategy._order import EpochOrder, track
+from dapple_lightning.strategy._snapshot import BufferCopies, Snapshot, loops_state
 from dapple_lightning.strategy._step import to_cpu
 
-__all__ = ["FORMAT", "Recovery", "RecoveryMode", "file_of", "is_active", "loops_state"]
+__all__ = ["FORMAT", "Recovery", "RecoveryMode", "file_of", "is_active"]
 
 RecoveryMode = bool | Literal["auto", "log"]
 FORMAT = 1
@@ -109,22 +105,6 @@ def private_directory(path: Path) -> Path:
     return path
 
 
-@dataclass(frozen=True)
-class _Snapshot:
-    """A step's small state, pickled when taken: one bytes object per step instead of a tree of dicts
-    that would live through the step (and through the garbage collector's older generations)."""
-
-    step: int
-    packed: bytes
-
-    @classmethod
-    def of(cls, state: dict[str, Any]) -> _Snapshot:
-        return cls(state["global_step"], pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL))
-
-    def unpack(self) -> dict[str, Any]:
-        return pickle.loads(self.packed)
-
-
 class Recovery:
     """One rank's side of recovery while it trains: snapshot, vote, write on a loss."""
 
@@ -140,7 +120,7 @@ class Recovery:
         self._stop_after_write = False  # a SIGTERM came during the write
         self._trainer: Any = None
         self._identity: dict[str, Any] = {}
-        self._snapshot: _Snapshot | None = None
+        self._snapshot: Snapshot | None = None
         self._store: Any = None  # the main thread's client of the launcher's store, for the vote
         self._aborts: Any = None  # another client, for the heartbeat thread: it aborts a vote being waited on
         self._pending: str | None = None  # the decision key the main thread waits on
@@ -148,6 +128,7 @@ class Recovery:
         self._signals: Any = None
         self._unwrap: Any = None  # puts the precision plugin's closure hook back
         self._buffers: dict[str, Any] = {}  # the module's buffers at the last safe point
+        self._buffer_copies: BufferCopies | None = None  # where the module's buffers are, found once per module
         self._timeout_s = 120.0
         self.order: EpochOrder | None = None
         """The training loader's order, whose epoch start the snapshot keeps."""
@@ -165,7 +146,18 @@ class Recovery:
 
     def __getstate__(self) -> dict[str, Any]:  # the strategy travels to spawned ranks before any fit
         state = self.__dict__.copy()
-        for name in ("_lock", "_written", "_lost", "_unwrap", "_trainer", "_store", "_aborts", "_signals", "_buffers"):
+        for name in (
+            "_lock",
+            "_written",
+            "_lost",
+            "_unwrap",
+            "_trainer",
+            "_store",
+            "_aborts",
+            "_signals",
+            "_buffers",
+            "_buffer_copies",
+        ):
             state.pop(name)
         return state
 
@@ -173,7 +165,7 @@ class Recovery:
         self.__dict__.update(state)
         self._fresh_sync()
         self._unwrap = self._trainer = self._store = self._aborts = self._signals = None
-        self._buffers = {}
+        self._buffers, self._buffer_copies = {}, None
 
     # ------------------------------------------------------------------ set-up
 
@@ -256,7 +248,7 @@ class Recovery:
             self.active = False
             rank_zero_warn("dapple: gradient accumulation began, which recovery cannot follow; recovery is off")
             return
-        snapshot = _Snapshot.of(self._take())
+        snapshot = Snapshot.of(self._take())
         with self._lock:
             self._snapshot, self._phase = snapshot, "step"
         if self._exit_at_safe_point:
@@ -266,15 +258,13 @@ class Recovery:
         """The step's small state; and the module's buffers (running statistics), which its forward
         changes before the vote: a write must hold them as they were at the step's start.
 
-        Taken every step: the caller keeps it pickled (:class:`_Snapshot`), which is the copy that
-        makes it independent of the live objects."""
-        trainer = self._trainer
-        params = {id(p) for p in trainer.lightning_module.parameters()}
-        self._buffers = {
-            k: v.detach().clone()
-            for k, v in trainer.lightning_module.state_dict(keep_vars=True).items()
-            if id(v) not in params
-        }
+        Taken every step (:mod:`._snapshot` says how it is kept cheap): :class:`Snapshot` keeps the
+        parts that may share objects with live ones pickled, which is the copy that makes them
+        independent of the live objects."""
+        trainer, module = self._trainer, self._trainer.lightning_module
+        if self._buffer_copies is None or not self._buffer_copies.of(module):
+            self._buffer_copies = BufferCopies(module)
+        self._buffers = self._buffer_copies.take()
         precision = trainer.strategy.precision_plugin
         return {
             "epoch": trainer.current_epoch,
@@ -360,7 +350,7 @@ class Recovery:
                 state = self._take()
                 if self._trainer.validating:
                     _inside_a_batch(state["loops"]["fit_loop"]["epoch_loop.val_loop.batch_progress"])
-                self._snapshot = _Snapshot.of(state)
+                self._snapshot = Snapshot.of(state)
                 self._phase = "step"
             if self._phase == "step":
                 self._write()
@@ -433,30 +423,6 @@ class Recovery:
             self._writing = False
         if self._stop_after_write:  # torchrun is stopping the attempt: the failure path would only delay it
             _end(self.rank, "torchrun stopped this attempt")
-
-
-def loops_state(trainer: Any) -> dict[str, Any]:
-    """Lightning's loops' state dict (what its checkpoints hold under ``"loops"``), built without
-    ``dataclasses.asdict``, whose recursive copies were most of a step's snapshot: a progress
-    tracker's state is its ``__dict__`` (as its ``load_state_dict`` reads it back) of numbers and
-    nested trackers. A loop's own ``state_dict`` entry (a data loader's state, say) is deep-copied."""
-
-    def progress(tracker: _BaseProgress) -> dict[str, Any]:
-        return {k: progress(v) if isinstance(v, _BaseProgress) else v for k, v in vars(tracker).items()}
-
-    def loop(it: _Loop, into: dict[str, Any], prefix: str) -> dict[str, Any]:
-        into[prefix + "state_dict"] = copy.deepcopy(it.on_save_checkpoint())
-        for name, value in vars(it).items():
-            if isinstance(value, _BaseProgress):
-                into[prefix + name] = progress(value)
-            elif isinstance(value, _Loop):
-                loop(value, into, f"{prefix}{name}.")
-        return into
-
-    return {
-        f"{name}_loop": loop(getattr(trainer, f"{name}_loop"), {}, "")
-        for name in ("fit", "validate", "test", "predict")
-    }
 
 
 def _vote_store(trainer: Any, fit: int, timeout_s: float) -> Any:

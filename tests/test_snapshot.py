@@ -1,0 +1,75 @@
+"""The per-step snapshot's parts (strategy/_snapshot.py): copies the live objects cannot change."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+from lightning.fabric.utilities.seed import _collect_rng_states
+from torch import nn
+
+from dapple_lightning.strategy._snapshot import BufferCopies, Snapshot
+
+
+class WithBuffers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(3)
+        self.register_buffer("scratch", torch.zeros(2), persistent=False)
+        self.inner = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(self.norm(x))
+
+
+def test_buffer_copies_hold_the_state_dicts_buffers_as_they_were_when_taken() -> None:
+    module = WithBuffers().train()
+    copies = BufferCopies(module)
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    taken = copies.take()
+    params = {name for name, _ in module.named_parameters()}
+    assert taken.keys() == before.keys() - params  # persistent buffers only, under their state_dict keys
+    module(torch.randn(5, 3))  # running statistics move in place
+    assert not torch.equal(module.norm.running_mean, before["norm.running_mean"])
+    for key, value in taken.items():
+        torch.testing.assert_close(value, before[key], rtol=0, atol=0)
+    # A buffer replaced by assignment is read from its slot again.
+    module.norm.running_mean = torch.full((3,), 7.0)
+    torch.testing.assert_close(copies.take()["norm.running_mean"], torch.full((3,), 7.0))
+    assert copies.of(module) and not copies.of(WithBuffers())
+
+
+def test_buffer_copies_read_keys_a_state_dict_hook_made_through_the_state_dict() -> None:
+    module = WithBuffers()
+
+    def renamed(mod, state, prefix, local):
+        state["norm.running_mean_renamed"] = state.pop("norm.running_mean").clone()
+
+    module._register_state_dict_hook(renamed)
+    copies = BufferCopies(module)
+    taken = copies.take()
+    assert "norm.running_mean_renamed" in taken and "norm.running_mean" not in taken
+    module.norm.running_mean.fill_(3.0)
+    torch.testing.assert_close(copies.take()["norm.running_mean_renamed"], torch.full((3,), 3.0))
+
+
+def test_a_snapshot_shares_nothing_with_what_it_was_taken_from() -> None:
+    live_callbacks = {"counter": {"seen": [1, 2]}}
+    state = {
+        "global_step": 4,
+        "callbacks": live_callbacks,
+        "rng": _collect_rng_states(include_cuda=False),
+        "order": {"generator": torch.Generator().manual_seed(3).get_state(), "skip": 2},
+    }
+    snapshot = Snapshot.of(state)
+    drawn = (torch.rand(4), np.random.rand(4), random.random())  # what the step draws after its safe point
+    live_callbacks["counter"]["seen"].append(3)  # a callback's state moves on during the step
+    restored = snapshot.unpack()
+    assert snapshot.step == 4
+    assert restored["callbacks"] == {"counter": {"seen": [1, 2]}}
+    torch.set_rng_state(restored["rng"]["torch"])
+    np.random.set_state(restored["rng"]["numpy"])
+    random.setstate(restored["rng"]["python"])
+    torch.testing.assert_close(torch.rand(4), drawn[0], rtol=0, atol=0)
+    assert (np.random.rand(4) == drawn[1]).all() and random.random() == drawn[2]

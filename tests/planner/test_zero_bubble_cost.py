@@ -3,6 +3,8 @@ cost model's ``zb-h1`` and ``zb-h2`` estimates against DAPPLE's, and ``plan="aut
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from dapple_lightning.plan import Plan, Stage
@@ -102,3 +104,18 @@ def test_weight_times_round_trip_and_old_profiles_read_as_unsplit():
     assert "weight_s" not in LayerProfile("l", 1.0, 2.0, 10, 10).to_dict()
     with pytest.raises(ValueError, match=r"weight_s \(3.0\) exceeds backward_s \(2.0\)"):
         LayerProfile("l", 1.0, 2.0, 10, 10, weight_s=3.0)
+
+
+def test_zb_h2_is_priced_with_2s_minus_1_micro_batches_per_stage():
+    model = _model(1e-3)
+    dapple, zb1, zb2 = (model.estimate(Plan.straight(4, 4, 8, schedule=name)) for name in ("dapple", "zb-h1", "zb-h2"))
+    # Unit passes and near-free links: ZB-H1's 27 ms; the longer warm-up only hides transfers.
+    assert zb2.step_s <= zb1.step_s and zb2.step_s == pytest.approx(27e-3, abs=0.2e-3)
+    # Activations grow by one micro-batch's worth per micro-batch held: DAPPLE's stage 1 holds 3,
+    # ZB-H1's 4, ZB-H2's 7 (2S - 1) on every stage.
+    held = zb1.memory_bytes[1] - dapple.memory_bytes[1]
+    assert held > 0 and zb2.memory_bytes == pytest.approx(tuple(m + 3 * held for m in zb1.memory_bytes))
+    # A budget that fits ZB-H1 but not ZB-H2's three more micro-batches: memory_limit refuses it.
+    tight = CostModel(model.profile, dataclasses.replace(model.cluster, memory_bytes=max(zb1.memory_bytes) + held), 32)
+    assert tight.estimate(Plan.straight(4, 4, 8, schedule="zb-h1")).fits
+    assert not tight.estimate(Plan.straight(4, 4, 8, schedule="zb-h2")).fits

@@ -85,7 +85,7 @@ def zb_h2_schedule(num_stages: int, micro_batches: int, stage: int) -> list[Acti
 
     What the extra micro-batches buy: each stage runs up to ``S - 1 - s`` more forwards ahead of
     the next stage than under ZB-H1, so a late gradient or activation (a slow link, a stage slowed
-    by other work) stalls the next stage later; with unit passes and free links the step is
+    by other work) stalls the next stage later; with unit passes, free links and ``M >= S`` the step is
     ZB-H1's, ``3M + S - 1`` (the paper's further gain needs the next step's first forwards to start
     before the last stage's final ``W``s, which a step ending in the optimizer's update forbids).
     """

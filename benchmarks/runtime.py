@@ -12,6 +12,7 @@ Six systems train the reference transformer of the runtime issue (embedding 512x
     dapple-gpipe  ``Trainer(strategy=DappleStrategy(plan))``, schedule ``gpipe``
     dapple        same, schedule ``dapple`` (early backward)
     dapple-zb     same, schedule ``zb-h1`` (zero bubble: B and W apart, W deferred)
+    dapple-zb2    same, schedule ``zb-h2`` (zero bubble holding up to 2S - 1 micro-batches per stage)
 
 The model is one ``nn.Sequential`` of 10 layers; both pipelines split it ``[0, 5) | [5, 10)``.
 Every process runs one thread (``OMP_NUM_THREADS=1`` and ``torch.set_num_threads(1)``); SGD
@@ -27,8 +28,9 @@ would set, without its agent process polling on the shared cores); Lightning see
 externally launched cluster.
 
 After the rounds, the script measures peak live activation bytes per stage of dapple's GPipe,
-DAPPLE and zb-h1 schedules at M = 8 and 16 (``DappleStrategy(track_memory=True)``) and writes a
-Chrome trace of one dapple run (``--trace-system dapple-zb``: of zb-h1; ``DappleStrategy(trace=...)``),
+DAPPLE and zb-h1 schedules at M = 8 and 16 (and zb-h2's when ``dapple-zb2`` is among the systems;
+``DappleStrategy(track_memory=True)``) and writes a Chrome trace of one dapple run
+(``--trace-system dapple-zb``: of zb-h1, ``dapple-zb2``: of zb-h2; ``DappleStrategy(trace=...)``),
 from which it reports the bubble fraction per stage beside the schedule's ideal (its lists
 replayed with the traced passes and free transfers) and where each stage's step time goes.
 
@@ -37,6 +39,7 @@ replayed with the traced passes and free transfers) and where each stage's step 
     python benchmarks/runtime.py --rounds 3 --steps 4 --warmup 2 --systems single,dapple
     python benchmarks/runtime.py --recv-latency  # adds a ~20 s probe of late-posted receives
     python benchmarks/runtime.py --systems torch-1f1b,dapple,dapple-zb,torch-zb --trace-system dapple-zb
+    python benchmarks/runtime.py --systems torch-1f1b,dapple,dapple-zb,torch-zb,dapple-zb2 --trace-system dapple-zb2
 
 Besides wall time, every launch reports CPU seconds per step summed over ranks (work, not
 waiting: a rank blocked in a gloo receive sleeps) and how many cores' worth of CPU other
@@ -80,8 +83,20 @@ D_MODEL, BLOCKS = 256, 8  # the reference model of benchmarks/search_models.py: 
 BATCH, SEQ = 64, 64
 SPLIT = 5  # stage 0: layers [0, 5) = embedding + 4 blocks; stage 1: [5, 10) = 4 blocks + head
 STAGES = 2
-SYSTEMS = ("single", "ddp", "torch-gpipe", "torch-1f1b", "torch-zb", "dapple-gpipe", "dapple", "dapple-zb")
-PIPELINES = ("torch-gpipe", "torch-1f1b", "torch-zb", "dapple-gpipe", "dapple", "dapple-zb")
+SYSTEMS = (
+    "single",
+    "ddp",
+    "torch-gpipe",
+    "torch-1f1b",
+    "torch-zb",
+    "dapple-gpipe",
+    "dapple",
+    "dapple-zb",
+    "dapple-zb2",
+)
+PIPELINES = ("torch-gpipe", "torch-1f1b", "torch-zb", "dapple-gpipe", "dapple", "dapple-zb", "dapple-zb2")
+SCHEDULE_OF = {"dapple-gpipe": "gpipe", "dapple": "dapple", "dapple-zb": "zb-h1", "dapple-zb2": "zb-h2"}
+"""dapple's systems and the schedule each runs."""
 TORCH_PIPELINES = ("torch-gpipe", "torch-1f1b", "torch-zb")
 LR = 1e-3
 
@@ -188,7 +203,7 @@ def worker_lightning(args: argparse.Namespace) -> None:
 
         plan = {
             "micro_batches": args.micro_batches,
-            "schedule": {"dapple-gpipe": "gpipe", "dapple-zb": "zb-h1"}.get(args.worker, "dapple"),
+            "schedule": SCHEDULE_OF[args.worker],
             "stages": [{"layers": [0, SPLIT]}, {"layers": [SPLIT, BLOCKS + 2]}],
         }
         strategy = DappleStrategy(plan, start_method="popen", trace=args.trace, track_memory=args.track_memory)
@@ -350,14 +365,17 @@ def trace_breakdown(events, warmup: int) -> dict[int, dict[str, float]]:
     return out
 
 
-def print_zero_bubble_memory(memory: dict[str, Any], micro_batches: list[int]) -> None:
-    """Peak live activations of dapple's zb-h1 against its 1F1B schedule (``dapple``), per stage."""
-    rows = [(mb, memory.get(f"dapple M={mb}"), memory.get(f"dapple-zb M={mb}")) for mb in micro_batches]
+def print_zero_bubble_memory(memory: dict[str, Any], micro_batches: list[int], system: str = "dapple-zb") -> None:
+    """Peak live activations of dapple's zb-h1 (or zb-h2: ``system``) against its 1F1B schedule, per stage."""
+    name = SCHEDULE_OF[system]
+    rows = [(mb, memory.get(f"dapple M={mb}"), memory.get(f"{system} M={mb}")) for mb in micro_batches]
     rows = [(mb, d, z) for mb, d, z in rows if d and z]
     if not rows:
         return
     print()
-    print("| M | stage | 1F1B (dapple) peak live MiB (micro-batches) | zb-h1 peak live MiB (micro-batches) | zb/1F1B |")
+    print(
+        f"| M | stage | 1F1B (dapple) peak live MiB (micro-batches) | {name} peak live MiB (micro-batches) | zb/1F1B |"
+    )
     print("|---|---|---|---|---|")
     for mb, d, z in rows:
         for stage in sorted(d):
@@ -368,12 +386,12 @@ def print_zero_bubble_memory(memory: dict[str, Any], micro_batches: list[int]) -
 def ideal_bubble(system: str, breakdown: dict[int, dict[str, float]], micro_batches: int) -> str:
     """The schedule's bubble fraction with free transfers and nothing between actions, as text: its
     lists replayed (``schedule.simulate``) with each stage's traced mean F, B and W per micro-batch,
-    per stage; beside the textbook value at equal stages (1F1B ``(S-1)/(M+S-1)``, ZB-H1 at
-    F = B = W ``(S-1)/(3M+S-1)``)."""
+    per stage; beside the textbook value at equal stages (1F1B ``(S-1)/(M+S-1)``, ZB-H1 and, in
+    a step that ends in the update, ZB-H2 at F = B = W ``(S-1)/(3M+S-1)``)."""
     from dapple_lightning.schedule import schedule, simulate
 
     s, m = STAGES, micro_batches
-    name = "zb-h1" if system == "dapple-zb" else "dapple"
+    name = SCHEDULE_OF[system]
     cost = {
         stage: {
             "F": row.get("forward", 0.0) / m,
@@ -382,7 +400,7 @@ def ideal_bubble(system: str, breakdown: dict[int, dict[str, float]], micro_batc
         }
         for stage, row in breakdown.items()
     }
-    textbook = (s - 1) / (3 * m + s - 1) if name == "zb-h1" else (s - 1) / (m + s - 1)
+    textbook = (s - 1) / (3 * m + s - 1) if name.startswith("zb-") else (s - 1) / (m + s - 1)
     if sorted(cost) != list(range(s)):
         return f"{textbook:.1%} (equal stages)"
     timed = simulate(schedule(name, s, m), lambda stage, action: cost[stage][action.kind])
@@ -402,7 +420,9 @@ def main() -> None:
     parser.add_argument("--memory-micro-batches", default="8,16", help="M values for the memory runs ('' skips)")
     parser.add_argument("--trace-path", default=None, help="where the dapple Chrome trace goes (default: a temp dir)")
     parser.add_argument("--trace-steps", type=int, default=6, help="steps of the traced dapple run ('0' skips)")
-    parser.add_argument("--trace-system", default="dapple", choices=("dapple", "dapple-zb"), help="system traced")
+    parser.add_argument(
+        "--trace-system", default="dapple", choices=("dapple", "dapple-zb", "dapple-zb2"), help="system traced"
+    )
     parser.add_argument("--timeout", type=float, default=300, help="seconds before one launch is killed")
     parser.add_argument("--quick", action="store_true", help="1 round, 2 timed steps, 1 warm-up, short trace")
     parser.add_argument(
@@ -496,6 +516,7 @@ def main() -> None:
         "dapple-gpipe": "dapple, schedule gpipe",
         "dapple": "dapple, schedule dapple",
         "dapple-zb": "dapple, schedule zb-h1",
+        "dapple-zb2": "dapple, schedule zb-h2",
     }
     print()
     print(f"bubble bound (T1/S)(1+(S-1)/M) = ({t1:.3f}/{STAGES})(1+{STAGES - 1}/{M}) = {bound:.3f} s/step")
@@ -516,7 +537,9 @@ def main() -> None:
     print()
     ratios = {}
     pairs = (("dapple", "torch-1f1b"), ("dapple-gpipe", "torch-gpipe"), ("dapple-zb", "torch-1f1b"))
-    for ours, theirs in (*pairs, ("dapple-zb", "torch-zb"), ("dapple-zb", "dapple")):
+    pairs += (("dapple-zb", "torch-zb"), ("dapple-zb", "dapple"), ("dapple-zb2", "torch-1f1b"))
+    pairs += (("dapple-zb2", "torch-zb"), ("dapple-zb2", "dapple"), ("dapple-zb2", "dapple-zb"))
+    for ours, theirs in pairs:
         if ok(per_round.get(ours, [])) and ok(per_round.get(theirs, [])):
             ratios[f"{ours} / {theirs}"] = results[ours] / results[theirs]
             # Paired per round (adjacent launches): less exposed to slow drifts of the load.
@@ -560,7 +583,9 @@ def main() -> None:
 
     memory: dict[str, Any] = {}
     for mb in [int(v) for v in args.memory_micro_batches.split(",") if v.strip()]:
-        for system in ("dapple-gpipe", "dapple", "dapple-zb"):
+        for system in ("dapple-gpipe", "dapple", "dapple-zb", "dapple-zb2"):
+            if system == "dapple-zb2" and system not in systems:
+                continue  # zb-h2's memory only where it is benchmarked: its runs cost minutes
             try:
                 records = launch(system, 1 if args.quick else 2, mb, timeout=args.timeout, track_memory=True)
             except RuntimeError as e:
@@ -588,7 +613,10 @@ def main() -> None:
                     f"| {mb} | {stage} | {gb / 2**20:.1f} ({gm}) | {db / 2**20:.1f} ({dm}) | "
                     f"{db / gb:.3f} | {k / mb:.3f} | {STAGES / mb:.3f} | {ok} |"
                 )
-        print_zero_bubble_memory(memory, [int(v) for v in args.memory_micro_batches.split(",") if v.strip()])
+        for system in ("dapple-zb", "dapple-zb2"):
+            print_zero_bubble_memory(
+                memory, [int(v) for v in args.memory_micro_batches.split(",") if v.strip()], system
+            )
 
     bubbles: dict[int, float] = {}
     breakdown: dict[int, dict[str, float]] = {}

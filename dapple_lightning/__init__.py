@@ -16,12 +16,21 @@ from importlib.machinery import ModuleSpec, PathFinder
 from typing import TYPE_CHECKING, Any
 
 from dapple_lightning.plan import Plan, Stage
-from dapple_lightning.schedule import Action, dapple_schedule, gpipe_schedule, zb_h1_schedule
+from dapple_lightning.schedule import Action, dapple_schedule, gpipe_schedule, zb_h1_schedule, zb_h2_schedule
 
 if TYPE_CHECKING:
     from dapple_lightning.strategy import DappleStrategy
 
-__all__ = ["Action", "DappleStrategy", "Plan", "Stage", "dapple_schedule", "gpipe_schedule", "zb_h1_schedule"]
+__all__ = [
+    "Action",
+    "DappleStrategy",
+    "Plan",
+    "Stage",
+    "dapple_schedule",
+    "gpipe_schedule",
+    "zb_h1_schedule",
+    "zb_h2_schedule",
+]
 __version__ = "0.1.0"
 
 _STRATEGY = "dapple_lightning.strategy"

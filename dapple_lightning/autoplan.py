@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dapple_lightning.plan import Plan
+from dapple_lightning.plan import ZERO_BUBBLE, Plan
 from dapple_lightning.planner import (
     TRIAL_MARGIN,
     AutoPlan,
@@ -446,11 +446,11 @@ def _decided(
     global_batch: int,
     optimizer_factor: float,
 ) -> AutoPlan:
-    """The decision with what its report explains: each stage's predicted peak, and for a ``zb-h1`` plan
+    """The decision with what its report explains: each stage's predicted peak, and for a zero-bubble plan
     the same stages' step under DAPPLE's 1F1B."""
     memory = estimate(plan, profile, cluster, global_batch, optimizer_factor=optimizer_factor).memory_bytes
     one_f_one_b = None
-    if plan.schedule == "zb-h1":
+    if plan.schedule in ZERO_BUBBLE:
         same_split = replace(plan, schedule="dapple")
         one_f_one_b = estimate(same_split, profile, cluster, global_batch, optimizer_factor=optimizer_factor).step_s
     return AutoPlan(plan, predicted, dp_step, profile, cluster, spent, trials, memory, one_f_one_b)

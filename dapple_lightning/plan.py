@@ -32,12 +32,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ALL_SCHEDULES", "SCHEDULES", "Plan", "Stage"]
+__all__ = ["ALL_SCHEDULES", "SCHEDULES", "ZERO_BUBBLE", "Plan", "Stage"]
 
 SCHEDULES = ("dapple", "gpipe")
 """The schedules the planner's cost model knows and the search tries."""
-ALL_SCHEDULES = (*SCHEDULES, "zb-h1")
-"""The schedules a plan may name: the runtime runs them all (zero-bubble ZB-H1 is not modelled yet)."""
+ZERO_BUBBLE = ("zb-h1", "zb-h2")
+"""The zero-bubble schedules: each backward split into ``B`` and a deferred ``W``; the search tries them on request."""
+ALL_SCHEDULES = (*SCHEDULES, *ZERO_BUBBLE)
+"""The schedules a plan may name: the runtime runs them all."""
 
 
 def _as_int(value: Any, what: str) -> int:
@@ -179,17 +181,18 @@ class Plan:
             raise ValueError(f"micro_batches must be >= 1, got {self.micro_batches}")
         if self.schedule not in ALL_SCHEDULES:
             raise ValueError(f"unknown schedule {self.schedule!r}; choose one of {list(ALL_SCHEDULES)}")
-        if self.schedule == "zb-h1" and any(s.recompute for s in stages):
+        if self.schedule in ZERO_BUBBLE and any(s.recompute for s in stages):
             # Its B and W each back-propagate through the stage's checkpoints, and each runs them again.
             raise ValueError(
-                "a stage with recompute: true runs its forward twice more per micro-batch under schedule 'zb-h1' "
-                "(its input and weight backwards each recompute); use schedule 'dapple' with recomputation"
+                "a stage with recompute: true runs its forward twice more per micro-batch under schedule "
+                f"{self.schedule!r} (its input and weight backwards each recompute); use schedule 'dapple' "
+                "with recomputation"
             )
-        if self.schedule == "zb-h1" and any(s.offload is not None for s in stages):
+        if self.schedule in ZERO_BUBBLE and any(s.offload is not None for s in stages):
             # Its W adds the weights' gradients outside the window that B moved.
             raise ValueError(
-                "a stage with offload moves its window with each backward, and schedule 'zb-h1' computes the weights' "
-                "gradients later, apart from it; use schedule 'dapple' or 'gpipe' with offload"
+                f"a stage with offload moves its window with each backward, and schedule {self.schedule!r} computes "
+                "the weights' gradients later, apart from it; use schedule 'dapple' or 'gpipe' with offload"
             )
         if stages[0].start != 0:
             raise ValueError(f"the first stage must start at layer 0, got [{stages[0].start}, {stages[0].end})")

@@ -174,6 +174,11 @@ def test_a_zero_bubble_choice_is_explained_against_1f1b_on_the_same_stages():
     assert "(both measured above)" not in line
     measured = (Trial(zb, 0.09, 0.1, 2), Trial(same_split, want, 0.11, 2))
     assert "(both measured above)" in replace(decided, trials=measured).report()
+    # zb-h2 says the same, and what its memory buys: 2S - 1 = 3 micro-batches per stage against 2.
+    deeper = _decided(replace(zb, schedule="zb-h2"), 0.089, 0.2, profile, CLUSTER, 1.0, (), 8, 2.0)
+    line = next(line for line in deeper.report().splitlines() if line.startswith("schedule zb-h2"))
+    assert "holds up to 3 micro-batches (zb-h1 and 1F1B's first stage: 2)" in line and "89.0 ms/step" in line
+    assert deeper.one_f_one_b_step_s == pytest.approx(want)
     # Any other schedule says nothing of the kind.
     assert _decided(same_split, want, 0.2, profile, CLUSTER, 1.0, (), 8, 2.0).one_f_one_b_step_s is None
 

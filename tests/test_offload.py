@@ -155,7 +155,7 @@ def test_offload_refuses_what_it_cannot_keep_on_disk():
     with pytest.raises(ValueError, match=r"offload.* an integer >= 1"):
         Plan.coerce({"stages": [{"layers": [0, 2], "offload": 0}]})
     with pytest.raises(ValueError, match=r"use schedule 'dapple' or 'gpipe' with offload"):
-        Plan.coerce({"schedule": "zb-h1", "stages": [{"layers": [0, 2], "offload": 1}]})
+        Plan.coerce({"schedule": "zb-h2", "stages": [{"layers": [0, 2], "offload": 1}]})
     with pytest.raises(ValueError, match=r"both recompute and offload"):
         Plan.coerce({"stages": [{"layers": [0, 2], "offload": 1, "recompute": True}]})
     with pytest.raises(ValueError, match=r"needs the pipelined layers in one nn\.Sequential"):

@@ -50,8 +50,9 @@ def test_recompute_is_a_stage_field() -> None:
     assert plan.describe() == "2:1 cuts=6 M=1 dapple recompute=0"
     with pytest.raises(TypeError, match="recompute` must be true or false"):
         Plan.coerce({"stages": [{"layers": [0, 6], "recompute": "yes"}]})
-    with pytest.raises(ValueError, match="twice more per micro-batch under schedule 'zb-h1'"):
-        Plan.coerce({**data, "schedule": "zb-h1"})
+    for zero_bubble in ("zb-h1", "zb-h2"):
+        with pytest.raises(ValueError, match=f"twice more per micro-batch under schedule '{zero_bubble}'"):
+            Plan.coerce({**data, "schedule": zero_bubble})
 
 
 def test_explicit_ranks_place_replicas() -> None:

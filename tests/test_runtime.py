@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -41,26 +43,32 @@ def reference() -> tuple[float, dict[str, torch.Tensor]]:
     return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def pipelined(rank: int, world_size: int, plan: Plan) -> tuple[float, dict[str, torch.Tensor], int]:
-    stage = partition(make_model(), plan, rank)
-    pipe = Pipeline(
-        plan,
-        rank,
-        stage,
-        device=torch.device("cpu"),
-        stage_group=stage_group(plan, rank),
-        track_memory=True,
-        p2p_groups=p2p_groups(),
-    )
-    x, y = make_batch()
+def pipelined(rank: int, world_size: int, plan: Plan, *also: str) -> list[tuple[float, dict[str, torch.Tensor], int]]:
+    """One step of ``plan`` from the same initial weights under its schedule and then each of
+    ``also``, on the same process groups (one launch for several schedules of one shape)."""
+    groups, replicas = p2p_groups(), stage_group(plan, rank)
+    results = []
+    for name in (plan.schedule, *also):
+        stage = partition(make_model(), plan, rank)
+        pipe = Pipeline(
+            dataclasses.replace(plan, schedule=name),
+            rank,
+            stage,
+            device=torch.device("cpu"),
+            stage_group=replicas,
+            track_memory=True,
+            p2p_groups=groups,
+        )
+        x, y = make_batch()
 
-    def forward(m, rows):
-        out = stage(x[rows.start : rows.stop])
-        return nn.functional.mse_loss(out, y[rows.start : rows.stop]) * (len(rows) / BATCH)
+        def forward(m, rows, stage=stage, x=x, y=y):
+            out = stage(x[rows.start : rows.stop])
+            return nn.functional.mse_loss(out, y[rows.start : rows.stop]) * (len(rows) / BATCH)
 
-    stats = pipe.run(BATCH, forward)
-    loss = float(sum(stats.losses)) if stats.losses else float("nan")
-    return loss, {n: p.grad.clone() for n, p in stage.named_parameters()}, stats.peak_live_microbatches
+        stats = pipe.run(BATCH, forward)
+        loss = float(sum(stats.losses)) if stats.losses else float("nan")
+        results.append((loss, {n: p.grad.clone() for n, p in stage.named_parameters()}, stats.peak_live_microbatches))
+    return results
 
 
 PLANS = {
@@ -74,26 +82,29 @@ PLANS = {
 }
 
 
-@pytest.mark.parametrize("schedule", ["dapple", "gpipe", "zb-h1"])
+# The zero-bubble schedules share a launch per shape: one step of each on the same processes.
+@pytest.mark.parametrize("schedules", [("dapple",), ("gpipe",), ("zb-h1", "zb-h2")], ids="+".join)
 @pytest.mark.parametrize("shape", sorted(PLANS))
-def test_gradients_match_one_device(shape: str, schedule: str) -> None:
+def test_gradients_match_one_device(shape: str, schedules: tuple[str, ...]) -> None:
     plan = Plan(
         stages=[{"layers": list(layers), "replicas": r} for layers, r in PLANS[shape]],
         micro_batches=3,
-        schedule=schedule,
+        schedule=schedules[0],
     )
     ref_loss, ref_grads = reference()
-    results = run_ranks(pipelined, plan.world_size, plan)
-    for rank, (_, grads, peak) in enumerate(results):
-        stage = plan.stage_of(rank)
-        for name, grad in grads.items():
-            torch.testing.assert_close(grad, ref_grads[name], rtol=1e-5, atol=1e-6)
-        # ZB-H1 holds a micro-batch until its W: min(S, M) on every stage, DAPPLE's first-stage peak
-        expected_peak = {"gpipe": 3, "zb-h1": min(plan.num_stages, 3)}.get(schedule, min(plan.num_stages - stage, 3))
-        assert peak == expected_peak
-    # Each last-stage replica holds the loss of its own rows; the replicas sum to the whole.
-    last = [results[r][0] for r in plan.stage_ranks(plan.num_stages - 1)]
-    assert sum(last) == pytest.approx(ref_loss, rel=1e-5)
+    results = run_ranks(pipelined, plan.world_size, plan, *schedules[1:])
+    # A zero-bubble schedule holds a micro-batch until its W: ZB-H1 min(S, M) on every stage
+    # (DAPPLE's first-stage peak), ZB-H2 min(2S - 1, M).
+    held = {"gpipe": 3, "zb-h1": min(plan.num_stages, 3), "zb-h2": min(2 * plan.num_stages - 1, 3)}
+    for index, schedule in enumerate(schedules):
+        for rank, per_schedule in enumerate(results):
+            _, grads, peak = per_schedule[index]
+            for name, grad in grads.items():
+                torch.testing.assert_close(grad, ref_grads[name], rtol=1e-5, atol=1e-6)
+            assert peak == held.get(schedule, min(plan.num_stages - plan.stage_of(rank), 3)), schedule
+        # Each last-stage replica holds the loss of its own rows; the replicas sum to the whole.
+        last = [results[r][index][0] for r in plan.stage_ranks(plan.num_stages - 1)]
+        assert sum(last) == pytest.approx(ref_loss, rel=1e-5)
 
 
 def reduced(rank: int, world_size: int, dtype: torch.dtype, alone_bytes: int) -> dict:

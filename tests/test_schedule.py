@@ -21,6 +21,7 @@ from dapple_lightning.schedule import (
     simulate,
     warmup_depth,
     zb_h1_schedule,
+    zb_h2_schedule,
 )
 
 
@@ -308,6 +309,95 @@ def test_zb_h1_invariants(num_stages: int, micro_batches: int) -> None:
         assert max(t.end for t in dapple) == 3 * micro_batches + 3 * (num_stages - 1)
 
 
+# ZB-H2 on the paper's example (Qi et al., Figure 3: S = 4, M = 8). Stage s runs 2(S - s) - 1
+# forwards before its first B (7, 5, 3, 1) and stashes 2s W's before its first W, so every stage
+# holds at most 2S - 1 = 7 micro-batches between F and W (ZB-H1: 4).
+ZB_H2_4x8_LISTS = [
+    "F0 F1 F2 F3 F4 F5 F6 B0 W0 F7 B1 W1 B2 W2 B3 W3 B4 W4 B5 W5 B6 W6 B7 W7",
+    "F0 F1 F2 F3 F4 B0 F5 B1 F6 B2 W0 F7 B3 W1 B4 W2 B5 W3 B6 W4 B7 W5 W6 W7",
+    "F0 F1 F2 B0 F3 B1 F4 B2 F5 B3 F6 B4 W0 F7 B5 W1 B6 W2 B7 W3 W4 W5 W6 W7",
+    "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 W0 F7 B7 W1 W2 W3 W4 W5 W6 W7",
+]
+
+# The paper's parallelogram: stage s is busy without a gap from slot s to slot 3M + s, and each
+# later stage's stashed W's run while the earlier stages have finished.
+ZB_H2_4x8 = """\
+t   stage0  stage1  stage2  stage3
+0   F0
+1   F1      F0
+2   F2      F1      F0
+3   F3      F2      F1      F0
+4   F4      F3      F2      B0
+5   F5      F4      B0      F1
+6   F6      B0      F3      B1
+7   B0      F5      B1      F2
+8   W0      B1      F4      B2
+9   F7      F6      B2      F3
+10  B1      B2      F5      B3
+11  W1      W0      B3      F4
+12  B2      F7      F6      B4
+13  W2      B3      B4      F5
+14  B3      W1      W0      B5
+15  W3      B4      F7      F6
+16  B4      W2      B5      B6
+17  W4      B5      W1      W0
+18  B5      W3      B6      F7
+19  W5      B6      W2      B7
+20  B6      W4      B7      W1
+21  W6      B7      W3      W2
+22  B7      W5      W4      W3
+23  W7      W6      W5      W4
+24          W7      W6      W5
+25                  W7      W6
+26                          W7"""
+
+
+def test_zb_h2_per_stage_lists_four_stages_eight_micro_batches() -> None:
+    for stage, text in enumerate(ZB_H2_4x8_LISTS):
+        assert zb_h2_schedule(4, 8, stage) == actions(text)
+    assert [peak_in_flight(actions(t)) for t in ZB_H2_4x8_LISTS] == [7, 7, 7, 7]
+    assert [peak_stashed(actions(t)) for t in ZB_H2_4x8_LISTS] == [1, 3, 5, 7]
+
+
+def test_zb_h2_grid_drawn_on_paper() -> None:
+    # 27 slots, ZB-H1's: a step that ends in the update cannot overlap the next step's first
+    # forwards with the last stage's stashed W's, where the paper's ZB-H2 gains its last S - 1.
+    assert grid(schedule("zb-h2", 4, 8)) == ZB_H2_4x8
+
+
+def test_zb_h2_with_fewer_micro_batches_than_its_bound() -> None:
+    # M = 3 < 2S - 1: every stage holds all 3; the first two stages run all their forwards first.
+    assert [zb_h2_schedule(4, 3, s) for s in range(4)] == [
+        actions("F0 F1 F2 B0 W0 B1 W1 B2 W2"),
+        actions("F0 F1 F2 B0 W0 B1 W1 B2 W2"),
+        actions("F0 F1 F2 B0 W0 B1 W1 B2 W2"),
+        actions("F0 B0 F1 B1 F2 B2 W0 W1 W2"),
+    ]
+
+
+@given(num_stages=st.integers(1, 8), micro_batches=st.integers(1, 16))
+def test_zb_h2_invariants(num_stages: int, micro_batches: int) -> None:
+    stages = schedule("zb-h2", num_stages, micro_batches)
+    cap = min(2 * num_stages - 1, micro_batches)
+    for s, acts in enumerate(stages):
+        assert sorted(acts) == sorted(Action(k, m) for k in "FBW" for m in range(micro_batches))
+        for m in range(micro_batches):
+            assert acts.index(Action("F", m)) < acts.index(Action("B", m)) < acts.index(Action("W", m))
+        warmup = next(i for i, a in enumerate(acts) if a.kind != "F")
+        assert warmup == min(2 * (num_stages - s) - 1, micro_batches)
+        # the paper's bound, min(2S - 1, M) micro-batches on every stage; stashed W's as ZB-H1's rule
+        assert peak_in_flight(acts) == cap
+        assert peak_stashed(acts) == cap - warmup + 1
+    timed = simulate(stages)  # raises on deadlock
+    assert len(timed) == 3 * num_stages * micro_batches
+    zb_h1 = simulate(schedule("zb-h1", num_stages, micro_batches))
+    assert max(t.end for t in timed) <= max(t.end for t in zb_h1)
+    if micro_batches >= 2 * num_stages - 1:  # unit passes: no stage idles between its first and last
+        for s in range(num_stages):
+            mine = [t for t in timed if t.stage == s]
+            assert sum(t.end - t.start for t in mine) == max(t.end for t in mine) - min(t.start for t in mine)
+
+
 LOWERED_2_1_ZB = """\
 rank 0 (stage 0): F0 SEND_F0>2[0:1] F1 SEND_F1>2[0:1] RECV_B0<2[0:1] B0 W0 RECV_B1<2[0:1] B1 REDUCE W1
 rank 1 (stage 0): F0 SEND_F0>2[0:1] F1 SEND_F1>2[0:1] RECV_B0<2[0:1] B0 W0 RECV_B1<2[0:1] B1 REDUCE W1
@@ -321,10 +411,12 @@ def test_zb_h1_lowered_program_drawn_on_paper() -> None:
     assert lower(plan_of([2, 1], 2, "zb-h1"), 4).table() == LOWERED_2_1_ZB
 
 
+@pytest.mark.parametrize("name", ["zb-h1", "zb-h2"])
 @pytest.mark.parametrize("replicas", [[1], [2], [1, 1], [2, 1], [1, 2], [1, 2, 1], [2, 1, 1], [1, 1, 3], [1, 1, 1, 1]])
 @pytest.mark.parametrize("micro_batches", [1, 2, 3, 4, 8])
-def test_zb_h1_lowers_for_every_plan_shape(replicas: list[int], micro_batches: int) -> None:
-    plan = plan_of(replicas, micro_batches, "zb-h1")
+def test_zero_bubble_lowers_for_every_plan_shape(replicas: list[int], micro_batches: int, name: str) -> None:
+    plan = plan_of(replicas, micro_batches, name)
+    make, held = {"zb-h1": (zb_h1_schedule, plan.num_stages), "zb-h2": (zb_h2_schedule, 2 * plan.num_stages - 1)}[name]
     for rows in {micro_batches * max(replicas), micro_batches * max(replicas) + 1, 7 * micro_batches}:
         program = lower(plan, rows)
         timed = simulate(program)  # raises on any deadlock or mis-ordered message
@@ -332,7 +424,7 @@ def test_zb_h1_lowers_for_every_plan_shape(replicas: list[int], micro_batches: i
         for rank, rank_ops in enumerate(program.ranks):
             stage = program.stage_of[rank]
             order = [op.action for op in rank_ops if op.kind in ("F", "B", "W")]
-            assert order == zb_h1_schedule(plan.num_stages, micro_batches, stage)
-            assert peak_in_flight(order) == min(plan.num_stages, micro_batches)
+            assert order == make(plan.num_stages, micro_batches, stage)
+            assert peak_in_flight(order) == min(held, micro_batches)
             weights = [i for i, op in enumerate(rank_ops) if op.kind == "W"]
             assert [i for i, op in enumerate(rank_ops) if op.kind == "REDUCE"] == [weights[-1] - 1]

@@ -63,7 +63,8 @@ cores, and one that keeps only as many busy as there are units does not.
 micro-batches kept for the backward (``K_s = min(S - s, M)`` for DAPPLE, ``M`` for GPipe) and
 one micro-batch's transient peak (``_stage_memory`` says what each term counts). A stage that
 recomputes (``Stage.recompute``) keeps only its layers' inputs and runs its forward again in
-each backward: ``B_s`` grows by ``F_s``. Zero bubble (``zb-h1``) is replayed (``_zero_bubble``).
+each backward: ``B_s`` grows by ``F_s``. Zero bubble (``zb-h1``, ``zb-h2``) is replayed, its memory
+at the schedule's peak of live micro-batches (``_zero_bubble``).
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from dapple_lightning.plan import Plan
+from dapple_lightning.plan import ZERO_BUBBLE, Plan
 from dapple_lightning.planner import _zero_bubble
 from dapple_lightning.planner._cluster import Cluster
 from dapple_lightning.planner._profile import ModelProfile
@@ -140,7 +141,7 @@ class Estimate:
     pipeline_s: float = 0.0
     """The longest chain of actions that must run one after another (the paper's latency)."""
     weight_s: tuple[float, ...] = ()
-    """Under ``zb-h1``, each stage's ``W`` (the weights' part of ``backward_s``); else empty."""
+    """Under a zero-bubble schedule, each stage's ``W`` (the weights' part of ``backward_s``); else empty."""
     shared_compute_s: float = 0.0
     """The busiest server's compute seconds over its compute units when its devices share them
     (``Cluster.compute_units``), else 0. ``step_s`` is the larger of this and ``pipeline_s``."""
@@ -343,7 +344,7 @@ class CostModel:
     def estimate(self, plan: Plan) -> Estimate:
         """Predicted step latency, phases, per-stage costs and memory of ``plan``."""
         self.check(plan)
-        if plan.schedule == "zb-h1":
+        if plan.schedule in ZERO_BUBBLE:
             return _zero_bubble.zero_bubble(self, plan)
         m = plan.micro_batches
         places = self.placements(plan)

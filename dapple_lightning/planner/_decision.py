@@ -31,7 +31,7 @@ class AutoPlan:
     stage_memory_bytes: tuple[float, ...] = ()
     """The chosen plan's predicted peak per rank of each stage (the budget is ``cluster.memory_bytes``)."""
     one_f_one_b_step_s: float | None = None
-    """For a ``zb-h1`` plan: the same stages' predicted step under DAPPLE's 1F1B schedule."""
+    """For a zero-bubble plan: the same stages' predicted step under DAPPLE's 1F1B schedule."""
     lever: str | None = None
     """When no plan fitted the budget as it was: which stages recompute or are offloaded, and why."""
 
@@ -67,9 +67,16 @@ class AutoPlan:
                 f"pure data parallelism ({self.data_parallel_step_s / self.predicted_step_s:.2f}x)"
             )
         if self.one_f_one_b_step_s is not None:
+            held = (
+                f"; each stage holds up to {min(2 * self.plan.num_stages - 1, self.plan.micro_batches)} micro-batches "
+                f"(zb-h1 and 1F1B's first stage: {min(self.plan.num_stages, self.plan.micro_batches)}) to run "
+                "further ahead"
+                if self.plan.schedule == "zb-h2"
+                else ""
+            )
             lines.append(
-                f"schedule zb-h1: the weight-gradient halves of the backwards (W) fill the warm-up and drain "
-                f"bubbles; predicted {self.predicted_step_s * 1e3:.1f} ms/step against "
+                f"schedule {self.plan.schedule}: the weight-gradient halves of the backwards (W) fill the warm-up and "
+                f"drain bubbles{held}; predicted {self.predicted_step_s * 1e3:.1f} ms/step against "
                 f"{self.one_f_one_b_step_s * 1e3:.1f} ms under DAPPLE's 1F1B on the same stages"
                 + (" (both measured above)" if any(t.plan.schedule == "dapple" for t in self.trials) else "")
             )

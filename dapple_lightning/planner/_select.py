@@ -13,7 +13,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from dapple_lightning.plan import Plan
+from dapple_lightning.plan import ZERO_BUBBLE, Plan
 from dapple_lightning.planner._cluster import Cluster
 from dapple_lightning.planner._cost import Placement, estimate
 from dapple_lightning.planner._dp import plan_dapple
@@ -98,7 +98,7 @@ def shortlist(
     best's step), pure data parallelism (M = 1) among them when it is that close, at most
     ``limit``, fastest predicted first; and data parallelism's predicted step (``None`` when it
     does not fit in memory or the batch). A pipeline the model prices faster under ``zb-h1``
-    than under DAPPLE's schedule comes in both (:func:`_zero_bubble_variants`).
+    (or ``zb-h2``) than under DAPPLE's schedule comes in both (:func:`_zero_bubble_variants`).
 
     ``objective`` and ``memory_margin`` are :func:`plan_dapple`'s: under a memory objective
     every plan shortlisted, data parallelism included, keeps within the peak it allows, and
@@ -149,15 +149,22 @@ def _zero_bubble_variants(
     """Each pipeline of ``candidates`` under ``zb-h1`` where the cost model prices it faster and
     it fits (within ``allowed`` too, when given): the dynamic program searches DAPPLE's chains,
     and a zero-bubble schedule of the same stages only moves the ``W``s (more activations on
-    later stages, up to the first stage's)."""
+    later stages, up to the first stage's). ``zb-h2`` comes in too where it is priced faster
+    than ``zb-h1`` and fits: it holds up to ``2S - 1`` micro-batches per stage, memory spent
+    only where the model says it buys time."""
     out = []
     for plan, predicted in candidates:
         if plan.num_stages < 2 or plan.schedule != "dapple":
             continue
-        zb = dataclasses.replace(plan, schedule="zb-h1")
-        est = estimate(zb, profile, cluster, global_batch, optimizer_factor=optimizer_factor)
-        if est.step_s < predicted and est.fits and (allowed is None or max(est.memory_bytes) <= allowed):
-            out.append((zb, est.step_s))
+        best = predicted
+        for name in ZERO_BUBBLE:  # zb-h1 first: zb-h2 must beat it to be worth its memory
+            zb = dataclasses.replace(plan, schedule=name)
+            est = estimate(zb, profile, cluster, global_batch, optimizer_factor=optimizer_factor)
+            if not any(est.weight_s):  # no W measured: the split's gain is unknown, its cost is not
+                break
+            if est.step_s < best and est.fits and (allowed is None or max(est.memory_bytes) <= allowed):
+                out.append((zb, est.step_s))
+                best = est.step_s
     return out
 
 

@@ -1,15 +1,17 @@
-"""The cost model's estimate of a zero-bubble (``zb-h1``) plan: replayed, not a formula.
+"""The cost model's estimate of a zero-bubble (``zb-h1``, ``zb-h2``) plan: replayed, not a formula.
 
 ZB-H1 keeps DAPPLE's order of forwards and input backwards (``B``) and defers the weights'
-backwards (``W``) into what would be bubbles; its step depends on where each ``W`` lands, which
+backwards (``W``) into what would be bubbles (ZB-H2 runs more forwards ahead and defers more
+``W``s); the step depends on where each ``W`` lands, which
 the chains of ``_cost`` do not express. So the estimate takes DAPPLE's per-stage costs of the
 same stages (forward, whole backward, transfers, all-reduce, update), splits each backward into
 ``B = backward - W`` and ``W`` (the profile's ``weight_s`` summed over the stage's layers and
 scaled with its samples; without ``weight_s`` a stage's ``W`` is 0, so nothing is gained over
 DAPPLE's order), and replays the schedule's lists event by event (``_replay``). Memory: each
 stage keeps the schedule's peak of live micro-batches (``schedule.peak_in_flight``: a
-micro-batch lives from its forward to its ``W``), ``min(S, M)`` on every stage, the first
-stage's DAPPLE depth. The phases stay DAPPLE's (its pivot, ``T_w`` and ``T_s``); ``T_e`` is the
+micro-batch lives from its forward to its ``W``): ``min(S, M)`` on every stage under ZB-H1, the
+first stage's DAPPLE depth, ``min(2S - 1, M)`` under ZB-H2, which ``memory_limit`` then prices
+(a plan that fits under ZB-H1 may not under ZB-H2). The phases stay DAPPLE's (its pivot, ``T_w`` and ``T_s``); ``T_e`` is the
 rest of the replayed step.
 """
 
@@ -36,10 +38,10 @@ def stage_weight(model: CostModel, start: int, end: int, samples: int) -> float:
 
 
 def zero_bubble(model: CostModel, plan: Plan) -> Estimate:
-    """``model``'s estimate of ``plan`` under ``zb-h1`` (see the module docstring)."""
+    """``model``'s estimate of ``plan`` under its zero-bubble schedule (see the module docstring)."""
     base = model.estimate(replace(plan, schedule="dapple"))
     count, m = plan.num_stages, plan.micro_batches
-    lists = schedule("zb-h1", count, m)
+    lists = schedule(plan.schedule, count, m)
     weight = tuple(
         min(stage_weight(model, s.start, s.end, n), b) for s, n, b in zip(plan.stages, base.samples, base.backward_s)
     )

@@ -19,7 +19,7 @@ from typing import Any
 
 import optuna
 
-from dapple_lightning.plan import SCHEDULES, Plan
+from dapple_lightning.plan import SCHEDULES, ZERO_BUBBLE, Plan
 from dapple_lightning.search._space import PlanSpace, describe_plan
 from dapple_lightning.search._trial import TrialConfig
 
@@ -140,10 +140,12 @@ def planner_seeds(
         # The program searches chains of schedules with a closed form; zero bubble reuses DAPPLE's.
         schedule=next((s for s in space.schedules if s in SCHEDULES), "dapple"),
     )
+    # A space of zero-bubble schedules alone gets DAPPLE's plans under its first one.
+    zero_bubble = next((s for s in space.schedules if s in ZERO_BUBBLE), "zb-h1")
     out: list[SeedPlan] = []
     for rank, p in enumerate(planned):
         # The space places stage s on the next r_s ranks; on one node every placement is alike.
-        schedule = p.plan.schedule if p.plan.schedule in space.schedules else "zb-h1"
+        schedule = p.plan.schedule if p.plan.schedule in space.schedules else zero_bubble
         plan = Plan(tuple(replace(s, ranks=None) for s in p.plan.stages), p.plan.micro_batches, schedule)
         if space.contains(plan) and plan not in (s.plan for s in out):
             step = p.predicted_step_s if schedule == p.plan.schedule else model.estimate(plan).step_s

@@ -68,6 +68,9 @@ def test_the_search_may_seed_zero_bubble_plans(monkeypatch):
     only = PlanSpace(4, 4, 8, micro_batches=(2, 4, 8), schedules=("zb-h1",), max_stages=4)
     planned = planner_seeds(split.to_dict(), only, 3, units=2)
     assert planned and all(s.plan.schedule == "zb-h1" and only.contains(s.plan) for s in planned)
+    only = PlanSpace(4, 4, 8, micro_batches=(2, 4, 8), schedules=("zb-h2",), max_stages=4)
+    planned = planner_seeds(split.to_dict(), only, 3, units=2)
+    assert planned and all(s.plan.schedule == "zb-h2" and only.contains(s.plan) for s in planned)
 
 
 def test_no_seed_is_predicted_over_the_memory_limit():

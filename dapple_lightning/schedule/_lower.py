@@ -1,0 +1,162 @@
+"""Lowering: a plan's per-stage orders turned into every rank's program, messages included."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from dapple_lightning.plan import Plan
+from dapple_lightning.rows import Rows, even_split, transfers
+from dapple_lightning.schedule._orders import Action, schedule
+
+OpKind = Literal["F", "B", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "REDUCE"]
+_COMPUTE = ("F", "B", "W")
+
+
+@dataclass(frozen=True)
+class Op:
+    """One step of one rank's lowered program.
+
+    ``F3``/``B3`` compute micro-batch 3's forward or backward on the rank's slice, ``W3`` its
+    weights' gradient where the schedule splits the backward (it sends nothing).
+    ``SEND_F3>2`` sends rank 2 the rows ``rows`` of F3's output, ``RECV_F3<0`` receives
+    rank 0's piece of F3's input (pieces are concatenated in program order); ``SEND_B`` and
+    ``RECV_B`` carry gradients back the same way. ``REDUCE`` stands before the rank's last
+    backward (its last ``W`` where the schedule has them): from there on the stage's gradients are summed over its replicas as backward
+    finishes them (the sums are waited for when the step ends).
+    """
+
+    kind: OpKind
+    micro_batch: int = -1
+    peer: int = -1
+    rows: Rows | None = None
+    """The rows of this rank's slice of the micro-batch that the message carries."""
+
+    def __str__(self) -> str:
+        if self.kind == "REDUCE":
+            return "REDUCE"
+        text = f"{self.kind}{self.micro_batch}"
+        if self.kind.startswith("SEND"):
+            text += f">{self.peer}"
+        elif self.kind.startswith("RECV"):
+            text += f"<{self.peer}"
+        if self.rows is not None:
+            text += f"[{self.rows.start}:{self.rows.stop}]"
+        return text
+
+    @classmethod
+    def parse(cls, text: str) -> Op:
+        """The op that ``str`` prints, e.g. ``"F0"``, ``"SEND_F0>1"``, ``"RECV_B2<3[0:4]"``, ``"REDUCE"``."""
+        found = re.fullmatch(r"(SEND_F|RECV_F|SEND_B|RECV_B|F|B|W)(\d+)(?:([<>])(\d+))?(?:\[(\d+):(\d+)\])?", text)
+        if text == "REDUCE":
+            return cls("REDUCE")
+        if found is None:
+            raise ValueError(
+                f"an op is F<m>, B<m>, W<m>, SEND_F<m>><rank>, RECV_F<m><<rank> (and _B), or REDUCE; got {text!r}"
+            )
+        kind, m, arrow, peer, start, stop = found.groups()
+        if (kind in _COMPUTE) != (arrow is None) or (arrow is not None and arrow != (">" if "SEND" in kind else "<")):
+            raise ValueError(f"{text!r}: sends name their peer after '>', receives after '<', computations none")
+        rows = Rows(int(start), int(stop)) if start is not None else None
+        return cls(kind, int(m), int(peer) if peer is not None else -1, rows)  # type: ignore[arg-type]
+
+    @property
+    def action(self) -> Action:
+        """The computation this op belongs to (``SEND_F3`` and ``RECV_F3`` belong to ``F3``)."""
+        return Action(self.kind[-1], self.micro_batch)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class Program:
+    """Every rank's lowered ops for one step, and the stage each rank runs."""
+
+    ranks: tuple[tuple[Op, ...], ...]
+    stage_of: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.ranks) != len(self.stage_of):
+            raise ValueError(f"{len(self.ranks)} op lists for {len(self.stage_of)} ranks")
+
+    def __getitem__(self, rank: int) -> tuple[Op, ...]:
+        return self.ranks[rank]
+
+    def table(self) -> str:
+        """One line per rank: its stage and its ops in order."""
+        return "\n".join(
+            f"rank {r} (stage {s}): {' '.join(map(str, ops))}"
+            for r, (ops, s) in enumerate(zip(self.ranks, self.stage_of, strict=True))
+        )
+
+
+def _stage_ops(
+    plan: Plan, stage: int, replica: int, micro: list[Rows], order: Sequence[Action], train: bool
+) -> list[Op]:
+    """One replica's ops: each computation with the receives it needs before it and the sends
+    of what it made after it, in the order both ends of every pair follow."""
+    prev = plan.stage_ranks(stage - 1) if stage > 0 else ()
+    next_ = plan.stage_ranks(stage + 1) if stage < plan.num_stages - 1 else ()
+    mine = plan.stages[stage].replicas
+    # The weights' gradients are final in the last W, or in the last B where there is no W.
+    weights = "W" if any(a.kind == "W" for a in order) else "B"
+    last_backward = max((i for i, a in enumerate(order) if a.kind == weights), default=-1)
+    ops: list[Op] = []
+    for index, action in enumerate(order):
+        m, rows = action.micro_batch, len(micro[action.micro_batch])
+        upstream = [t for t in transfers(rows, len(prev), mine) if t.dst == replica] if prev else []
+        downstream = [t for t in transfers(rows, mine, len(next_)) if t.src == replica] if next_ else []
+        if action.kind == "F":
+            ops += [Op("RECV_F", m, prev[t.src], t.dst_rows) for t in upstream]
+            ops.append(Op("F", m))
+            ops += [Op("SEND_F", m, next_[t.dst], t.src_rows) for t in downstream]
+            continue
+        if index == last_backward and train:
+            ops.append(Op("REDUCE"))
+        if action.kind == "W":
+            ops.append(Op("W", m))
+            continue
+        ops += [Op("RECV_B", m, next_[t.dst], t.src_rows) for t in downstream]
+        ops.append(Op("B", m))
+        ops += [Op("SEND_B", m, prev[t.src], t.dst_rows) for t in upstream]
+    return ops
+
+
+def lower(plan: Plan, batch_rows: int, *, train: bool = True) -> Program:
+    """Every rank's ops for a global batch of ``batch_rows`` rows under ``plan``.
+
+    Training runs the plan's schedule; evaluation (``train=False``) runs the forwards in order.
+    Between stages with different replica counts each micro-batch travels in pieces
+    (split-concat, see :func:`~dapple_lightning.rows.transfers`), one message per piece.
+    """
+    micro = even_split(batch_rows, plan.micro_batches, "batch rows (micro-batches)")
+    orders = (
+        schedule(plan.schedule, plan.num_stages, plan.micro_batches)
+        if train
+        else [[Action("F", m) for m in range(plan.micro_batches)]] * plan.num_stages
+    )
+    stage_of = tuple(plan.stage_of(r) for r in range(plan.world_size))
+    ranks = tuple(
+        tuple(_stage_ops(plan, stage_of[r], plan.replica_of(r), micro, orders[stage_of[r]], train))
+        for r in range(plan.world_size)
+    )
+    return Program(ranks, stage_of)
+
+
+def lower_stages(stages: Sequence[Sequence[Action]]) -> Program:
+    """A straight pipeline (one rank per stage, one row per micro-batch) running the given
+    per-stage computation orders; what :func:`simulate` and :func:`grid` take stage lists as."""
+    ranks = []
+    last = len(stages) - 1
+    for s, order in enumerate(stages):
+        ops: list[Op] = []
+        for action in order:
+            m = action.micro_batch
+            if action.kind == "F":
+                ops += [Op("RECV_F", m, s - 1)] * (s > 0) + [Op("F", m)] + [Op("SEND_F", m, s + 1)] * (s < last)
+            elif action.kind == "W":
+                ops.append(Op("W", m))
+            else:
+                ops += [Op("RECV_B", m, s + 1)] * (s < last) + [Op("B", m)] + [Op("SEND_B", m, s - 1)] * (s > 0)
+        ranks.append(tuple(ops))
+    return Program(tuple(ranks), tuple(range(len(stages))))

@@ -5,9 +5,10 @@ With ``DappleStrategy(recovery="log")``, every rank that sends to a rank of an u
 keeps, per training step, the messages it sent that rank (the activations in, or the gradients
 in) in host memory, and writes them to node-local storage with the state recovery keeps when a
 peer is lost; the lowest-ranked of them keeps the step's global batch too (the stage's own rows,
-labels and inputs come from it). The log is cut back at every checkpoint the strategy saves:
-steps before the one saved before it are dropped, so it holds the steps since the last two
-checkpoints.
+labels and inputs come from it). A replay starts from a checkpoint the strategy saved, so the
+log holds only steps since one: none before the first save (a run that never saves one keeps
+nothing), and from then on the steps since the checkpoint before the last (keeping one more covers
+a save that a failure interrupted).
 
 After torchrun's restart, :func:`replay_lost_stages` (from :func:`._resume.recover`, collective):
 when a stage has no rank that kept the recovered step and one rank, its replacement loads its
@@ -67,8 +68,11 @@ class Logbook:
             self._messages.setdefault((link, dst), []).append((copies, as_tuple))
 
     def end_step(self, step: int, batch: Any, batch_idx: int) -> None:
-        """The step's messages (and batch) join the log."""
+        """The step's messages (and batch) join the log, once a checkpoint was saved to replay from."""
         if not self.watched:
+            return
+        if not self._checkpoints:  # no replay could use it: no growth without bound when none is saved
+            self._messages = {}
             return
         entry = {"messages": self._messages, "batch_idx": batch_idx}
         if self.keeps_batch:
@@ -80,8 +84,6 @@ class Logbook:
         """A checkpoint of ``step`` was saved: only the steps since the one before it stay (in memory,
         and on storage from an earlier loss)."""
         self._checkpoints = [*self._checkpoints[-1:], step]
-        if len(self._checkpoints) < 2:
-            return
         for old in [s for s in self._steps if s < self._checkpoints[0]]:
             del self._steps[old]
         if self.directory.is_dir():

@@ -1,4 +1,5 @@
-"""The per-step snapshot's parts (strategy/_snapshot.py): copies the live objects cannot change."""
+"""What recovery keeps while training runs well: the per-step snapshot (strategy/_snapshot.py) and
+the log of ``recovery="log"`` (strategy/_logbook.py)."""
 
 from __future__ import annotations
 
@@ -73,3 +74,36 @@ def test_a_snapshot_shares_nothing_with_what_it_was_taken_from() -> None:
     random.setstate(restored["rng"]["python"])
     torch.testing.assert_close(torch.rand(4), drawn[0], rtol=0, atol=0)
     assert (np.random.rand(4) == drawn[1]).all() and random.random() == drawn[2]
+
+
+def test_the_log_keeps_only_steps_a_replay_can_start_from(tmp_path) -> None:
+    """recovery="log": a replay starts from a checkpoint, so nothing is kept before the first save (a run
+    that never saves would otherwise grow the log every step), then the steps since the checkpoint
+    before the last, in memory and on storage."""
+    from dapple_lightning.plan import Plan
+    from dapple_lightning.strategy._logbook import Logbook
+
+    plan = Plan.coerce({"micro_batches": 1, "stages": [{"layers": [0, 1]}, {"layers": [1, 2]}]})
+    book = Logbook(plan, 0, tmp_path / "log")
+    assert book.watched == {1}
+
+    def train(steps: range) -> None:
+        for step in steps:
+            book.record("F", 1, [torch.full((2,), float(step))], False)
+            book.end_step(step, (torch.ones(1),), step)
+
+    train(range(0, 50))
+    assert book._steps == {}
+    book.checkpointed(50)
+    train(range(50, 55))
+    book.flush()
+    assert sorted(book._steps) == [50, 51, 52, 53, 54]
+    assert sorted(int(p.stem[4:]) for p in (tmp_path / "log").glob("step*.pt")) == [50, 51, 52, 53, 54]
+    book.checkpointed(53)  # one more checkpoint back is kept: a save a failure interrupted
+    assert sorted(book._steps) == [50, 51, 52, 53, 54]
+    book.checkpointed(55)
+    train(range(55, 57))
+    assert sorted(book._steps) == [53, 54, 55, 56]
+    assert sorted(int(p.stem[4:]) for p in (tmp_path / "log").glob("step*.pt")) == [53, 54]
+    (entry,) = book.read(range(53, 54), 1)
+    torch.testing.assert_close(entry["messages"][("F", 1)][0][0][0], torch.full((2,), 53.0))

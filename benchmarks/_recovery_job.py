@@ -10,7 +10,8 @@ MODE:
                 ``DappleStrategy(recovery=False)`` and ``recovery=True``, the order turned every round
     alternate   one fit of STEPS steps with ``recovery=True`` whose per-step work (the snapshot at the
                 safe point, the vote) is switched on and off step by step, in pairs whose order
-                turns every pair (on off, off on, on off, ...), so the steps compared are neighbours
+                turns every pair (on off, off on, on off, ...), so the steps compared are neighbours;
+                with ``DAPPLE_BENCH_ON=log``, the log's copies too, and a checkpoint every SAVE_EVERY steps
     recover     ``recovery=True``; rank 1 (a stage-0 replica) SIGKILLs itself in its forward of
                 step KILL_AT on the first attempt, and the restarted job recovers without a checkpoint
     checkpoint  ``recovery=False`` and a ``ModelCheckpoint`` every 5 steps; the same kill; the
@@ -59,6 +60,7 @@ VICTIM = 1  # a replica of stage 0
 WIDTH, LAYERS = 1024, 6  # Linear(1024, 1024) + Tanh, six times: 6.3M parameters
 BATCH = int(os.environ.get("DAPPLE_BENCH_BATCH", 64))
 CHECKPOINT_EVERY = 5
+SAVE_EVERY = 50  # alternate mode with recovery="log": a checkpoint every this many steps (the log's retention)
 CUT = 2 * LAYERS - 4  # stage 0: four Linear layers on two replicas; stage 1: two on one rank
 PLAN = {
     "micro_batches": 2,
@@ -169,7 +171,10 @@ class Alternate(Callback):
     At the end of a step every bit of its bookkeeping is done and the next safe point is ahead."""
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        trainer.strategy._recovery.active = alternate_on(trainer.global_step)
+        recovery, on = trainer.strategy._recovery, alternate_on(trainer.global_step)
+        recovery.active = on
+        if recovery.logbook is not None:  # recovery="log": the copies of what is sent too
+            trainer.strategy._pipeline.record = recovery.logbook.record if on else None
 
 
 class TimedCheckpoint(ModelCheckpoint):
@@ -189,6 +194,8 @@ def fit(recovery: bool, steps: int) -> None:
     callbacks: list[Callback] = [Events()]
     if MODE == "alternate":
         callbacks.append(Alternate())
+    if MODE == "alternate" and ON == "log":  # the log keeps the steps since a checkpoint: save some
+        callbacks.append(ModelCheckpoint(OUT / "ckpt", "{step}", every_n_train_steps=SAVE_EVERY, save_top_k=1))
     if MODE == "checkpoint":
         callbacks.append(TimedCheckpoint(OUT / "ckpt", "{step}", every_n_train_steps=CHECKPOINT_EVERY, save_top_k=-1))
     trainer = Trainer(
@@ -200,7 +207,7 @@ def fit(recovery: bool, steps: int) -> None:
         max_steps=steps,
         logger=False,
         enable_progress_bar=False,
-        enable_checkpointing=MODE == "checkpoint",
+        enable_checkpointing=MODE == "checkpoint" or (MODE == "alternate" and ON == "log"),
         enable_model_summary=False,
         callbacks=callbacks,
     )

@@ -17,6 +17,8 @@ momentum; plan 2:1, M = 2: four layers on ranks 0 and 1, two on rank 2) under
    vote are switched on and off step by step (pairs on-off, off-on, ...; the heartbeat, the
    signal handler and the data-order wrapper stay on in both), so the drift of a shared machine
    between fits is out of the comparison; per pair, on/off and on - off of rank 0's step times.
+   With ``--on log`` the log's copies are switched with them, and the job saves a checkpoint every
+   50 steps (the log keeps the steps since one); pairs with a save are left out.
 2. **Recovery time.** ``--repeats`` launches of each, interleaved: rank 1 (a stage-0 replica)
    SIGKILLs itself in its forward of step ``--kill-at`` of ``--steps``;
    ``recover``: ``recovery=True``, no checkpoint; ``checkpoint``: ``recovery=False``, a
@@ -53,6 +55,7 @@ RANKS = {"pipeline": 3, "replicas": 2, "stages": 2}
 """Ranks of each ``--plan``: 2:1 (four layers on 2 replicas, two on one rank), one stage on 2 ranks,
 or 1:1 with the same cut (no replica, so nothing could be recovered: the per-step cost alone)."""
 CHECKPOINT_EVERY = 5  # as in the job
+SAVE_EVERY = 50  # as in the job (alternate with --on log)
 PHASES = [
     ("spawned", "kill to the restarted ranks' start (detection, survivors' exit, torchrun's restart)"),
     ("imported", "interpreter and imports (torch, Lightning, dapple)"),
@@ -131,12 +134,16 @@ def overhead(work: Path, rounds: int, steps: int, warmup: int) -> dict[str, Any]
     return {"rounds": per_round, "hooks": hooks, "wall": wall}
 
 
-def alternate(work: Path, steps: int, warmup: int) -> dict[str, Any]:
-    """Part 1 within one fit: per pair of neighbouring steps, the on step's time against the off one's."""
+def alternate(work: Path, steps: int, warmup: int, save_every: int | None) -> dict[str, Any]:
+    """Part 1 within one fit: per pair of neighbouring steps, the on step's time against the off one's.
+    With ``save_every`` (``--on log``: the job saves a checkpoint every that many steps, in the step
+    after the one saved), pairs with a save in them are left out."""
     wall = launch(work / "alternate", "alternate", steps, -1)
     ends = events_by_label(work / "alternate")["alternate"]
     pairs = []
     for first in range(max(2, warmup + warmup % 2), len(ends) - 1, 2):  # steps first, first + 1
+        if save_every and any(step % save_every == 0 for step in (first, first + 1)):
+            continue
         times = {step: ends[step] - ends[step - 1] for step in (first, first + 1)}
         on, off = (times[first], times[first + 1]) if alternate_on(first) else (times[first + 1], times[first])
         pairs.append({"on": on, "off": off})
@@ -338,8 +345,6 @@ def main() -> None:
             f"need 0 < --warmup < --overhead-steps - 2 and {CHECKPOINT_EVERY} < --kill-at < --steps "
             f"(got {args.warmup}, {args.overhead_steps}, {args.kill_at}, {args.steps})"
         )
-    if args.part == "alternate" and args.on == "log":
-        parser.error("--part alternate switches the snapshot and the vote, not the log's copies: use --part overhead")
     if args.plan != "pipeline" and args.part in ("both", "recovery"):
         parser.error(f"--plan {args.plan} measures the overhead only: use --part overhead or --part alternate")
     os.environ["DAPPLE_BENCH_BATCH"] = str(args.batch)
@@ -358,7 +363,8 @@ def main() -> None:
         if args.part in ("both", "overhead"):
             show_overhead(overhead(work, args.rounds, args.overhead_steps, args.warmup))
         if args.part == "alternate":
-            show_alternate(alternate(work, args.alternate_steps, args.warmup))
+            save_every = SAVE_EVERY if args.on == "log" else None
+            show_alternate(alternate(work, args.alternate_steps, args.warmup, save_every))
     if args.part in ("both", "recovery"):
         show_recovery(runs, args.kill_at)
     print(

@@ -9,13 +9,13 @@ snapshot, to node-local storage and ends; torchrun's agent then restarts every r
 :mod:`._resume` hands the state back (a replacement receives its stage's from a replica).
 
 Consistency comes from a per-step vote in the launcher's store, just before the optimizer step
-(after Lightning's closure and gradient clipping, inside the optimizer's step): every rank adds one to the step's count, and the rank that
-completes it decides ``commit``; a rank that learns of a lost peer while waiting decides
-``abort`` (the heartbeat thread writes it, on a store client of its own, to wake the ranks waiting
-on the key). The decision is one ``compare_set`` on one key, so it is a single fact for every rank:
-on ``commit`` every live rank steps (the step is local and cannot fail because of a peer), on
-``abort`` none does. A gloo collective cannot serve as the vote: it can complete on one rank and
-fail on another when a third dies in it.
+(after Lightning's closure and gradient clipping, inside the optimizer's step), on one counter per
+step (:mod:`._ballot`): every rank adds one to it, and a rank that learns of a lost peer adds a
+large number instead (the heartbeat thread does, on a store client of its own, which also wakes
+the ranks waiting). The order of those adds is the decision: the step commits when every vote came
+before any abort. On commit every live rank steps (the step is local and cannot fail because of a
+peer), on abort none does. A gloo collective cannot serve as the vote: it can complete on one rank
+and fail on another when a third dies in it.
 
 The phases of a rank, and what a failure in each leaves:
 
@@ -60,6 +60,7 @@ from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from dapple_lightning.strategy._ballot import Ballot, Undecided
 from dapple_lightning.strategy._heartbeat import attempt, launcher_client
 from dapple_lightning.strategy._order import EpochOrder, track
 from dapple_lightning.strategy._snapshot import BufferCopies, Snapshot, loops_state
@@ -121,10 +122,9 @@ class Recovery:
         self._trainer: Any = None
         self._identity: dict[str, Any] = {}
         self._snapshot: Snapshot | None = None
-        self._store: Any = None  # the main thread's client of the launcher's store, for the vote
-        self._aborts: Any = None  # another client, for the heartbeat thread: it aborts a vote being waited on
-        self._pending: str | None = None  # the decision key the main thread waits on
-        self._votes = 0
+        self._ballot: Ballot | None = None  # the main thread's vote, on its own client of the launcher's store
+        self._aborts: Ballot | None = None  # another client's, for the heartbeat thread: it aborts a vote under way
+        self._pending: int | None = None  # the step whose vote the main thread casts or waits for
         self._signals: Any = None
         self._unwrap: Any = None  # puts the precision plugin's closure hook back
         self._buffers: dict[str, Any] = {}  # the module's buffers at the last safe point
@@ -152,7 +152,7 @@ class Recovery:
             "_lost",
             "_unwrap",
             "_trainer",
-            "_store",
+            "_ballot",
             "_aborts",
             "_signals",
             "_buffers",
@@ -164,7 +164,7 @@ class Recovery:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._fresh_sync()
-        self._unwrap = self._trainer = self._store = self._aborts = self._signals = None
+        self._unwrap = self._trainer = self._ballot = self._aborts = self._signals = None
         self._buffers, self._buffer_copies = {}, None
 
     # ------------------------------------------------------------------ set-up
@@ -179,7 +179,9 @@ class Recovery:
         if not is_active(self.mode):
             return
         self._timeout_s = identity["timeout_s"]
-        self._store, self._aborts = (_vote_store(trainer, identity["fit"], self._timeout_s) for _ in range(2))
+        self._ballot, self._aborts = (
+            Ballot(_vote_store(trainer, identity["fit"], self._timeout_s), identity["world"]) for _ in range(2)
+        )
         if trainer.accumulate_grad_batches != 1 or not trainer.lightning_module.automatic_optimization:
             rank_zero_warn(
                 "dapple: recovery needs automatic optimization without gradient accumulation (one optimizer step "
@@ -230,7 +232,7 @@ class Recovery:
             self._unwrap()
             self._unwrap = None
         self.active = False
-        self._store = self._aborts = None  # the vote's connections to the launcher's store
+        self._ballot = self._aborts = None  # the vote's connections to the launcher's store
 
     # ------------------------------------------------------------------ the step
 
@@ -304,39 +306,27 @@ class Recovery:
         with self._lock:
             self._phase = "window"  # a write from now on waits for the end of the update
         step = self._snapshot.step
-        key = f"decision/{step}"
-        if self._store.add(f"votes/{step}", 1) == self._identity["world"]:
-            decision = self._store.compare_set(key, "", "commit")
-        else:
-            decision = self._await(key)
+        self._pending = step  # from here a loss the heartbeat sees aborts this step's vote
+        try:
+            # A loss seen before the step was published was missed by on_peer_lost's abort.
+            if self._lost.is_set() or self._exit_at_safe_point:
+                commit = self._ballot.abort(step)
+            else:
+                commit = self._ballot.cast(step)
+        except Undecided as error:  # the phase stays "window": no state is kept, since peers may have updated
+            raise RuntimeError(f"dapple: {error}; this rank cannot tell whether its peers updated") from error
+        finally:
+            self._pending = None
         # Every rank has voted on step - 1, so step - 2's keys are done with. The last rank (on the last
         # stage, which ends its backward first and waits here anyway) deletes them, off the critical path.
         if self.rank == self._identity["world"] - 1 and step >= 2:
-            for old in (f"votes/{step - 2}", f"decision/{step - 2}"):
-                self._store.delete_key(old)
-        if decision != b"commit":
+            self._ballot.forget(step - 2)
+        if not commit:
             with self._lock:
                 self._phase = "step"  # nothing stepped: the snapshot still describes this rank
             raise RuntimeError(
                 f"dapple: a peer was lost before every rank reached the optimizer step of step {step}; no rank steps"
             )
-
-    def _await(self, key: str) -> bytes:
-        """The decision, once the last rank made it; ``abort`` once a peer is known lost (the heartbeat
-        thread writes it, which wakes every waiting rank) or the process group's timeout passed. The
-        store answers a wait when the key is set: nothing polls while a rank waits for slower stages."""
-        self._pending = key
-        try:
-            # After publishing the key: a loss seen before then was missed by on_peer_lost's abort.
-            if self._lost.is_set() or self._exit_at_safe_point:
-                return self._store.compare_set(key, "", "abort")
-            try:
-                self._store.wait([key], datetime.timedelta(seconds=self._timeout_s))
-            except RuntimeError:  # the timeout (DistStoreError), or the store is gone
-                return self._store.compare_set(key, "", "abort")
-            return self._store.get(key)
-        finally:
-            self._pending = None
 
     # ------------------------------------------------------------------ a loss
 
@@ -366,9 +356,9 @@ class Recovery:
         aborts, pending = self._aborts, self._pending  # (close() may clear them as this runs)
         if self.active and aborts is not None and pending is not None:
             try:  # the main thread waits for a vote that the lost peer will never cast
-                aborts.compare_set(pending, "", "abort")
+                aborts.abort(pending, learn=False)
             except RuntimeError as error:
-                sys.stderr.write(f"dapple: rank {self.rank} could not abort the vote on {pending}: {error}\n")
+                sys.stderr.write(f"dapple: rank {self.rank} could not abort the vote on step {pending}: {error}\n")
         if self.active:
             with self._lock:
                 if self._phase == "step":

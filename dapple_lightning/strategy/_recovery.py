@@ -71,6 +71,19 @@ __all__ = ["FORMAT", "Recovery", "RecoveryMode", "file_of", "is_active"]
 RecoveryMode = bool | Literal["auto", "log"]
 FORMAT = 1
 """Version of the files survivors write; a file of another version is not read."""
+_PROCESS_LOCAL = (
+    "_lock",
+    "_written",
+    "_lost",
+    "_unwrap",
+    "_trainer",
+    "_signals",
+    "_ballot",
+    "_aborts",
+    "_buffers",
+    "_buffer_copies",
+)
+"""A :class:`Recovery`'s attributes that do not travel to spawned ranks: locks, hooks, connections, live objects."""
 _WINDOW_WAIT_S = 10.0
 """How long a lost peer's watcher waits for the main thread to reach a safe point from the window."""
 
@@ -146,18 +159,7 @@ class Recovery:
 
     def __getstate__(self) -> dict[str, Any]:  # the strategy travels to spawned ranks before any fit
         state = self.__dict__.copy()
-        for name in (
-            "_lock",
-            "_written",
-            "_lost",
-            "_unwrap",
-            "_trainer",
-            "_ballot",
-            "_aborts",
-            "_signals",
-            "_buffers",
-            "_buffer_copies",
-        ):
+        for name in _PROCESS_LOCAL:
             state.pop(name)
         return state
 

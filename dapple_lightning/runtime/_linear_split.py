@@ -56,7 +56,7 @@ class StoredGrads:
     def take(self) -> dict[nn.Parameter, torch.Tensor]:
         """The parameters' gradients from the stored entries (summed per parameter, in the
         parameters' dtype), emptying the store."""
-        grads, self.ready = self.ready, {}
+        stored: dict[torch.Tensor, torch.Tensor] = {}
         # Newest first: B stored them from the stage's last layer down, so the last stored are
         # the likeliest still in cache.
         for (weight, bias), x, g in reversed(self.entries):
@@ -65,8 +65,13 @@ class StoredGrads:
             if bias is not None:
                 pairs.append((bias, g2.sum(0)))
             for p, grad in pairs:
-                grad = grad.to(p.dtype)
-                grads[p] = grads[p] + grad if p in grads else grad
+                stored[p] = stored[p] + grad if p in stored else grad
+        # A layer called twice under autocast sums its calls' gradients in the autocast dtype,
+        # as autocast's one cached copy of the weight does, then converts.
+        grads, self.ready = self.ready, {}
+        for p, grad in stored.items():
+            grad = grad.to(p.dtype)
+            grads[p] = grads[p] + grad if p in grads else grad
         self.entries = []
         return grads
 

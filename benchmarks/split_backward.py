@@ -60,7 +60,7 @@ from benchmarks.runtime import BATCH, SEQ, SPLIT, STAGES, build_layers, make_dat
 from dapple_lightning.runtime import backward_input, backward_weight  # noqa: E402
 
 try:  # absent in checkouts before the store (--code)
-    from dapple_lightning.runtime import LinearStore, StoredGrads, WeightWork, backward_stored, storable_params
+    from dapple_lightning.runtime import LinearStore, StoredGrads, WeightWork, backward_stored, storable_linears
 except ImportError:
     LinearStore = None
 from dapple_lightning.schedule import schedule  # noqa: E402
@@ -102,7 +102,7 @@ def run(stage: int, module, batches, order, way: str) -> dict[str, float]:
     weights = [p for p in module.parameters() if p.requires_grad]
     times = {"F": 0.0, "B": 0.0, "W": 0.0}
     live: dict[int, tuple] = {}
-    layers = LinearStore(storable_params(module) if way == "store" else []) if LinearStore else None
+    layers = LinearStore(storable_linears(module) if way == "store" else []) if LinearStore else None
     stores = {m: StoredGrads() if way == "store" else None for m in range(len(batches))}
     usage = resource.getrusage(resource.RUSAGE_SELF)
     for action in order:

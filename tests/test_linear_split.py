@@ -15,7 +15,7 @@ from dapple_lightning.runtime import (
     WeightWork,
     backward_stored,
     backward_weight,
-    storable_params,
+    storable_linears,
 )
 
 
@@ -49,7 +49,7 @@ def _run(stored: bool, autocast: bool = False, recompute: bool = False):
     for name, p in model.named_parameters():
         p.register_post_accumulate_grad_hook(lambda _, name=name: fired.append(name))
     x = torch.randn(3, 5, 8, generator=torch.Generator().manual_seed(1)).requires_grad_()
-    store, layers = StoredGrads(), LinearStore(storable_params(model))
+    store, layers = StoredGrads(), LinearStore(storable_linears(model))
     with layers.storing(store if stored else None), torch.autocast("cpu", torch.bfloat16, enabled=autocast):
         out = checkpoint(model, x, use_reentrant=False) if recompute else model(x)
     loss = out.float().pow(2).sum()
@@ -59,7 +59,7 @@ def _run(stored: bool, autocast: bool = False, recompute: bool = False):
     with layers.storing(store):  # as the runtime runs B: recomputed layers are routed again
         (x_grad,) = backward_stored([loss], [None], [x], list(model.parameters()), store)
     assert fired == [] and all(bool((p.grad == 0.5).all()) for p in model.parameters()), "B left .grad alone"
-    # first, twice (two calls) and out; attention's projections and the tied layer are not routed
+    # first, twice (two calls) and out; attention's projections and the tied layer are not stored
     assert len(store.entries) == 4, len(store.entries)
     backward_weight(WeightWork([]), store.take())
     return x_grad, {n: p.grad for n, p in model.named_parameters()}, fired
@@ -78,20 +78,25 @@ def test_stored_linear_work_equals_one_backward(autocast: bool, recompute: bool)
     assert sorted(fired) == sorted(fired_plain) == sorted(want), "one hook per parameter"
 
 
-def test_storable_params_leave_out_tied_and_shared_ones() -> None:
+def test_storable_linears_leave_out_tied_shared_and_overridden_ones() -> None:
     model = Block()
-    shared = [model.out.weight]
-    ids = {id(p) for p in storable_params(model, shared)}
-    assert id(model.first.weight) in ids and id(model.attn.in_proj_weight) in ids
-    assert not ids & {id(model.tied.weight), id(model.tied.bias), id(model.out.weight)}
+    # out's weight is shared with another stage, tied is held twice. Attention's out_proj is
+    # storable but its forward is never called (the attention function uses its weight), so its
+    # gradient comes from B's pass.
+    assert storable_linears(model, [model.out.weight]) == [model.first, model.attn.out_proj, model.twice]
+    model.twice.forward = model.twice.forward  # set on the instance: left alone
+    assert model.twice not in storable_linears(model)
 
 
 def test_outside_storing_linear_layers_run_as_usual() -> None:
     layer, store = nn.Linear(2, 2), StoredGrads()
-    layers = LinearStore(storable_params(layer))
+    layers = LinearStore(storable_linears(layer))
     with layers.storing(store):
         routed = layer(torch.randn(1, 2, requires_grad=True))
     plain = layer(torch.randn(1, 2, requires_grad=True))
     assert type(routed.grad_fn).__name__ == "_StoredLinearBackward"
     assert type(plain.grad_fn).__name__ != "_StoredLinearBackward"
     assert "forward" not in vars(layer) and list(layer.state_dict()) == ["weight", "bias"]
+    with pytest.raises(RuntimeError, match="stop"), layers.storing(store):
+        raise RuntimeError("stop")
+    assert "forward" not in vars(layer), "removed on the way out of an error too"

@@ -26,7 +26,7 @@ from dapple_lightning.runtime._batchnorm import agree_buffers, synchronize_batch
 from dapple_lightning.runtime._blocks import Placeholder, stand_in_blocks, stand_in_layers
 from dapple_lightning.runtime._comm import Link, P2PGroups, Pending, Signature, p2p_groups, share, stage_group
 from dapple_lightning.runtime._executor import Pipeline, StepStats
-from dapple_lightning.runtime._linear_split import LinearStore, StoredGrads, backward_stored, storable_params
+from dapple_lightning.runtime._linear_split import LinearStore, StoredGrads, backward_stored, storable_linears
 from dapple_lightning.runtime._offload import Offloader
 from dapple_lightning.runtime._offload_records import Residency
 from dapple_lightning.runtime._recorded import Message, replaying
@@ -67,7 +67,7 @@ __all__ = [
     "stage_group",
     "stand_in_blocks",
     "stand_in_layers",
-    "storable_params",
+    "storable_linears",
     "synchronize_batch_norms",
     "write_chrome_trace",
 ]

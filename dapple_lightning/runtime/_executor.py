@@ -30,7 +30,7 @@ from torch import nn
 from dapple_lightning.plan import Plan
 from dapple_lightning.rows import Rows, even_split
 from dapple_lightning.runtime._comm import Incoming, Link, P2PGroups, Pending, concat_pieces, connect_pairs
-from dapple_lightning.runtime._linear_split import LinearStore, StoredGrads, backward_stored, storable_params
+from dapple_lightning.runtime._linear_split import LinearStore, StoredGrads, backward_stored, storable_linears
 from dapple_lightning.runtime._reducer import GradientReducer
 from dapple_lightning.runtime._split_backward import WeightWork, backward_input, backward_weight
 from dapple_lightning.runtime._stage import StageCall, StageExit, StageModule, count_saved
@@ -169,7 +169,7 @@ class Pipeline:
         self._param_storages = {p.untyped_storage().data_ptr() for p in module.parameters()}
         # Stage 0's B is empty (its W is the whole backward): its layers gain nothing from the store.
         plain = self.is_first or module.offload is not None
-        self._linears = LinearStore([] if plain else storable_params(module, self.shared_params))
+        self._linears = LinearStore([] if plain else storable_linears(module, self.shared_params))
         self._programs: dict[tuple[int, bool], tuple[Op, ...]] = {}
         self._handlers: dict[str, Callable[[_Step, Op], None]] = {
             "F": self._forward,
@@ -399,7 +399,7 @@ class Pipeline:
             # gradient: its B does nothing, its W the whole backward. Recomputed layers run their
             # forward again in B: through the store, as the first time.
             with self.timeline.span("backward-input", m), self._linears.storing(state.stored):
-                if self._linears.params and state.stored is not None:
+                if self._linears.layers and state.stored is not None:
                     found = backward_stored(outs, grads, inputs, self._weights(), state.stored)
                     state.weight_work = WeightWork([])
                 else:

@@ -5,41 +5,41 @@ inputs) and ``W`` (the weights'). The generic split (:mod:`._split_backward`) do
 autograd graph: ``W`` calls the engine once per group of weights, from the gradients recorded at
 the graph's frontier, and runs some nodes (layer norms) twice. For linear layers, which hold most
 of a model's weight work, this module does what zero-bubble implementations do instead (a "weight
-gradient store"): during a split step's forwards each ``F.linear`` call whose weight is eligible
-runs through :class:`_StoredLinear`, whose backward computes only the input's gradient and stores
-``(input, output gradient)``. :func:`backward_stored` (``B``) then makes one engine pass for the
-inputs' gradients and, in the same pass, every other weight's (layer norms, embeddings, weights
-used in ways other than ``F.linear``: small next to the linear layers'), kept in the store; the
-graph is freed there. ``W`` computes each stored weight's gradient as one matmul (and the bias' as
-a sum) and accumulates everything with one engine call from the parameters themselves
-(:func:`~._split_backward.backward_weight`), so ``.grad`` accumulates and the post-accumulate hooks
-(the gradient reducer's) fire once per parameter per ``W``, as in a plain backward.
+gradient store"): during a split step's forwards each eligible ``nn.Linear`` runs through
+:class:`_StoredLinear`, whose backward computes only the input's gradient and stores ``(input,
+output gradient)``. :func:`backward_stored` (``B``) then makes one engine pass for the inputs'
+gradients and, in the same pass, every other weight's (layer norms, embeddings, tied weights,
+linear calls that are not an eligible layer's forward, such as ``nn.MultiheadAttention``'s
+projections), kept in the store; the graph is freed there. ``W`` computes each stored weight's
+gradient as one matmul (and the bias' as a sum) and accumulates everything with one engine call
+from the parameters themselves (:func:`~._split_backward.backward_weight`), so ``.grad``
+accumulates and the post-accumulate hooks (the gradient reducer's) fire once per parameter per
+``W``, as in a plain backward.
 
-The Function takes the weight and bias detached: the graph has no edge from a linear call to its
+The Function takes the weight and bias detached: the graph has no edge from a stored layer to its
 parameters, so a weight also used elsewhere gets that other gradient from ``B``'s pass and the
-two are summed before ``W`` accumulates them, never counted twice. Eligible are the parameters
-the module tree holds once and that are not shared across stages (tied weights take the generic
-path, ``B``'s pass).
+two are summed before ``W`` accumulates them, never counted twice. Eligible are layers whose
+parameters the module tree holds once and that are not shared across stages.
 
-Nothing the user sees changes: the linear calls are routed by a ``TorchFunctionMode`` entered
-only around a split step's forwards and ``B``'s (recomputed layers run their forward again inside
-``B``); the module's classes, parameters and ``state_dict`` stay as they are. A linear call inside
-another overridable function (``F.multi_head_attention_forward``'s projections) is not seen by the
-mode and takes the generic path.
+Nothing the user keeps changes: a layer's ``forward`` is replaced by an instance attribute only
+around a split step's forwards and ``B``'s (recomputed layers run their forward again inside
+``B``), and removed after; the module's classes, parameters and ``state_dict`` stay as they are.
+An instance attribute costs nothing on the other calls, where a ``TorchFunctionMode`` routing
+``F.linear`` calls would see every call of the forward (docs/benchmarks.md compares the two).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
-__all__ = ["LinearStore", "StoredGrads", "backward_stored", "storable_params"]
+__all__ = ["LinearStore", "StoredGrads", "backward_stored", "storable_linears"]
 
 
 @dataclass(eq=False)
@@ -107,58 +107,53 @@ def _stored_linear(store: StoredGrads, x: torch.Tensor, weight: nn.Parameter, bi
     return _StoredLinear.apply(x, w, b, store, (weight, bias))
 
 
-class _Routing(TorchFunctionMode):
-    """Sends ``F.linear`` calls on eligible parameters through the store; everything else as is."""
-
-    def __init__(self, eligible: set[int], store: StoredGrads) -> None:
-        super().__init__()
-        self.eligible, self.store = eligible, store
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.linear and torch.is_grad_enabled():
-            x, weight, bias = _linear_args(*args, **kwargs)
-            if (
-                id(weight) in self.eligible
-                and (bias is None or (id(bias) in self.eligible and bias.requires_grad == weight.requires_grad))
-                and x.requires_grad
-                and weight.requires_grad
-            ):
-                return _stored_linear(self.store, x, weight, bias)
-        return func(*args, **kwargs)
+def _layer_forward(layer: nn.Linear, store: StoredGrads, x: torch.Tensor) -> torch.Tensor:
+    weight, bias = layer.weight, layer.bias
+    routed = torch.is_grad_enabled() and x.requires_grad and weight.requires_grad
+    if routed and (bias is None or bias.requires_grad):
+        return _stored_linear(store, x, weight, bias)
+    return F.linear(x, weight, bias)  # nothing to split here: autograd as usual
 
 
-def _linear_args(input, weight, bias=None):
-    return input, weight, bias
-
-
-def storable_params(module: nn.Module, shared: Sequence[nn.Parameter] = ()) -> list[nn.Parameter]:
-    """The parameters of ``module`` whose linear work may be stored: those the module tree holds
-    once and that are not in ``shared`` (parameters tied across modules or stages are not)."""
+def storable_linears(module: nn.Module, shared: Sequence[nn.Parameter] = ()) -> list[nn.Linear]:
+    """The linear layers of ``module`` whose weight work may be stored: ``nn.Linear``s running
+    ``nn.Linear``'s own forward (not a subclass' override, not one set on the instance) whose
+    parameters the module tree holds once and which are not in ``shared`` (tied across modules or
+    stages)."""
     uses: dict[int, int] = {}
     for p in (*(p for _, p in module.named_parameters(remove_duplicate=False)), *shared):
         uses[id(p)] = uses.get(id(p), 0) + 1
-    return list({id(p): p for p in module.parameters() if uses[id(p)] == 1}.values())
+    return [
+        m
+        for m in dict.fromkeys(module.modules())
+        if isinstance(m, nn.Linear)
+        and type(m).forward is nn.Linear.forward
+        and "forward" not in vars(m)
+        and all(uses.get(id(p)) == 1 for p in m.parameters(recurse=False))
+    ]
 
 
 class LinearStore:
-    """Routes a stage's linear calls on ``params`` through the store while a split step runs them."""
+    """Routes a stage's linear layers through the store while a split step runs them."""
 
-    def __init__(self, params: Sequence[nn.Parameter]) -> None:
-        self.params = list(params)
-        self._eligible = {id(p) for p in self.params}
+    def __init__(self, layers: Sequence[nn.Linear]) -> None:
+        self.layers = list(layers)
 
-    def storing(self, store: StoredGrads | None) -> AbstractContextManager:
-        """Inside, eligible linear calls store their weight work in ``store`` (their graph's
-        backward adds to it); with ``None`` or no parameters, everything runs as usual."""
-        if store is None or not self._eligible:
-            return nullcontext()
-        return _Routing(self._eligible, store)
-
-
-_run_engine = getattr(torch.autograd.graph, "_engine_run_backward", None) or (
-    torch.autograd.variable.Variable._execution_engine.run_backward
-)
+    @contextmanager
+    def storing(self, store: StoredGrads | None) -> Iterator[None]:
+        """Inside, the layers store their weight work in ``store`` (their graph's backward adds to
+        it); with ``None``, they run as usual. Each layer's ``forward`` is an instance attribute
+        inside, removed on the way out."""
+        if store is None or not self.layers:
+            yield
+            return
+        for layer in self.layers:
+            layer.forward = partial(_layer_forward, layer, store)
+        try:
+            yield
+        finally:
+            for layer in self.layers:
+                vars(layer).pop("forward", None)
 
 
 def backward_stored(
@@ -177,19 +172,7 @@ def backward_stored(
     weights = [w for w in weights if w.requires_grad]
     if not pairs or not (needing or weights):
         return [None] * len(inputs)
-    # The engine is called directly: torch.autograd.grad is itself an overridable function, and
-    # the routing mode would be off while it runs (a mode is popped while it handles a call), so
-    # layers recomputed inside B would not be routed as their forward was.
-    seeds = [torch.ones_like(o) if g is None else g for o, g in pairs]
-    found = _run_engine(
-        tuple(o for o, _ in pairs),
-        tuple(seeds),
-        False,
-        False,
-        (*needing, *weights),
-        allow_unreachable=True,
-        accumulate_grad=False,
-    )
+    found = torch.autograd.grad([o for o, _ in pairs], [*needing, *weights], [g for _, g in pairs], allow_unused=True)
     for w, g in zip(weights, found[len(needing) :]):
         if g is not None:
             store.ready[w] = store.ready[w] + g if w in store.ready else g

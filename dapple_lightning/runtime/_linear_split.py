@@ -39,6 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dapple_lightning.runtime._split_backward import keep_freed_memory
+
 __all__ = ["LinearStore", "StoredGrads", "backward_stored", "storable_linears"]
 
 
@@ -167,6 +169,7 @@ def backward_stored(
     ``inputs`` (returned, ``None`` where unused) and of the ``weights`` the store does not cover
     (kept in ``store.ready`` for ``W``); the linear calls' backwards add their entries to ``store``.
     The graph is freed."""
+    keep_freed_memory()  # the store holds gradients from B to W, as the generic split does
     pairs = [(o, g) for o, g in zip(outputs, grads, strict=True) if o.requires_grad]
     needing = [t for t in inputs if t.requires_grad]
     weights = [w for w in weights if w.requires_grad]

@@ -6,7 +6,11 @@ tokens, one thread) runs M micro-batches per step, three ways, interleaved step 
 
     plain (dapple)  dapple's 1F1B list for the stage, plain ``torch.autograd.backward`` per B
     split (zb-h1)   zb-h1's list: ``backward_input`` per B, ``backward_weight`` per W (stage 0
-                    runs each W right after its B, stage 1 one micro-batch later)
+                    runs each W right after its B, stage 1 one micro-batch later), the generic
+                    split of the graph for every weight
+    store (zb-h1)   stage 1 only, as the runtime runs it there: the same, with the linear layers
+                    through the weight-gradient store (``runtime._linear_split``); absent when
+                    ``--code`` names a checkout without it
 
 Every step then clears the gradients. Reported per step, medians over the steps after warm-up:
 CPU time of each way (the process' user + system time; one thread) and its overhead over plain,
@@ -29,6 +33,7 @@ a cProfile of three zb-h1 steps (top functions by own time), to see where the ex
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import os
@@ -53,6 +58,11 @@ import torch.nn.functional as F  # noqa: E402
 
 from benchmarks.runtime import BATCH, SEQ, SPLIT, STAGES, build_layers, make_data  # noqa: E402
 from dapple_lightning.runtime import backward_input, backward_weight  # noqa: E402
+
+try:  # absent in checkouts before the store (--code)
+    from dapple_lightning.runtime import LinearStore, StoredGrads, WeightWork, backward_stored, storable_linears
+except ImportError:
+    LinearStore = None
 from dapple_lightning.schedule import schedule  # noqa: E402
 
 
@@ -86,24 +96,34 @@ def forward(stage: int, module, x: torch.Tensor, y: torch.Tensor):
     return [out], [torch.ones_like(out) * 1e-3], []
 
 
-def run(stage: int, module, batches, order, split_on: bool) -> dict[str, float]:
+def run(stage: int, module, batches, order, way: str) -> dict[str, float]:
     """One step: ``order``'s actions (a schedule's list for this stage) on ``batches``; the
-    backward is plain unless ``split_on``. Returns seconds per phase and in all."""
+    backward is plain, split or split with the store (``way``). Returns seconds per phase and in all."""
     weights = [p for p in module.parameters() if p.requires_grad]
     times = {"F": 0.0, "B": 0.0, "W": 0.0}
     live: dict[int, tuple] = {}
+    layers = LinearStore(storable_linears(module) if way == "store" else []) if LinearStore else None
+    stores = {m: StoredGrads() if way == "store" else None for m in range(len(batches))}
     usage = resource.getrusage(resource.RUSAGE_SELF)
     for action in order:
         m, start = action.micro_batch, time.thread_time()
         if action.kind == "F":
-            live[m] = forward(stage, module, *batches[m])
-        elif action.kind == "B" and not split_on:
+            with layers.storing(stores[m]) if layers else contextlib.nullcontext():
+                live[m] = forward(stage, module, *batches[m])
+        elif action.kind == "B" and way == "plain":
             outs, grads, _ = live.pop(m)
             torch.autograd.backward(outs, grads)
+        elif action.kind == "B" and way == "store":
+            outs, grads, inputs = live[m]
+            with layers.storing(stores[m]):
+                backward_stored(outs, grads, inputs, weights, stores[m])
+            live[m] = (outs, grads, inputs, WeightWork([]))
         elif action.kind == "B":
             outs, grads, inputs = live[m]
             _, work = backward_input(outs, grads, inputs, weights)
             live[m] = (outs, grads, inputs, work)
+        elif stores[m] is not None:
+            backward_weight(live.pop(m)[3], stores[m].take())
         else:
             backward_weight(live.pop(m)[3])
         times[action.kind] += time.thread_time() - start
@@ -114,11 +134,14 @@ def run(stage: int, module, batches, order, split_on: bool) -> dict[str, float]:
     return times
 
 
-def orders(stage: int, micro_batches: int) -> dict[str, tuple[list, bool]]:
-    """The ways compared: each a stage's action list and whether its backward is split."""
+def orders(stage: int, micro_batches: int) -> dict[str, tuple[list, str]]:
+    """The ways compared: each a stage's action list and how its backward runs."""
     dapple = schedule("dapple", STAGES, micro_batches)[stage]
     zb = schedule("zb-h1", STAGES, micro_batches)[stage]
-    return {"plain (dapple)": (dapple, False), "split (zb-h1)": (zb, True)}
+    ways = {"plain (dapple)": (dapple, "plain"), "split (zb-h1)": (zb, "split")}
+    if stage == 1 and LinearStore is not None:
+        ways["store (zb-h1)"] = (zb, "store")
+    return ways
 
 
 def engine_calls(stage: int, module, batches) -> dict[str, float]:
@@ -134,9 +157,9 @@ def engine_calls(stage: int, module, batches) -> dict[str, float]:
     counts = {}
     torch.autograd.variable.Variable._execution_engine = _Proxy(engine, counted)
     try:
-        for name, (order, split_on) in orders(stage, len(batches)).items():
+        for name, (order, way) in orders(stage, len(batches)).items():
             calls[0] = 0
-            run(stage, module, batches, order, split_on)
+            run(stage, module, batches, order, way)
             counts[name] = calls[0] / len(batches)
     finally:
         torch.autograd.variable.Variable._execution_engine = engine
@@ -169,7 +192,8 @@ def bench(stage: int, micro_batches: int, steps: int, warmup: int, profile: bool
     names = list(ways)
     results: dict[str, list[dict[str, float]]] = {k: [] for k in ways}
     for step in range(warmup + steps):
-        for name in names[step % 2 :] + names[: step % 2]:  # alternated: no way always runs first
+        turn = step % len(names)
+        for name in names[turn:] + names[:turn]:  # rotated: no way always runs first
             r = run(stage, module, batches, *ways[name])
             module.zero_grad(set_to_none=True)
             if step >= warmup:
@@ -196,12 +220,12 @@ def bench(stage: int, micro_batches: int, steps: int, warmup: int, profile: bool
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(3):
-            run(stage, module, batches, *ways[names[1]])
+            run(stage, module, batches, *ways[names[-1]])
             module.zero_grad(set_to_none=True)
         prof.disable()
         text = io.StringIO()
         pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(15)
-        print(f"  cProfile of 3 steps of {names[1]} (own time):")
+        print(f"  cProfile of 3 steps of {names[-1]} (own time):")
         print("\n".join("    " + line for line in text.getvalue().splitlines()[:40] if line.strip()))
 
 

@@ -12,7 +12,9 @@
   :class:`P2PGroups`;
 - :class:`Offloader` keeps an offloaded stage's layers on disk with a working window in memory;
 - :func:`backward_input` and :func:`backward_weight` split a micro-batch's backward into its
-  input gradients (a zero-bubble ``B``) and its weights' (``W``);
+  input gradients (a zero-bubble ``B``) and its weights' (``W``); :class:`LinearStore`,
+  :class:`StoredGrads` and :func:`backward_stored` do it cheaper for linear layers (a
+  weight-gradient store);
 - :class:`Timeline` records spans for a Chrome trace;
 - :func:`synchronize_batch_norms` and :func:`agree_buffers` keep a stage's replicas' batch
   statistics and buffers together.
@@ -24,6 +26,7 @@ from dapple_lightning.runtime._batchnorm import agree_buffers, synchronize_batch
 from dapple_lightning.runtime._blocks import Placeholder, stand_in_blocks, stand_in_layers
 from dapple_lightning.runtime._comm import Link, P2PGroups, Pending, Signature, p2p_groups, share, stage_group
 from dapple_lightning.runtime._executor import Pipeline, StepStats
+from dapple_lightning.runtime._linear_split import LinearStore, StoredGrads, backward_stored, storable_linears
 from dapple_lightning.runtime._offload import Offloader
 from dapple_lightning.runtime._offload_records import Residency
 from dapple_lightning.runtime._recorded import Message, replaying
@@ -36,6 +39,7 @@ __all__ = [
     "DeviceEvent",
     "Event",
     "GradientReducer",
+    "LinearStore",
     "Link",
     "Message",
     "Offloader",
@@ -49,10 +53,12 @@ __all__ = [
     "StageExit",
     "StageModule",
     "StepStats",
+    "StoredGrads",
     "Timeline",
     "WeightWork",
     "agree_buffers",
     "backward_input",
+    "backward_stored",
     "backward_weight",
     "bubble_fractions",
     "p2p_groups",
@@ -61,6 +67,7 @@ __all__ = [
     "stage_group",
     "stand_in_blocks",
     "stand_in_layers",
+    "storable_linears",
     "synchronize_batch_norms",
     "write_chrome_trace",
 ]

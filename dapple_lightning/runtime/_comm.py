@@ -52,6 +52,7 @@ __all__ = [
     "P2PGroups",
     "Pending",
     "Signature",
+    "concat_pieces",
     "connect_pairs",
     "p2p_groups",
     "share",
@@ -347,3 +348,13 @@ def stage_group(plan: Plan, rank: int, device: torch.device | None = None, **kwa
     if mine is not None and device is not None and device.type == "cuda":
         dist.all_reduce(torch.zeros(1, device=device), group=mine)
     return mine
+
+
+def concat_pieces(stage: int, m: int, pieces: list[tuple[list[torch.Tensor], bool]]) -> tuple[list[torch.Tensor], bool]:
+    """Concatenate the pieces of this replica's slice received from the peer stage's replicas."""
+    as_tuple = pieces[0][1]
+    if len({len(p[0]) for p in pieces}) != 1:
+        raise RuntimeError(f"stage {stage} received pieces of micro-batch {m} with different tensor counts")
+    if len(pieces) == 1:
+        return pieces[0][0], as_tuple
+    return [torch.cat(parts) for parts in zip(*(p[0] for p in pieces))], as_tuple

@@ -29,10 +29,11 @@ from torch import nn
 
 from dapple_lightning.plan import Plan
 from dapple_lightning.rows import Rows, even_split
-from dapple_lightning.runtime._comm import Incoming, Link, P2PGroups, Pending, connect_pairs
+from dapple_lightning.runtime._comm import Incoming, Link, P2PGroups, Pending, concat_pieces, connect_pairs
+from dapple_lightning.runtime._linear_split import LinearStore, StoredGrads, backward_stored, storable_linears
 from dapple_lightning.runtime._reducer import GradientReducer
 from dapple_lightning.runtime._split_backward import WeightWork, backward_input, backward_weight
-from dapple_lightning.runtime._stage import StageCall, StageExit, StageModule
+from dapple_lightning.runtime._stage import StageCall, StageExit, StageModule, count_saved
 from dapple_lightning.runtime._timeline import Timeline
 from dapple_lightning.schedule import Op, lower
 
@@ -54,6 +55,8 @@ class _InFlight:
     saved_bytes: int = 0
     weight_work: WeightWork | None = None
     """Under a zero-bubble schedule, from its ``B`` to its ``W``: what the weights' gradient needs."""
+    stored: StoredGrads | None = None
+    """Under a zero-bubble schedule, the linear layers' weight work from ``B`` to ``W``."""
 
 
 @dataclass
@@ -164,6 +167,9 @@ class Pipeline:
         self._trainable: tuple[bool, ...] = ()
         self._build_reducers()
         self._param_storages = {p.untyped_storage().data_ptr() for p in module.parameters()}
+        # Stage 0's B is empty (its W is the whole backward): its layers gain nothing from the store.
+        plain = self.is_first or module.offload is not None
+        self._linears = LinearStore([] if plain else storable_linears(module, self.shared_params))
         self._programs: dict[tuple[int, bool], tuple[Op, ...]] = {}
         self._handlers: dict[str, Callable[[_Step, Op], None]] = {
             "F": self._forward,
@@ -347,7 +353,7 @@ class Pipeline:
         m = op.micro_batch
         call = StageCall(self.stage, self.is_first, self.is_last, blocks=self.module.blocks, names=self.module.names)
         if not self.is_first:
-            call.received, call.received_tuple = _concat(self.stage, m, step.pieces)
+            call.received, call.received_tuple = concat_pieces(self.stage, m, step.pieces)
             if step.train and torch.is_grad_enabled():
                 for t in call.received:
                     if t.is_floating_point():
@@ -356,18 +362,20 @@ class Pipeline:
         if not step.train:
             step.live.clear()  # the previous micro-batch's sends have gone out
         saved: dict[int, int] = {}
-        hooks = self._saved_tensor_counter(saved) if (self.track_memory and step.train) else nullcontext()
+        hooks = count_saved(self._param_storages, saved) if (self.track_memory and step.train) else nullcontext()
         loss = None  # stays None on stages the user's step leaves through StageExit
+        stored = StoredGrads() if step.split and step.train else None
+        storing = self._linears.storing(stored)
         self.module.call = call
         try:
-            with self.timeline.span("forward", m), hooks, step.forward_context(), suppress(StageExit):
+            with self.timeline.span("forward", m), hooks, storing, step.forward_context(), suppress(StageExit):
                 loss = step.forward(m, step.rows[m])
         finally:
             self.module.call = None
         call.check_called()
         if self.is_last and step.train and loss is None:
             raise RuntimeError("training_step returned no loss; dapple needs a loss from every micro-batch")
-        state = _InFlight(inputs=call.inputs, outputs=call.outputs, loss=loss, as_tuple=call.output_tuple)
+        state = _InFlight(call.inputs, call.outputs, loss, call.output_tuple, stored=stored)
         if self.track_memory and step.train:
             for t in (*state.inputs, *(state.outputs or [])):
                 saved.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
@@ -385,11 +393,19 @@ class Pipeline:
         step.pieces = []
         inputs = [t for t in state.inputs if t.is_floating_point()]
         if step.split:
-            # Only the inputs' gradients now (the previous stage waits for them); the weights'
-            # come in this micro-batch's W, from the graph kept until then.
-            # The first stage sends no input gradient: its B does nothing, its W the whole backward.
-            with self.timeline.span("backward-input", m):
-                found, state.weight_work = backward_input(outs, grads, [] if self.is_first else inputs, self._weights())
+            # Only the inputs' gradients now (the previous stage waits for them); the weights' in
+            # this micro-batch's W: the linear layers' from their store (the other weights' are
+            # computed now), or else from the graph kept until then. The first stage sends no input
+            # gradient: its B does nothing, its W the whole backward. Recomputed layers run their
+            # forward again in B: through the store, as the first time.
+            with self.timeline.span("backward-input", m), self._linears.storing(state.stored):
+                if self._linears.layers and state.stored is not None:
+                    found = backward_stored(outs, grads, inputs, self._weights(), state.stored)
+                    state.weight_work = WeightWork([])
+                else:
+                    found, state.weight_work = backward_input(
+                        outs, grads, [] if self.is_first else inputs, self._weights()
+                    )
             if not self.is_first:
                 step.input_grads[m] = [g if g is not None else torch.zeros_like(t) for t, g in zip(inputs, found)]
         else:
@@ -409,7 +425,7 @@ class Pipeline:
         if self.is_last:
             assert state.loss is not None
             return ([state.loss], [None]) if state.loss.requires_grad else ([], [])
-        grads, _ = _concat(self.stage, m, step.pieces)
+        grads, _ = concat_pieces(self.stage, m, step.pieces)
         outs = [t for t in state.outputs or [] if t.is_floating_point()]
         if len(outs) != len(grads):
             raise RuntimeError(
@@ -422,7 +438,7 @@ class Pipeline:
         state = step.live.pop(op.micro_batch)  # its graph goes with it
         assert state.weight_work is not None, f"W{op.micro_batch} before B{op.micro_batch}"
         with self.timeline.span("backward-weight", op.micro_batch):
-            backward_weight(state.weight_work)
+            backward_weight(state.weight_work, state.stored.take() if state.stored else None)
 
     def _weights(self) -> list[nn.Parameter]:
         """What a ``W`` computes gradients for: the stage's parameters and the shared ones."""
@@ -440,28 +456,6 @@ class Pipeline:
                 carried = reducer.finish()
                 if reducer is self.stage_reducer:
                     self.stats.carried = carried
-
-    def _saved_tensor_counter(self, saved: dict[int, int]):
-        params = self._param_storages
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            storage = t.untyped_storage()
-            ptr = storage.data_ptr()
-            if ptr not in params:
-                saved.setdefault(ptr, storage.nbytes())
-            return t
-
-        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-
-
-def _concat(stage: int, m: int, pieces: list[tuple[list[torch.Tensor], bool]]) -> tuple[list[torch.Tensor], bool]:
-    """Concatenate the pieces of this replica's slice received from the peer stage's replicas."""
-    as_tuple = pieces[0][1]
-    if len({len(p[0]) for p in pieces}) != 1:
-        raise RuntimeError(f"stage {stage} received pieces of micro-batch {m} with different tensor counts")
-    if len(pieces) == 1:
-        return pieces[0][0], as_tuple
-    return [torch.cat(parts) for parts in zip(*(p[0] for p in pieces))], as_tuple
 
 
 class _Inbox:

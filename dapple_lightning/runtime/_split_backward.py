@@ -213,8 +213,14 @@ def _accumulate(edges: list[GradientEdge], seeds: list[torch.Tensor], weights: l
     )
 
 
-def backward_weight(work: WeightWork) -> None:
-    """Accumulate the weights' gradients of a micro-batch whose :func:`backward_input` has run."""
+def backward_weight(work: WeightWork, stored: dict[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """Accumulate the weights' gradients of a micro-batch whose :func:`backward_input` has run.
+
+    ``stored`` maps weights to gradients computed outside the graph (the linear layers' store,
+    :mod:`._linear_split`): each is accumulated in the same engine call as the weight's other
+    gradient where it has one here, so that its ``.grad`` hooks fire once per ``W``.
+    """
+    stored = dict(stored or {})
     for group in work.groups:
         edges, seeds = [], []
         for node in group.nodes:
@@ -222,6 +228,7 @@ def backward_weight(work: WeightWork) -> None:
                 if g is not None:
                     edges.append(GradientEdge(node, i))
                     seeds.append(g)
+        _add_stored(edges, seeds, group.weights, stored)
         if not edges:
             continue
         # A frontier node below another one would receive its gradient twice (its own seed and the
@@ -237,5 +244,19 @@ def backward_weight(work: WeightWork) -> None:
             for handle in clamps:
                 handle.remove()
     if work.fallback and work.outputs:
-        torch.autograd.backward(work.outputs, work.grads, retain_graph=True, inputs=work.fallback)
+        extra = [w for w in work.fallback if w in stored]
+        outputs, grads = [*work.outputs, *extra], [*work.grads, *(stored.pop(w) for w in extra)]
+        torch.autograd.backward(outputs, grads, retain_graph=True, inputs=work.fallback)
+    if stored:
+        edges, seeds = [], []
+        _add_stored(edges, seeds, list(stored), stored)
+        _accumulate(edges, seeds, list(stored))
     work.groups, work.outputs, work.grads = [], [], []
+
+
+def _add_stored(edges: list[GradientEdge], seeds: list, weights: list[torch.Tensor], stored: dict) -> None:
+    """Seed the gradient accumulators of ``weights`` that have a stored gradient (taking it)."""
+    for w in weights:
+        if w in stored:
+            edges.append(GradientEdge(_node(w), 0))
+            seeds.append(stored.pop(w))

@@ -29,7 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dapple_lightning.runtime._offload import Offloader
 
-__all__ = ["StageCall", "StageExit", "StageModule"]
+__all__ = ["StageCall", "StageExit", "StageModule", "count_saved"]
 
 Activation = torch.Tensor | tuple[torch.Tensor, ...]
 
@@ -267,3 +267,17 @@ def _check_recomputable(stage: nn.Module, blocks: int | None) -> None:
                 f"layer {name!r} of a stage with recompute: true tracks running statistics ({type(module).__name__}), "
                 "which its recomputation would update twice; leave recompute off for that stage"
             )
+
+
+def count_saved(params: set[int], saved: dict[int, int]) -> torch.autograd.graph.saved_tensors_hooks:
+    """Saved-tensor hooks that record in ``saved`` the bytes of each storage autograd saves
+    (by data pointer, once), except the parameters' (``params``: their data pointers)."""
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in params:
+            saved.setdefault(ptr, storage.nbytes())
+        return t
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)

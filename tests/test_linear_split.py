@@ -100,3 +100,20 @@ def test_outside_storing_linear_layers_run_as_usual() -> None:
     with pytest.raises(RuntimeError, match="stop"), layers.storing(store):
         raise RuntimeError("stop")
     assert "forward" not in vars(layer), "removed on the way out of an error too"
+
+
+@pytest.mark.parametrize("engine", ["direct", "torch.autograd.backward"])
+def test_stored_gradients_of_weights_in_no_group_accumulate_once(monkeypatch, engine: str) -> None:
+    """A weight whose only gradient is stored (no frontier group holds it) is seeded directly; also on
+    the path through ``torch.autograd.backward`` (tensor subclasses, or a torch without the engine call)."""
+    from dapple_lightning.runtime import _split_backward
+
+    if engine != "direct":
+        monkeypatch.setattr(_split_backward, "_engine_run_backward", None)
+    weight = nn.Parameter(torch.ones(3))
+    weight.grad = torch.full((3,), 2.0)
+    fired: list[int] = []
+    weight.register_post_accumulate_grad_hook(lambda p: fired.append(1))
+    _split_backward.backward_weight(_split_backward.WeightWork(groups=[]), {weight: torch.full((3,), 5.0)})
+    torch.testing.assert_close(weight.grad, torch.full((3,), 7.0))
+    assert fired == [1]

@@ -247,10 +247,10 @@ def backward_weight(work: WeightWork, stored: dict[torch.Tensor, torch.Tensor] |
         extra = [w for w in work.fallback if w in stored]
         outputs, grads = [*work.outputs, *extra], [*work.grads, *(stored.pop(w) for w in extra)]
         torch.autograd.backward(outputs, grads, retain_graph=True, inputs=work.fallback)
-    if stored:
-        edges, seeds = [], []
-        _add_stored(edges, seeds, list(stored), stored)
-        _accumulate(edges, seeds, list(stored))
+    if stored:  # weights with no other gradient here: their accumulators seeded directly
+        edges, seeds, weights = [], [], list(stored)
+        _add_stored(edges, seeds, weights, stored)  # (empties stored)
+        _accumulate(edges, seeds, weights)
     work.groups, work.outputs, work.grads = [], [], []
 
 

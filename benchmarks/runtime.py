@@ -13,6 +13,7 @@ Six systems train the reference transformer of the runtime issue (embedding 512x
     dapple        same, schedule ``dapple`` (early backward)
     dapple-zb     same, schedule ``zb-h1`` (zero bubble: B and W apart, W deferred)
     dapple-zb2    same, schedule ``zb-h2`` (zero bubble holding up to 2S - 1 micro-batches per stage)
+    dapple-zbt    same, schedule ``zb-tail`` (whole backwards but for the W's that fill the cooldown)
 
 The model is one ``nn.Sequential`` of 10 layers; both pipelines split it ``[0, 5) | [5, 10)``.
 Every process runs one thread (``OMP_NUM_THREADS=1`` and ``torch.set_num_threads(1)``); SGD
@@ -28,11 +29,12 @@ would set, without its agent process polling on the shared cores); Lightning see
 externally launched cluster.
 
 After the rounds, the script measures peak live activation bytes per stage of dapple's GPipe,
-DAPPLE and zb-h1 schedules at M = 8 and 16 (and zb-h2's when ``dapple-zb2`` is among the systems;
-``DappleStrategy(track_memory=True)``) and writes a Chrome trace of one dapple run
-(``--trace-system dapple-zb``: of zb-h1, ``dapple-zb2``: of zb-h2; ``DappleStrategy(trace=...)``),
-from which it reports the bubble fraction per stage beside the schedule's ideal (its lists
-replayed with the traced passes and free transfers) and where each stage's step time goes.
+DAPPLE and zb-h1 schedules at M = 8 and 16 (and zb-h2's or zb-tail's when ``dapple-zb2`` or
+``dapple-zbt`` is among the systems; ``DappleStrategy(track_memory=True)``) and writes a Chrome
+trace of one dapple run (``--trace-system dapple-zb``: of zb-h1, ``dapple-zb2``: of zb-h2,
+``dapple-zbt``: of zb-tail; ``DappleStrategy(trace=...)``), from which it reports the bubble
+fraction per stage beside the schedule's ideal (its lists replayed with the traced passes and
+free transfers) and where each stage's step time goes.
 
     python benchmarks/runtime.py                 # defaults: about 6 min on 2 idle cores
     python benchmarks/runtime.py --quick         # smoke run, about 1 minute
@@ -40,6 +42,7 @@ replayed with the traced passes and free transfers) and where each stage's step 
     python benchmarks/runtime.py --recv-latency  # adds a ~20 s probe of late-posted receives
     python benchmarks/runtime.py --systems torch-1f1b,dapple,dapple-zb,torch-zb --trace-system dapple-zb
     python benchmarks/runtime.py --systems torch-1f1b,dapple,dapple-zb,torch-zb,dapple-zb2 --trace-system dapple-zb2
+    python benchmarks/runtime.py --systems torch-1f1b,dapple,torch-zb,dapple-zb2,dapple-zbt --trace-system dapple-zbt
 
 Besides wall time, every launch reports CPU seconds per step summed over ranks (work, not
 waiting: a rank blocked in a gloo receive sleeps) and how many cores' worth of CPU other
@@ -93,9 +96,16 @@ SYSTEMS = (
     "dapple",
     "dapple-zb",
     "dapple-zb2",
+    "dapple-zbt",
 )
-PIPELINES = ("torch-gpipe", "torch-1f1b", "torch-zb", "dapple-gpipe", "dapple", "dapple-zb", "dapple-zb2")
-SCHEDULE_OF = {"dapple-gpipe": "gpipe", "dapple": "dapple", "dapple-zb": "zb-h1", "dapple-zb2": "zb-h2"}
+PIPELINES = ("torch-gpipe", "torch-1f1b", "torch-zb", "dapple-gpipe", "dapple", "dapple-zb", "dapple-zb2", "dapple-zbt")
+SCHEDULE_OF = {
+    "dapple-gpipe": "gpipe",
+    "dapple": "dapple",
+    "dapple-zb": "zb-h1",
+    "dapple-zb2": "zb-h2",
+    "dapple-zbt": "zb-tail",
+}
 """dapple's systems and the schedule each runs."""
 TORCH_PIPELINES = ("torch-gpipe", "torch-1f1b", "torch-zb")
 LR = 1e-3
@@ -386,24 +396,34 @@ def print_zero_bubble_memory(memory: dict[str, Any], micro_batches: list[int], s
 def ideal_bubble(system: str, breakdown: dict[int, dict[str, float]], micro_batches: int) -> str:
     """The schedule's bubble fraction with free transfers and nothing between actions, as text: its
     lists replayed (``schedule.simulate``) with each stage's traced mean F, B and W per micro-batch,
-    per stage; beside the textbook value at equal stages (1F1B ``(S-1)/(M+S-1)``, ZB-H1 and, in
-    a step that ends in the update, ZB-H2 at F = B = W ``(S-1)/(3M+S-1)``)."""
+    per stage; beside the textbook value at equal stages (1F1B ``(S-1)/(M+S-1)``; ZB-H1 and, in a
+    step that ends in the update, ZB-H2 and at S = 2 zb-tail, at F = B = W ``(S-1)/(3M+S-1)``)."""
     from dapple_lightning.schedule import schedule, simulate
 
     s, m = STAGES, micro_batches
     name = SCHEDULE_OF[system]
+    lists = schedule(name, s, m)
+    # Per action: a micro-batch with a W splits its backward (traced as backward-input and
+    # backward-weight), the others run it whole (traced as backward); zb-tail has both kinds.
+    split = [{a.micro_batch for a in acts if a.kind == "W"} for acts in lists]
     cost = {
         stage: {
             "F": row.get("forward", 0.0) / m,
-            "B": (row.get("backward", 0.0) + row.get("backward-input", 0.0)) / m,
-            "W": row.get("backward-weight", 0.0) / m,
+            "whole": row.get("backward", 0.0) / max(m - len(split[stage]), 1),
+            "B": row.get("backward-input", 0.0) / max(len(split[stage]), 1),
+            "W": row.get("backward-weight", 0.0) / max(len(split[stage]), 1),
         }
         for stage, row in breakdown.items()
     }
     textbook = (s - 1) / (3 * m + s - 1) if name.startswith("zb-") else (s - 1) / (m + s - 1)
     if sorted(cost) != list(range(s)):
         return f"{textbook:.1%} (equal stages)"
-    timed = simulate(schedule(name, s, m), lambda stage, action: cost[stage][action.kind])
+
+    def duration(stage: int, action) -> float:
+        whole = action.kind == "B" and action.micro_batch not in split[stage]
+        return cost[stage]["whole" if whole else action.kind]
+
+    timed = simulate(lists, duration)
     step = max(t.end for t in timed)
     idle = [1 - sum(t.end - t.start for t in timed if t.stage == k) / step for k in range(s)]
     per_stage = ", ".join(f"stage {k}: {v:.1%}" for k, v in enumerate(idle))
@@ -421,7 +441,10 @@ def main() -> None:
     parser.add_argument("--trace-path", default=None, help="where the dapple Chrome trace goes (default: a temp dir)")
     parser.add_argument("--trace-steps", type=int, default=6, help="steps of the traced dapple run ('0' skips)")
     parser.add_argument(
-        "--trace-system", default="dapple", choices=("dapple", "dapple-zb", "dapple-zb2"), help="system traced"
+        "--trace-system",
+        default="dapple",
+        choices=("dapple", "dapple-zb", "dapple-zb2", "dapple-zbt"),
+        help="system traced",
     )
     parser.add_argument("--timeout", type=float, default=300, help="seconds before one launch is killed")
     parser.add_argument("--quick", action="store_true", help="1 round, 2 timed steps, 1 warm-up, short trace")
@@ -517,6 +540,7 @@ def main() -> None:
         "dapple": "dapple, schedule dapple",
         "dapple-zb": "dapple, schedule zb-h1",
         "dapple-zb2": "dapple, schedule zb-h2",
+        "dapple-zbt": "dapple, schedule zb-tail",
     }
     print()
     print(f"bubble bound (T1/S)(1+(S-1)/M) = ({t1:.3f}/{STAGES})(1+{STAGES - 1}/{M}) = {bound:.3f} s/step")
@@ -539,6 +563,8 @@ def main() -> None:
     pairs = (("dapple", "torch-1f1b"), ("dapple-gpipe", "torch-gpipe"), ("dapple-zb", "torch-1f1b"))
     pairs += (("dapple-zb", "torch-zb"), ("dapple-zb", "dapple"), ("dapple-zb2", "torch-1f1b"))
     pairs += (("dapple-zb2", "torch-zb"), ("dapple-zb2", "dapple"), ("dapple-zb2", "dapple-zb"))
+    pairs += (("dapple-zbt", "torch-1f1b"), ("dapple-zbt", "torch-zb"), ("dapple-zbt", "dapple"))
+    pairs += (("dapple-zbt", "dapple-zb2"),)
     for ours, theirs in pairs:
         if ok(per_round.get(ours, [])) and ok(per_round.get(theirs, [])):
             ratios[f"{ours} / {theirs}"] = results[ours] / results[theirs]
@@ -583,9 +609,9 @@ def main() -> None:
 
     memory: dict[str, Any] = {}
     for mb in [int(v) for v in args.memory_micro_batches.split(",") if v.strip()]:
-        for system in ("dapple-gpipe", "dapple", "dapple-zb", "dapple-zb2"):
-            if system == "dapple-zb2" and system not in systems:
-                continue  # zb-h2's memory only where it is benchmarked: its runs cost minutes
+        for system in ("dapple-gpipe", "dapple", "dapple-zb", "dapple-zb2", "dapple-zbt"):
+            if system in ("dapple-zb2", "dapple-zbt") and system not in systems:
+                continue  # these schedules' memory only where they are benchmarked: runs cost minutes
             try:
                 records = launch(system, 1 if args.quick else 2, mb, timeout=args.timeout, track_memory=True)
             except RuntimeError as e:
@@ -613,7 +639,7 @@ def main() -> None:
                     f"| {mb} | {stage} | {gb / 2**20:.1f} ({gm}) | {db / 2**20:.1f} ({dm}) | "
                     f"{db / gb:.3f} | {k / mb:.3f} | {STAGES / mb:.3f} | {ok} |"
                 )
-        for system in ("dapple-zb", "dapple-zb2"):
+        for system in ("dapple-zb", "dapple-zb2", "dapple-zbt"):
             print_zero_bubble_memory(
                 memory, [int(v) for v in args.memory_micro_batches.split(",") if v.strip()], system
             )

@@ -36,7 +36,7 @@ __all__ = ["ALL_SCHEDULES", "SCHEDULES", "ZERO_BUBBLE", "Plan", "Stage"]
 
 SCHEDULES = ("dapple", "gpipe")
 """The schedules the planner's cost model knows and the search tries."""
-ZERO_BUBBLE = ("zb-h1", "zb-h2")
+ZERO_BUBBLE = ("zb-h1", "zb-h2", "zb-tail")
 """The zero-bubble schedules: each backward split into ``B`` and a deferred ``W``; the search tries them on request."""
 ALL_SCHEDULES = (*SCHEDULES, *ZERO_BUBBLE)
 """The schedules a plan may name: the runtime runs them all."""

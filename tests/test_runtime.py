@@ -83,7 +83,7 @@ PLANS = {
 
 
 # The zero-bubble schedules share a launch per shape: one step of each on the same processes.
-@pytest.mark.parametrize("schedules", [("dapple",), ("gpipe",), ("zb-h1", "zb-h2")], ids="+".join)
+@pytest.mark.parametrize("schedules", [("dapple",), ("gpipe",), ("zb-h1", "zb-h2", "zb-tail")], ids="+".join)
 @pytest.mark.parametrize("shape", sorted(PLANS))
 def test_gradients_match_one_device(shape: str, schedules: tuple[str, ...]) -> None:
     plan = Plan(
@@ -94,8 +94,9 @@ def test_gradients_match_one_device(shape: str, schedules: tuple[str, ...]) -> N
     ref_loss, ref_grads = reference()
     results = run_ranks(pipelined, plan.world_size, plan, *schedules[1:])
     # A zero-bubble schedule holds a micro-batch until its W: ZB-H1 min(S, M) on every stage
-    # (DAPPLE's first-stage peak), ZB-H2 min(2S - 1, M).
-    held = {"gpipe": 3, "zb-h1": min(plan.num_stages, 3), "zb-h2": min(2 * plan.num_stages - 1, 3)}
+    # (DAPPLE's first-stage peak), ZB-H2 and zb-tail min(2S - 1, M).
+    deep = min(2 * plan.num_stages - 1, 3)
+    held = {"gpipe": 3, "zb-h1": min(plan.num_stages, 3), "zb-h2": deep, "zb-tail": deep}
     for index, schedule in enumerate(schedules):
         for rank, per_schedule in enumerate(results):
             _, grads, peak = per_schedule[index]

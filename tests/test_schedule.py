@@ -22,6 +22,7 @@ from dapple_lightning.schedule import (
     warmup_depth,
     zb_h1_schedule,
     zb_h2_schedule,
+    zb_tail_schedule,
 )
 
 
@@ -398,6 +399,87 @@ def test_zb_h2_invariants(num_stages: int, micro_batches: int) -> None:
             assert sum(t.end - t.start for t in mine) == max(t.end for t in mine) - min(t.start for t in mine)
 
 
+# zb-tail on the same example: ZB-H2's warm-up (7, 5, 3, 1 forwards), whole backwards after it,
+# and the last 2s + 1 backwards of stage s > 0 split, their W's last.
+ZB_TAIL_4x8_LISTS = [
+    "F0 F1 F2 F3 F4 F5 F6 B0 F7 B1 B2 B3 B4 B5 B6 B7",
+    "F0 F1 F2 F3 F4 B0 F5 B1 F6 B2 F7 B3 B4 B5 B6 B7 W5 W6 W7",
+    "F0 F1 F2 B0 F3 B1 F4 B2 F5 B3 F6 B4 F7 B5 B6 B7 W3 W4 W5 W6 W7",
+    "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7 W1 W2 W3 W4 W5 W6 W7",
+]
+
+ZB_TAIL_4x8 = """\
+t   stage0  stage1  stage2  stage3
+0   F0
+1   F1      F0
+2   F2      F1      F0
+3   F3      F2      F1      F0
+4   F4      F3      F2      B0
+5   F5      F4      B0      F1
+6   F6      B0      F3      B1
+7   B0      F5      B1      F2
+8   F7      B1      F4      B2
+9   B1      F6      B2      F3
+10          B2      F5      B3
+11  B2      F7      B3      F4
+12          B3      F6      B4
+13  B3              B4      F5
+14          B4      F7      B5
+15  B4              B5      F6
+16          B5              B6
+17  B5              B6      F7
+18          B6              B7
+19  B6              B7      W1
+20          B7      W3      W2
+21  B7      W5      W4      W3
+22          W6      W5      W4
+23          W7      W6      W5
+24                  W7      W6
+25                          W7"""
+
+
+def test_zb_tail_drawn_on_paper() -> None:
+    for stage, text in enumerate(ZB_TAIL_4x8_LISTS):
+        assert zb_tail_schedule(4, 8, stage) == actions(text)
+    assert [peak_in_flight(actions(t)) for t in ZB_TAIL_4x8_LISTS] == [7, 5, 5, 7]
+    assert [peak_stashed(actions(t)) for t in ZB_TAIL_4x8_LISTS] == [0, 3, 5, 7]
+    # One slot per action (a whole backward drawn as one): the order, not the timing.
+    assert grid(schedule("zb-tail", 4, 8)) == ZB_TAIL_4x8
+
+
+def unit_step(stages: list[list[Action]]) -> float:
+    """The step with F, B and W one unit each and a whole backward (a B without a W) two."""
+    split = [{a.micro_batch for a in acts if a.kind == "W"} for acts in stages]
+    timed = simulate(stages, lambda s, a: 2.0 if a.kind == "B" and a.micro_batch not in split[s] else 1.0)
+    return max(t.end for t in timed)
+
+
+@given(num_stages=st.integers(1, 8), micro_batches=st.integers(1, 16))
+def test_zb_tail_invariants(num_stages: int, micro_batches: int) -> None:
+    stages = schedule("zb-tail", num_stages, micro_batches)
+    for s, acts in enumerate(stages):
+        warmup = min(2 * (num_stages - s) - 1, micro_batches)
+        tail = 0 if s == 0 else min(2 * s + 1, micro_batches)
+        assert [a.micro_batch for a in acts if a.kind == "W"] == list(range(micro_batches - tail, micro_batches))
+        # whole backwards in DAPPLE's alternation after ZB-H2's warm-up, the W's after the last B
+        assert [a for a in acts if a.kind != "W"] == _alternating(warmup, micro_batches)
+        assert all(a.kind == "W" for a in acts[len(acts) - tail :])
+        assert peak_in_flight(acts) == min(max(warmup, tail), micro_batches) <= min(2 * num_stages - 1, micro_batches)
+        assert peak_stashed(acts) == tail
+    unit = unit_step(stages)  # raises on deadlock
+    # at unit passes ZB-H2's step on two stages, and never DAPPLE's or worse with a pipeline
+    assert unit <= unit_step(schedule("dapple", num_stages, micro_batches)) - (num_stages > 1)
+    if num_stages <= 2:
+        assert unit == unit_step(schedule("zb-h2", num_stages, micro_batches))
+
+
+def _alternating(warmup: int, micro_batches: int) -> list[Action]:
+    out = [Action("F", m) for m in range(warmup)]
+    for m in range(micro_batches):
+        out += [Action("B", m)] + [Action("F", m + warmup)] * (m + warmup < micro_batches)
+    return out
+
+
 LOWERED_2_1_ZB = """\
 rank 0 (stage 0): F0 SEND_F0>2[0:1] F1 SEND_F1>2[0:1] RECV_B0<2[0:1] B0 W0 RECV_B1<2[0:1] B1 REDUCE W1
 rank 1 (stage 0): F0 SEND_F0>2[0:1] F1 SEND_F1>2[0:1] RECV_B0<2[0:1] B0 W0 RECV_B1<2[0:1] B1 REDUCE W1
@@ -411,20 +493,57 @@ def test_zb_h1_lowered_program_drawn_on_paper() -> None:
     assert lower(plan_of([2, 1], 2, "zb-h1"), 4).table() == LOWERED_2_1_ZB
 
 
-@pytest.mark.parametrize("name", ["zb-h1", "zb-h2"])
+@pytest.mark.parametrize("name", ["zb-h1", "zb-h2", "zb-tail"])
 @pytest.mark.parametrize("replicas", [[1], [2], [1, 1], [2, 1], [1, 2], [1, 2, 1], [2, 1, 1], [1, 1, 3], [1, 1, 1, 1]])
 @pytest.mark.parametrize("micro_batches", [1, 2, 3, 4, 8])
 def test_zero_bubble_lowers_for_every_plan_shape(replicas: list[int], micro_batches: int, name: str) -> None:
     plan = plan_of(replicas, micro_batches, name)
-    make, held = {"zb-h1": (zb_h1_schedule, plan.num_stages), "zb-h2": (zb_h2_schedule, 2 * plan.num_stages - 1)}[name]
+    deep = 2 * plan.num_stages - 1
+    make, held = {
+        "zb-h1": (zb_h1_schedule, plan.num_stages),
+        "zb-h2": (zb_h2_schedule, deep),
+        "zb-tail": (zb_tail_schedule, deep),
+    }[name]
     for rows in {micro_batches * max(replicas), micro_batches * max(replicas) + 1, 7 * micro_batches}:
         program = lower(plan, rows)
         timed = simulate(program)  # raises on any deadlock or mis-ordered message
-        assert len(timed) == plan.world_size * 3 * micro_batches
+        lists = [make(plan.num_stages, micro_batches, stage) for stage in program.stage_of]
+        assert len(timed) == sum(map(len, lists))
         for rank, rank_ops in enumerate(program.ranks):
-            stage = program.stage_of[rank]
             order = [op.action for op in rank_ops if op.kind in ("F", "B", "W")]
-            assert order == make(plan.num_stages, micro_batches, stage)
-            assert peak_in_flight(order) == min(held, micro_batches)
+            assert order == lists[rank]
+            peak = peak_in_flight(order)
+            assert peak == min(held, micro_batches) if name != "zb-tail" else peak <= min(held, micro_batches)
+            # REDUCE stands before the last W; on a stage without W's (zb-tail's first), before
+            # the last B and the gradients it receives.
             weights = [i for i, op in enumerate(rank_ops) if op.kind == "W"]
-            assert [i for i, op in enumerate(rank_ops) if op.kind == "REDUCE"] == [weights[-1] - 1]
+            last = weights[-1] if weights else max(i for i, op in enumerate(rank_ops) if op.kind == "B")
+            (reduce,) = [i for i, op in enumerate(rank_ops) if op.kind == "REDUCE"]
+            assert reduce < last and all(op.kind == "RECV_B" for op in rank_ops[reduce + 1 : last])
+
+
+def draw(capsys, *argv: str) -> tuple[int, str, str]:
+    """``python -m dapple_lightning.schedule ARGV``, in this process: (exit code, out, err)."""
+    import runpy
+    import sys
+
+    saved, sys.argv = sys.argv, ["schedule", *argv]
+    try:
+        runpy.run_module("dapple_lightning.schedule", run_name="__main__")
+        code = 0
+    except SystemExit as e:
+        code = int(e.code or 0)
+    finally:
+        sys.argv = saved
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_the_drawing_command(capsys) -> None:
+    assert draw(capsys, "4", "8", "zb-tail") == (0, ZB_TAIL_4x8 + "\n", "")
+    code, out, _ = draw(capsys, "--help")
+    assert code == 0 and "zb-tail" in out and "micro_batches" in out
+    code, _, err = draw(capsys, "2", "8", "zb-h3")
+    assert code == 2 and "invalid choice: 'zb-h3'" in err
+    code, _, err = draw(capsys, "0", "8")
+    assert code == 2 and "num_stages >= 1" in err

@@ -1,7 +1,8 @@
 """Zero bubble through Lightning on real CPU processes against single-device Lightning (per-step
 losses and final weights): ZB-H1 for straight, replicated and non-uniform plans, ZB-H2 on a
-non-uniform one with parameters outside the Sequential (tests/test_runtime.py runs both schedules
-on every plan shape, without Lightning)."""
+non-uniform one with parameters outside the Sequential, zb-tail (whole and split backwards on one
+stage) on another (tests/test_runtime.py runs the three schedules on every plan shape, without
+Lightning)."""
 
 from __future__ import annotations
 
@@ -33,4 +34,11 @@ def test_zb_h2_with_parameters_outside_the_sequential(tmp_path):
     # The embedding and head are shared parameters: their gradients come from the first and last
     # stages' W's and are summed over every rank. Stage 0 runs 3 forwards ahead, stage 1 stashes 2 W's.
     got = fit(models.HeadMLP, tmp_path / "zb", plan=zero_bubble("2:1", schedule="zb-h2"))
+    assert_same(got, fit(models.HeadMLP, tmp_path / "one"))
+
+
+def test_zb_tail_mixes_whole_and_split_backwards(tmp_path):
+    # 1:2:1 at M = 4: stage 0 runs every backward whole, stage 1 (two replicas) micro-batch 0's
+    # whole and the last three split, stage 2 all four split; the embedding and head are shared.
+    got = fit(models.HeadMLP, tmp_path / "zb", plan=zero_bubble("1:2:1", schedule="zb-tail"))
     assert_same(got, fit(models.HeadMLP, tmp_path / "one"))

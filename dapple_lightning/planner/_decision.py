@@ -71,12 +71,17 @@ class AutoPlan:
                 f"; each stage holds up to {min(2 * self.plan.num_stages - 1, self.plan.micro_batches)} micro-batches "
                 f"(zb-h1 and 1F1B's first stage: {min(self.plan.num_stages, self.plan.micro_batches)}) to run "
                 "further ahead"
-                if self.plan.schedule == "zb-h2"
+                if self.plan.schedule in ("zb-h2", "zb-tail")
                 else ""
             )
+            fill = (
+                "the weight-gradient halves (W) of each stage's last backwards fill the drain bubble, the other "
+                "backwards run whole"
+                if self.plan.schedule == "zb-tail"
+                else "the weight-gradient halves of the backwards (W) fill the warm-up and drain bubbles"
+            )
             lines.append(
-                f"schedule {self.plan.schedule}: the weight-gradient halves of the backwards (W) fill the warm-up and "
-                f"drain bubbles{held}; predicted {self.predicted_step_s * 1e3:.1f} ms/step against "
+                f"schedule {self.plan.schedule}: {fill}{held}; predicted {self.predicted_step_s * 1e3:.1f} ms/step against "
                 f"{self.one_f_one_b_step_s * 1e3:.1f} ms under DAPPLE's 1F1B on the same stages"
                 + (" (both measured above)" if any(t.plan.schedule == "dapple" for t in self.trials) else "")
             )

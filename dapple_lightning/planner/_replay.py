@@ -27,7 +27,7 @@ class Event:
 
     kind: str
     """``"F"``/``"B"``/``"W"`` (compute; ``B`` is the whole backward unless the stage's list
-    has ``W``s), ``"send-act"``/``"send-grad"`` (activations or gradients crossing a link),
+    has a ``W`` of that micro-batch), ``"send-act"``/``"send-grad"`` (activations or gradients crossing a link),
     ``"allreduce"`` or ``"update"`` (the optimizer step after it)."""
     stage: int
     """The stage; for a transfer, the earlier stage of the link ``stage -> stage + 1``."""
@@ -47,8 +47,9 @@ def replay(
 ) -> list[Event]:
     """Place every action of ``lists`` (one per stage) in time, sorted by start.
 
-    ``backward[s]`` is stage ``s``'s whole backward; where its list has ``W``s, its ``B`` takes
-    ``backward[s] - weight[s]`` and each ``W`` ``weight[s]``. ``send[s]`` is one transfer across
+    ``backward[s]`` is stage ``s``'s whole backward; a micro-batch with a ``W`` in its stage's list
+    takes ``backward[s] - weight[s]`` in its ``B`` and ``weight[s]`` in its ``W``, the others
+    the whole backward in their ``B``. ``send[s]`` is one transfer across
     the link ``s -> s + 1`` (either direction).
 
     Raises:
@@ -56,11 +57,16 @@ def replay(
     """
     count = len(lists)
     micro_batches = {a.micro_batch for actions in lists for a in actions}
-    duration = []
-    for s, actions in enumerate(lists):
-        split = any(a.kind == "W" for a in actions)
-        input_part = backward[s] - weight[s] if split else backward[s]
-        duration.append({"F": forward[s], "B": input_part, "W": weight[s] if split else 0.0})
+    # A micro-batch with a W on its stage splits its backward; the others' B is the whole one.
+    split = [{a.micro_batch for a in actions if a.kind == "W"} for actions in lists]
+
+    def duration(s: int, action: Action) -> float:
+        if action.kind == "F":
+            return forward[s]
+        if action.kind == "W":
+            return weight[s]
+        return backward[s] - weight[s] if action.micro_batch in split[s] else backward[s]
+
     # arrived[s][m]: when stage s has micro-batch m's input (forward) / gradient (backward).
     activation: list[dict[int, float]] = [{} for _ in range(count)]
     gradient: list[dict[int, float]] = [{} for _ in range(count)]
@@ -83,7 +89,7 @@ def replay(
                 if ready is None:
                     break
                 start = max(clock[s], ready)
-                end = clock[s] = start + duration[s][action.kind]
+                end = clock[s] = start + duration(s, action)
                 events.append(Event(action.kind, s, m, start, end))
                 # Hand the output to the link; each direction serves transfers in order.
                 if action.kind == "F" and s < count - 1:

@@ -151,7 +151,9 @@ def _zero_bubble_variants(
     and a zero-bubble schedule of the same stages only moves the ``W``s (more activations on
     later stages, up to the first stage's). ``zb-h2`` comes in too where it is priced faster
     than ``zb-h1`` and fits: it holds up to ``2S - 1`` micro-batches per stage, memory spent
-    only where the model says it buys time."""
+    only where the model says it buys time. ``zb-tail`` (the same memory) comes in where it is
+    priced no slower than the best so far: it splits only the backwards whose ``W``s move, and
+    a split costs more than the model's ``B + W`` says, so a tie is the trials' to break."""
     out = []
     for plan, predicted in candidates:
         if plan.num_stages < 2 or plan.schedule != "dapple":
@@ -162,7 +164,8 @@ def _zero_bubble_variants(
             est = estimate(zb, profile, cluster, global_batch, optimizer_factor=optimizer_factor)
             if not any(est.weight_s):  # no W measured: the split's gain is unknown, its cost is not
                 break
-            if est.step_s < best and est.fits and (allowed is None or max(est.memory_bytes) <= allowed):
+            faster = est.step_s <= best if name == "zb-tail" else est.step_s < best
+            if faster and est.fits and (allowed is None or max(est.memory_bytes) <= allowed):
                 out.append((zb, est.step_s))
                 best = est.step_s
     return out

@@ -80,8 +80,9 @@ class _Step:
     carry: Callable[[], torch.Tensor] | None
     train: bool
     inbox: _Inbox
-    split: bool = False
-    """The program splits each backward into ``B`` (inputs) and ``W`` (weights)."""
+    split: frozenset[int] = frozenset()
+    """Micro-batches whose backward the program splits into ``B`` (inputs) and ``W`` (weights);
+    the others' ``B`` is their whole backward."""
     live: dict[int, _InFlight] = field(default_factory=dict)
     pieces: list[tuple[list[torch.Tensor], bool]] = field(default_factory=list)
     """Received pieces of the next computation's input or gradient, in program order."""
@@ -252,7 +253,7 @@ class Pipeline:
             connect_pairs(fresh, self.links, self.rank)  # before any of the step's messages
             self._connected |= fresh
         step = _Step(rows, forward, forward_context, carry, train, _Inbox(program, self.links))
-        step.split = any(op.kind == "W" for op in program)
+        step.split = frozenset(op.micro_batch for op in program if op.kind == "W")
         self.stats = StepStats()
         offload = self.module.offload
         if offload is not None:
@@ -364,7 +365,7 @@ class Pipeline:
         saved: dict[int, int] = {}
         hooks = count_saved(self._param_storages, saved) if (self.track_memory and step.train) else nullcontext()
         loss = None  # stays None on stages the user's step leaves through StageExit
-        stored = StoredGrads() if step.split and step.train else None
+        stored = StoredGrads() if m in step.split and step.train else None
         storing = self._linears.storing(stored)
         self.module.call = call
         try:
@@ -388,11 +389,12 @@ class Pipeline:
 
     def _backward(self, step: _Step, op: Op) -> None:
         m = op.micro_batch
-        state = step.live[m] if step.split else step.live.pop(m)
+        split = m in step.split
+        state = step.live[m] if split else step.live.pop(m)
         outs, grads = self._output_grads(step, state, m)
         step.pieces = []
         inputs = [t for t in state.inputs if t.is_floating_point()]
-        if step.split:
+        if split:
             # Only the inputs' gradients now (the previous stage waits for them); the weights' in
             # this micro-batch's W: the linear layers' from their store (the other weights' are
             # computed now), or else from the graph kept until then. The first stage sends no input

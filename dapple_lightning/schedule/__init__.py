@@ -37,6 +37,11 @@ micro-batches from forward to ``W``, the first stage's DAPPLE peak: the later a 
 ZB-H2 (``schedule="zb-h2"``) trades memory for slack: up to ``min(2S - 1, M)`` micro-batches per
 stage, the paper's bound, with a longer warm-up on the early stages and more stashed ``W``s on the
 late ones (``python -m dapple_lightning.schedule 4 8 zb-h2``; see :func:`zb_h2_schedule`).
+
+``schedule="zb-tail"`` splits only where a ``W`` moves: ZB-H2's warm-up, whole backwards in the
+steady state, and each stage's last ``2s + 1`` backwards split, their ``W``s run after its last
+``B`` while the earlier stages finish (:func:`zb_tail_schedule`). A micro-batch without a ``W``
+in its stage's list runs its whole backward in its ``B``, in the runtime and in every replay.
 """
 
 from dapple_lightning.schedule._lower import Op, Program, lower, lower_stages
@@ -50,6 +55,7 @@ from dapple_lightning.schedule._orders import (
     warmup_depth,
     zb_h1_schedule,
     zb_h2_schedule,
+    zb_tail_schedule,
 )
 from dapple_lightning.schedule._simulate import Timed, grid, simulate
 
@@ -70,4 +76,5 @@ __all__ = [
     "warmup_depth",
     "zb_h1_schedule",
     "zb_h2_schedule",
+    "zb_tail_schedule",
 ]

@@ -94,6 +94,35 @@ def zb_h2_schedule(num_stages: int, micro_batches: int, stage: int) -> list[Acti
     return _deferred_weights(micro_batches, warmup, min(2 * num_stages - 1, micro_batches) - warmup)
 
 
+def zb_tail_schedule(num_stages: int, micro_batches: int, stage: int) -> list[Action]:
+    """Zero bubble in the cooldown only: ZB-H2's warm-up and tail around whole backwards.
+
+    Stage ``s`` runs ZB-H2's ``min(2(S - s) - 1, M)`` forwards first, then alternates backward
+    and forward as DAPPLE does; the backwards are whole except those of its last
+    ``d_s = min(2s + 1, M)`` micro-batches (none on the first stage, whose ``B`` sends nothing),
+    which are ``B`` only, their ``W``s running after the stage's last ``B``, in micro-batch order,
+    while the earlier stages finish. So at most ``min(2S - 1, M)`` micro-batches live on a stage,
+    ZB-H2's bound.
+
+    What it trades: a split backward costs more than a whole one (two passes instead of one,
+    and a ``W`` that reads again what its ``B`` left), so this order pays that price only where
+    a ``W`` moves, on the micro-batches whose ``W``s fill the cooldown. The steady state keeps
+    whole backwards, so the bubbles a ZB-H1 or ZB-H2 ``W`` would fill there stay: with unit
+    passes and ``M >= 2S - 1`` it matches ZB-H2 at ``S = 2`` and falls behind it from ``S = 3``
+    on (``python -m dapple_lightning.schedule 4 8 zb-tail``). The planner prices both with the
+    profiled ``W`` and picks.
+    """
+    _check(num_stages, micro_batches, stage)
+    warmup = min(2 * (num_stages - stage) - 1, micro_batches)
+    tail = 0 if stage == 0 else min(2 * stage + 1, micro_batches)
+    actions = [Action("F", m) for m in range(warmup)]
+    for m in range(micro_batches):
+        actions.append(Action("B", m))
+        if m + warmup < micro_batches:
+            actions.append(Action("F", m + warmup))
+    return actions + [Action("W", m) for m in range(micro_batches - tail, micro_batches)]
+
+
 def _deferred_weights(micro_batches: int, warmup: int, deferred: int) -> list[Action]:
     """``warmup`` forwards, then per micro-batch its ``B``, a ``W`` (the oldest not yet run) once
     ``deferred`` of them are stashed or in the cooldown, and the next forward; the rest of the
@@ -115,15 +144,17 @@ _SCHEDULES: dict[str, Callable[[int, int, int], list[Action]]] = {
     "gpipe": gpipe_schedule,
     "zb-h1": zb_h1_schedule,
     "zb-h2": zb_h2_schedule,
+    "zb-tail": zb_tail_schedule,
 }
 
 
 def schedule(name: str, num_stages: int, micro_batches: int) -> list[list[Action]]:
-    """Every stage's action list for the named schedule (``"dapple"``, ``"gpipe"``, ``"zb-h1"`` or ``"zb-h2"``)."""
+    """Every stage's action list for the named schedule (``"dapple"``, ``"gpipe"``, ``"zb-h1"``, ``"zb-h2"`` or ``"zb-tail"``)."""
     try:
         make = _SCHEDULES[name]
     except KeyError:
         raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(_SCHEDULES)}") from None
+    _check(num_stages, micro_batches, 0)
     return [make(num_stages, micro_batches, s) for s in range(num_stages)]
 
 
@@ -145,11 +176,12 @@ def peak_in_flight(actions: Sequence[Action]) -> int:
 
 
 def peak_stashed(actions: Sequence[Action]) -> int:
-    """Most micro-batches whose ``B`` has run and ``W`` has not, over one stage's list."""
-    if not any(a.kind == "W" for a in actions):
-        return 0  # each backward does the weights' gradient too
+    """Most micro-batches whose ``B`` has run and ``W`` has not, over one stage's list (a
+    micro-batch without a ``W`` runs its whole backward in its ``B`` and stashes nothing)."""
+    split = {a.micro_batch for a in actions if a.kind == "W"}
     stashed = peak = 0
     for action in actions:
-        stashed += {"B": 1, "W": -1}.get(action.kind, 0)
-        peak = max(peak, stashed)
+        if action.micro_batch in split:
+            stashed += {"B": 1, "W": -1}.get(action.kind, 0)
+            peak = max(peak, stashed)
     return peak

@@ -1,5 +1,5 @@
 """The planner prices zero bubble: the replay with ``B`` and ``W`` apart on literal cases, the
-cost model's ``zb-h1`` and ``zb-h2`` estimates against DAPPLE's, and ``plan="auto"``'s shortlist choosing them."""
+cost model's ``zb-h1``, ``zb-h2`` and ``zb-tail`` estimates against DAPPLE's, and ``plan="auto"``'s shortlist choosing them."""
 
 from __future__ import annotations
 
@@ -119,3 +119,31 @@ def test_zb_h2_is_priced_with_2s_minus_1_micro_batches_per_stage():
     tight = CostModel(model.profile, dataclasses.replace(model.cluster, memory_bytes=max(zb1.memory_bytes) + held), 32)
     assert tight.estimate(Plan.straight(4, 4, 8, schedule="zb-h1")).fits
     assert not tight.estimate(Plan.straight(4, 4, 8, schedule="zb-h2")).fits
+
+
+def test_replay_prices_whole_and_split_backwards_of_one_list():
+    # zb-tail, S = 2, M = 4, F = 1, backward 3 (W = 1), transfers 0.5: stage 0 runs whole
+    # backwards, stage 1 micro-batch 0's whole and the last three as B = 2 and W = 1.
+    events = replay(schedule("zb-tail", 2, 4), [1, 1], [3, 3], [1, 1], [0.5], [0, 0], [0, 0])
+    by_stage = {
+        s: [(e.kind, e.micro_batch, e.end - e.start) for e in events if e.stage == s and e.kind in "BW"] for s in (0, 1)
+    }
+    assert by_stage[0] == [("B", m, 3.0) for m in range(4)]
+    assert by_stage[1] == [("B", 0, 3.0)] + [("B", m, 2.0) for m in (1, 2, 3)] + [("W", m, 1.0) for m in (1, 2, 3)]
+    # Stage 0's last backward starts when stage 1's B3 (ending at 14.5) has crossed the link and
+    # stage 0's B2 is done (13 + 3 = 16): 16 + 3 = 19, while stage 1's W's end at 17.5.
+    assert max(e.end for e in events) == 19.0
+
+
+def test_zb_tail_is_priced_as_zb_h2_on_two_stages_and_holds_less_on_four():
+    two = _model(1e-3, stages=2)
+    zb2, tail = (two.estimate(Plan.straight(2, 2, 8, schedule=name)) for name in ("zb-h2", "zb-tail"))
+    assert tail.step_s == pytest.approx(zb2.step_s, rel=1e-3) and tail.memory_bytes == zb2.memory_bytes
+    four = _model(1e-3)
+    dapple, zb2, tail = (four.estimate(Plan.straight(4, 4, 8, schedule=n)) for n in ("dapple", "zb-h2", "zb-tail"))
+    # Unit passes on four stages: 29 units against ZB-H2's 27 and DAPPLE's 33.
+    assert tail.step_s == pytest.approx(29e-3, abs=0.2e-3)
+    # Held micro-batches per stage: 7, 5, 5, 7 against ZB-H2's 7 everywhere (DAPPLE's stage 1: 3).
+    held = (zb2.memory_bytes[1] - dapple.memory_bytes[1]) / 4
+    assert tail.memory_bytes[0] == zb2.memory_bytes[0] and tail.memory_bytes[3] == zb2.memory_bytes[3]
+    assert tail.memory_bytes[1] == pytest.approx(dapple.memory_bytes[1] + 2 * held)

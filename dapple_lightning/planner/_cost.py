@@ -63,7 +63,7 @@ cores, and one that keeps only as many busy as there are units does not.
 micro-batches kept for the backward (``K_s = min(S - s, M)`` for DAPPLE, ``M`` for GPipe) and
 one micro-batch's transient peak (``_stage_memory`` says what each term counts). A stage that
 recomputes (``Stage.recompute``) keeps only its layers' inputs and runs its forward again in
-each backward: ``B_s`` grows by ``F_s``. Zero bubble (``zb-h1``, ``zb-h2``) is replayed, its memory
+each backward: ``B_s`` grows by ``F_s``. Zero bubble (``zb-h1``, ``zb-h2``, ``zb-tail``) is replayed, its memory
 at the schedule's peak of live micro-batches (``_zero_bubble``).
 """
 

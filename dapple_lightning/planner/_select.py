@@ -98,7 +98,7 @@ def shortlist(
     best's step), pure data parallelism (M = 1) among them when it is that close, at most
     ``limit``, fastest predicted first; and data parallelism's predicted step (``None`` when it
     does not fit in memory or the batch). A pipeline the model prices faster under ``zb-h1``
-    (or ``zb-h2``) than under DAPPLE's schedule comes in both (:func:`_zero_bubble_variants`).
+    (or ``zb-h2``, ``zb-tail``) than under DAPPLE's schedule comes in both (:func:`_zero_bubble_variants`).
 
     ``objective`` and ``memory_margin`` are :func:`plan_dapple`'s: under a memory objective
     every plan shortlisted, data parallelism included, keeps within the peak it allows, and

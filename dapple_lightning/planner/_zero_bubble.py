@@ -1,4 +1,4 @@
-"""The cost model's estimate of a zero-bubble (``zb-h1``, ``zb-h2``) plan: replayed, not a formula.
+"""The cost model's estimate of a zero-bubble (``zb-h1``, ``zb-h2``, ``zb-tail``) plan: replayed, not a formula.
 
 ZB-H1 keeps DAPPLE's order of forwards and input backwards (``B``) and defers the weights'
 backwards (``W``) into what would be bubbles (ZB-H2 runs more forwards ahead and defers more
@@ -9,10 +9,12 @@ same stages (forward, whole backward, transfers, all-reduce, update), splits eac
 scaled with its samples; without ``weight_s`` a stage's ``W`` is 0, so nothing is gained over
 DAPPLE's order), and replays the schedule's lists event by event (``_replay``). Memory: each
 stage keeps the schedule's peak of live micro-batches (``schedule.peak_in_flight``: a
-micro-batch lives from its forward to its ``W``): ``min(S, M)`` on every stage under ZB-H1, the
-first stage's DAPPLE depth, ``min(2S - 1, M)`` under ZB-H2, which ``memory_limit`` then prices
-(a plan that fits under ZB-H1 may not under ZB-H2). The phases stay DAPPLE's (its pivot, ``T_w`` and ``T_s``); ``T_e`` is the
-rest of the replayed step.
+micro-batch lives from its forward to its ``W``, or to its ``B`` where it has none): ``min(S, M)``
+on every stage under ZB-H1, the first stage's DAPPLE depth, ``min(2S - 1, M)`` under ZB-H2, at
+most that under zb-tail, which ``memory_limit`` then prices (a plan that fits under ZB-H1 may not
+under ZB-H2). A micro-batch without a ``W`` in its stage's list runs its whole backward in its
+``B``. The phases stay DAPPLE's (its pivot, ``T_w`` and ``T_s``); ``T_e`` is the rest of the
+replayed step.
 """
 
 from __future__ import annotations

@@ -111,7 +111,7 @@ class PlanSpace:
     """Micro-batch counts to consider; ``None``: the divisors of ``global_batch`` (equal micro-batches,
     as the planner assumes). Counts no plan can use (``M * ceil(W / S_max) > B``) are dropped."""
     schedules: tuple[str, ...] = SCHEDULES
-    """Schedules to consider (``"dapple"``, ``"gpipe"``, opt-in ``"zb-h1"`` and ``"zb-h2"``)."""
+    """Schedules to consider (``"dapple"``, ``"gpipe"``, opt-in ``"zb-h1"``, ``"zb-h2"`` and ``"zb-tail"``)."""
     max_stages: int | None = None
     """Most stages a plan may have; ``None``: ``min(num_layers, world_size)``."""
 

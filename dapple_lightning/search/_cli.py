@@ -128,9 +128,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--micro-batches", type=_ints, default=None, help="counts to search, e.g. 1,2,4,8 (default: divisors of B)"
     )
-    run.add_argument(
-        "--schedules", type=_schedules, default=SCHEDULES, help="e.g. dapple or dapple,gpipe,zb-h1,zb-h2,zb-tail"
-    )
+    run.add_argument("--schedules", type=_schedules, default=SCHEDULES, help="e.g. dapple,gpipe,zb-h2,zb-tail")
     run.add_argument("--max-stages", type=int, default=None)
     run.add_argument("--planner-seeds", type=int, default=3, help="measure the planner's top K plans first (0: off)")
     run.add_argument("--memory-limit", help="per-rank budget the planner's seeds fit, e.g. 6GiB (default: RAM/ranks)")

@@ -37,7 +37,8 @@ __all__ = ["ALL_SCHEDULES", "SCHEDULES", "ZERO_BUBBLE", "Plan", "Stage"]
 SCHEDULES = ("dapple", "gpipe")
 """The schedules the planner's cost model knows and the search tries."""
 ZERO_BUBBLE = ("zb-h1", "zb-h2", "zb-tail")
-"""The zero-bubble schedules: each backward split into ``B`` and a deferred ``W``; the search tries them on request."""
+"""The zero-bubble schedules: backwards split into ``B`` and a deferred ``W`` (under ``zb-tail`` only
+the last ones of each stage); the search tries them on request."""
 ALL_SCHEDULES = (*SCHEDULES, *ZERO_BUBBLE)
 """The schedules a plan may name: the runtime runs them all."""
 

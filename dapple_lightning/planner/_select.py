@@ -151,9 +151,10 @@ def _zero_bubble_variants(
     and a zero-bubble schedule of the same stages only moves the ``W``s (more activations on
     later stages, up to the first stage's). ``zb-h2`` comes in too where it is priced faster
     than ``zb-h1`` and fits: it holds up to ``2S - 1`` micro-batches per stage, memory spent
-    only where the model says it buys time. ``zb-tail`` (the same memory) comes in where it is
-    priced no slower than the best so far: it splits only the backwards whose ``W``s move, and
-    a split costs more than the model's ``B + W`` says, so a tie is the trials' to break."""
+    only where the model says it buys time. ``zb-tail`` (at most that memory) comes in wherever
+    it is priced faster than DAPPLE's order: it splits only the backwards whose ``W``s move, and
+    a split costs more than the model's ``B + W`` says, so next to ``zb-h2`` (priced about the
+    same on two stages) the shortlist's margin and the trials decide."""
     out = []
     for plan, predicted in candidates:
         if plan.num_stages < 2 or plan.schedule != "dapple":
@@ -164,10 +165,10 @@ def _zero_bubble_variants(
             est = estimate(zb, profile, cluster, global_batch, optimizer_factor=optimizer_factor)
             if not any(est.weight_s):  # no W measured: the split's gain is unknown, its cost is not
                 break
-            faster = est.step_s <= best if name == "zb-tail" else est.step_s < best
+            faster = est.step_s < (predicted if name == "zb-tail" else best)
             if faster and est.fits and (allowed is None or max(est.memory_bytes) <= allowed):
                 out.append((zb, est.step_s))
-                best = est.step_s
+                best = min(best, est.step_s)
     return out
 
 

@@ -398,14 +398,14 @@ def ideal_bubble(system: str, breakdown: dict[int, dict[str, float]], micro_batc
     lists replayed (``schedule.simulate``) with each stage's traced mean F, B and W per micro-batch,
     per stage; beside the textbook value at equal stages (1F1B ``(S-1)/(M+S-1)``; ZB-H1 and, in a
     step that ends in the update, ZB-H2 and at S = 2 zb-tail, at F = B = W ``(S-1)/(3M+S-1)``)."""
-    from dapple_lightning.schedule import schedule, simulate
+    from dapple_lightning.schedule import schedule, simulate, split_backwards
 
     s, m = STAGES, micro_batches
     name = SCHEDULE_OF[system]
     lists = schedule(name, s, m)
     # Per action: a micro-batch with a W splits its backward (traced as backward-input and
     # backward-weight), the others run it whole (traced as backward); zb-tail has both kinds.
-    split = [{a.micro_batch for a in acts if a.kind == "W"} for acts in lists]
+    split = [split_backwards(acts) for acts in lists]
     cost = {
         stage: {
             "F": row.get("forward", 0.0) / m,

@@ -19,6 +19,7 @@ from dapple_lightning.schedule import (
     peak_stashed,
     schedule,
     simulate,
+    split_backwards,
     warmup_depth,
     zb_h1_schedule,
     zb_h2_schedule,
@@ -353,19 +354,6 @@ t   stage0  stage1  stage2  stage3
 26                          W7"""
 
 
-def test_zb_h2_per_stage_lists_four_stages_eight_micro_batches() -> None:
-    for stage, text in enumerate(ZB_H2_4x8_LISTS):
-        assert zb_h2_schedule(4, 8, stage) == actions(text)
-    assert [peak_in_flight(actions(t)) for t in ZB_H2_4x8_LISTS] == [7, 7, 7, 7]
-    assert [peak_stashed(actions(t)) for t in ZB_H2_4x8_LISTS] == [1, 3, 5, 7]
-
-
-def test_zb_h2_grid_drawn_on_paper() -> None:
-    # 27 slots, ZB-H1's: a step that ends in the update cannot overlap the next step's first
-    # forwards with the last stage's stashed W's, where the paper's ZB-H2 gains its last S - 1.
-    assert grid(schedule("zb-h2", 4, 8)) == ZB_H2_4x8
-
-
 def test_zb_h2_with_fewer_micro_batches_than_its_bound() -> None:
     # M = 3 < 2S - 1: every stage holds all 3; the first two stages run all their forwards first.
     assert [zb_h2_schedule(4, 3, s) for s in range(4)] == [
@@ -438,18 +426,28 @@ t   stage0  stage1  stage2  stage3
 25                          W7"""
 
 
-def test_zb_tail_drawn_on_paper() -> None:
-    for stage, text in enumerate(ZB_TAIL_4x8_LISTS):
-        assert zb_tail_schedule(4, 8, stage) == actions(text)
-    assert [peak_in_flight(actions(t)) for t in ZB_TAIL_4x8_LISTS] == [7, 5, 5, 7]
-    assert [peak_stashed(actions(t)) for t in ZB_TAIL_4x8_LISTS] == [0, 3, 5, 7]
-    # One slot per action (a whole backward drawn as one): the order, not the timing.
-    assert grid(schedule("zb-tail", 4, 8)) == ZB_TAIL_4x8
+@pytest.mark.parametrize(
+    ("name", "lists", "table", "live", "stashed"),
+    [
+        ("zb-h2", ZB_H2_4x8_LISTS, ZB_H2_4x8, [7, 7, 7, 7], [1, 3, 5, 7]),
+        ("zb-tail", ZB_TAIL_4x8_LISTS, ZB_TAIL_4x8, [7, 5, 5, 7], [0, 3, 5, 7]),
+    ],
+)
+def test_zero_bubble_per_stage_lists_four_stages_eight_micro_batches(name, lists, table, live, stashed) -> None:
+    make = {"zb-h2": zb_h2_schedule, "zb-tail": zb_tail_schedule}[name]
+    for stage, text in enumerate(lists):
+        assert make(4, 8, stage) == actions(text)
+    assert [peak_in_flight(actions(t)) for t in lists] == live
+    assert [peak_stashed(actions(t)) for t in lists] == stashed
+    # One slot per action (a whole backward drawn as one): the order, not the timing. For
+    # zb-h2, 27 slots, ZB-H1's: a step that ends in the update cannot overlap the next step's
+    # first forwards with the last stage's stashed W's, where the paper's ZB-H2 gains its last S - 1.
+    assert grid(schedule(name, 4, 8)) == table
 
 
 def unit_step(stages: list[list[Action]]) -> float:
     """The step with F, B and W one unit each and a whole backward (a B without a W) two."""
-    split = [{a.micro_batch for a in acts if a.kind == "W"} for acts in stages]
+    split = [split_backwards(acts) for acts in stages]
     timed = simulate(stages, lambda s, a: 2.0 if a.kind == "B" and a.micro_batch not in split[s] else 1.0)
     return max(t.end for t in timed)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dapple_lightning.schedule import Action
+from dapple_lightning.schedule import Action, split_backwards
 
 __all__ = ["COMPUTE", "Event", "replay"]
 
@@ -58,7 +58,7 @@ def replay(
     count = len(lists)
     micro_batches = {a.micro_batch for actions in lists for a in actions}
     # A micro-batch with a W on its stage splits its backward; the others' B is the whole one.
-    split = [{a.micro_batch for a in actions if a.kind == "W"} for actions in lists]
+    split = [split_backwards(actions) for actions in lists]
 
     def duration(s: int, action: Action) -> float:
         if action.kind == "F":

@@ -158,13 +158,19 @@ def schedule(name: str, num_stages: int, micro_batches: int) -> list[list[Action
     return [make(num_stages, micro_batches, s) for s in range(num_stages)]
 
 
+def split_backwards(actions: Sequence[Action]) -> frozenset[int]:
+    """The micro-batches whose backward one stage's list splits into ``B`` and ``W`` (those with a
+    ``W``); every other micro-batch runs its whole backward in its ``B``."""
+    return frozenset(a.micro_batch for a in actions if a.kind == "W")
+
+
 def peak_in_flight(actions: Sequence[Action]) -> int:
     """Most micro-batches whose forward has run and backward has not, over one stage's list.
 
     A micro-batch with a ``W`` holds its activations until that ``W`` (the weights' gradient
     needs them), not until its ``B``.
     """
-    split = {a.micro_batch for a in actions if a.kind == "W"}
+    split = split_backwards(actions)
     alive = peak = 0
     for action in actions:
         if action.kind == "F":
@@ -178,7 +184,7 @@ def peak_in_flight(actions: Sequence[Action]) -> int:
 def peak_stashed(actions: Sequence[Action]) -> int:
     """Most micro-batches whose ``B`` has run and ``W`` has not, over one stage's list (a
     micro-batch without a ``W`` runs its whole backward in its ``B`` and stashes nothing)."""
-    split = {a.micro_batch for a in actions if a.kind == "W"}
+    split = split_backwards(actions)
     stashed = peak = 0
     for action in actions:
         if action.micro_batch in split:

@@ -129,13 +129,13 @@ LAYERS = [
     ["microbatch", "checkpoint"],
     ["plan", "rows"],
 ]
-"""The rooms from the top down, as README's architecture table lists them."""
+"""The rooms from the top down, as the rooms table of docs/architecture.md lists them."""
 
 
 def test_rooms_import_only_rooms_below_them() -> None:
     level = {room: i for i, rooms in enumerate(LAYERS) for room in rooms}
     rooms = {_room(_module_name(p)) for p in _sources(PACKAGE)} - {None}
-    assert rooms == set(level), f"rooms missing from LAYERS (and README): {rooms ^ set(level)}"
+    assert rooms == set(level), f"rooms missing from LAYERS (and docs/architecture.md): {rooms ^ set(level)}"
     upward = [
         f"{room} imports {dep}"
         for room, deps in _room_graph().items()

@@ -56,8 +56,8 @@ class MeasuredPlan:
     ``plan="auto"`` per run)."""
 
     plan: Plan
-    samples_per_s: tuple[float, ...]
-    """One per run, in the order taken."""
+    runs: tuple[float, ...]
+    """Samples/s, one per run, in the order taken."""
     run_spreads: tuple[float | None, ...] = ()
     """Per run (or none at all), how much its steps varied, relative (:func:`relative_spread`);
     ``None``: not recorded, :data:`MIN_SPREAD` assumed."""
@@ -66,17 +66,17 @@ class MeasuredPlan:
     simple plans that cannot be told apart, the earlier is chosen."""
 
     def __post_init__(self) -> None:
-        if not self.samples_per_s:
+        if not self.runs:
             raise ValueError(f"no runs measured for plan {self.plan.describe()}: give at least one samples/s")
-        if self.run_spreads and len(self.run_spreads) != len(self.samples_per_s):
+        if self.run_spreads and len(self.run_spreads) != len(self.runs):
             raise ValueError(
-                f"{len(self.run_spreads)} run spreads for {len(self.samples_per_s)} runs: give one per run, or none"
+                f"{len(self.run_spreads)} run spreads for {len(self.runs)} runs: give one per run, or none"
             )
 
     @property
     def median(self) -> float:
         """The plan's number: the median samples/s of its runs."""
-        return statistics.median(self.samples_per_s)
+        return statistics.median(self.runs)
 
     @property
     def spread(self) -> float:
@@ -84,7 +84,7 @@ class MeasuredPlan:
         recorded = self.run_spreads or (None,)
         within = statistics.median(MIN_SPREAD if s is None else max(s, MIN_SPREAD) for s in recorded)
         median = self.median
-        between = (max(self.samples_per_s) - min(self.samples_per_s)) / 2 / median if median > 0 else 0.0
+        between = (max(self.runs) - min(self.runs)) / 2 / median if median > 0 else 0.0
         return max(within, between)
 
     @property

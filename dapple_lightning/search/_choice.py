@@ -57,32 +57,21 @@ def throughput_study(study: optuna.Study) -> bool:
 
 
 @dataclass(frozen=True)
-class PlanResult:
-    """One plan's measurements in a study: the trials, and the record the choice rule reads."""
+class PlanResult(MeasuredPlan):
+    """One plan's measurements in a study: the record the choice rule reads, with its trials."""
 
-    measured: MeasuredPlan
-    trials: tuple[FrozenTrial, ...]
+    trials: tuple[FrozenTrial, ...] = ()
     """Its completed measurements, in trial order: its first measurement, then any repeats."""
 
     @classmethod
     def of(cls, plan: Plan, trials: Sequence[FrozenTrial]) -> PlanResult:
         spreads = tuple(_recorded_spread(t) for t in trials)
-        runs = MeasuredPlan(plan, tuple(t.values[0] for t in trials), spreads, order=trials[0].number)
-        return cls(runs, tuple(trials))
-
-    @property
-    def plan(self) -> Plan:
-        return self.measured.plan
+        return cls(plan, tuple(t.values[0] for t in trials), spreads, trials[0].number, tuple(trials))
 
     @property
     def samples_per_s(self) -> float:
         """The median of the measurements."""
-        return self.measured.median
-
-    @property
-    def spread(self) -> float:
-        """Relative: the larger of its trials' spread and how far its measurements disagree."""
-        return self.measured.spread
+        return self.median
 
     @property
     def trial(self) -> FrozenTrial:
@@ -91,18 +80,7 @@ class PlanResult:
 
     @property
     def number(self) -> int:
-        return self.trials[0].number
-
-    @property
-    def data_parallel(self) -> bool:
-        return self.measured.data_parallel
-
-    def beats(self, other: PlanResult) -> bool:
-        """Whether this plan leads ``other`` by more than the two spreads: a lead the noise does not explain."""
-        return self.measured.beats(other.measured)
-
-    def told_apart(self, other: PlanResult) -> bool:
-        return self.measured.told_apart(other.measured)
+        return self.order
 
     def figure(self) -> str:
         """``"412.0 ± 3%"``: the median samples/s and the spread."""
@@ -144,16 +122,13 @@ def no_completed_trial(study: optuna.Study) -> ValueError:
 
 
 @dataclass(frozen=True)
-class Choice:
-    """The plan a study's measurements support (the rule: ``planner.choose_measured``)."""
+class Choice(PlanChoice):
+    """The plan a study's measurements support (the rule: ``planner.choose_measured``); its plans
+    are the study's :class:`PlanResult`."""
 
     chosen: PlanResult
     ranked: tuple[PlanResult, ...]
-    """Every measured plan, the highest median first."""
     tied: tuple[PlanResult, ...]
-    """The plans that cannot be told apart from the fastest, the fastest among them (first)."""
-    reason: str
-    """Why the chosen plan, in a few words (``PlanChoice.reason``)."""
 
     @property
     def note(self) -> str | None:
@@ -165,15 +140,6 @@ class Choice:
             f"cannot be told apart (each within the summed spreads of the fastest): {names}; "
             f"chosen: trial {self.chosen.number}, {self.reason}"
         )
-
-    @property
-    def leader(self) -> PlanResult:
-        return self.ranked[0]
-
-    @property
-    def data_parallel(self) -> PlanResult | None:
-        """The fastest data-parallel plan (one stage), if one was measured."""
-        return next((r for r in self.ranked if r.data_parallel), None)
 
     @property
     def trial(self) -> FrozenTrial:
@@ -193,13 +159,8 @@ def choose_plan(study: optuna.Study) -> Choice:
     results = plan_results(study)
     if not results:
         raise no_completed_trial(study)
-    picked: PlanChoice = choose_measured([r.measured for r in results])
-    by_record = {id(r.measured): r for r in results}
-
-    def back(records: Sequence[MeasuredPlan]) -> tuple[PlanResult, ...]:
-        return tuple(by_record[id(m)] for m in records)
-
-    return Choice(by_record[id(picked.chosen)], back(picked.ranked), back(picked.tied), picked.reason)
+    picked = choose_measured(results)
+    return Choice(picked.chosen, picked.ranked, picked.tied, picked.reason)
 
 
 def choice_lines(choice: Choice, *, top: int = 6) -> list[str]:

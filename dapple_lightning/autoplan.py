@@ -15,7 +15,9 @@ Runs inside the strategy's ``setup`` on every rank, before the model is partitio
 4. time point-to-point and all-reduce messages on the real process group;
 5. run the DAPPLE planner on rank 0 and broadcast its choice; when other plans are predicted
    within the model's error of it (see ``planner.shortlist``), run them for a few real steps,
-   in turns (see ``planner.measure_in_turns``), and take the fastest.
+   in turns (see ``planner.measure_in_turns``), and choose by the rule every path that measures
+   plans uses (``planner.choose_measured``): the fastest median, unless a simpler plan is within
+   the measurements' noise of it.
 
 Which plans to measure, in what turns and what the measurements teach the profile is the
 planner's pure policy (``dapple_lightning.planner``); this module does the measuring.
@@ -51,8 +53,8 @@ from dapple_lightning.planner import (
     fixed_part,
     fresh_leaves,
     map_tensors,
+    measure_and_choose,
     measure_cluster,
-    measure_in_turns,
     profile_layers,
     refine,
     refine_allreduce,
@@ -387,7 +389,8 @@ def choose_plan(
     When several plans are predicted within ``margin`` of the best (see ``planner.shortlist``),
     the prediction cannot tell them apart; with ``trial`` (a collective that runs a plan for a
     few real steps, see ``planner.Measured``), they are measured in turns (see
-    ``planner.measure_in_turns``), the fastest (median over its turns) is chosen, and the
+    ``planner.measure_in_turns``), one is chosen by ``planner.choose_measured`` (the fastest
+    median unless a simpler plan is within the spreads of it, as the search chooses), and the
     profile is refined with what the stages' passes took (see ``planner.refine``): the returned
     profile and predictions are the refined ones, as is the all-reduce bandwidth when data
     parallelism was among them (see ``planner.refine_allreduce``).
@@ -419,11 +422,10 @@ def choose_plan(
     )
     trials: tuple[Trial, ...] = ()
     plan, predicted = close[0]
+    reason: str | None = None
     if trial is not None and len(close) > 1:
-        turns = measure_in_turns([candidate for candidate, _ in close], trial)
-        runs = [(candidate, Measured.median(m)) for (candidate, _), m in zip(close, turns, strict=True)]
-        trials = tuple(Trial(c, p, m.step_s, len(t)) for (c, p), (_, m), t in zip(close, runs, turns, strict=True))
-        plan = min(trials, key=lambda t: t.measured_step_s).plan
+        choice, trials, runs = measure_and_choose(close, trial, global_batch=global_batch)
+        plan, reason = choice.chosen.plan, choice.reason
         profile = refine(profile, cluster, global_batch, runs, optimizer_factor=optimizer_factor)
         cluster = refine_allreduce(profile, cluster, global_batch, runs, optimizer_factor=optimizer_factor)
         predicted = estimate(plan, profile, cluster, global_batch, optimizer_factor=optimizer_factor).step_s
@@ -432,7 +434,7 @@ def choose_plan(
             dp_step = estimate(dp_plan, profile, cluster, global_batch, optimizer_factor=optimizer_factor).step_s
     spent = time.perf_counter() - start
     decided = _decided(plan, predicted, dp_step, profile, cluster, spent, trials, global_batch, optimizer_factor)
-    return replace(decided, lever=lever)
+    return replace(decided, lever=lever, reason=reason)
 
 
 def _decided(

@@ -160,6 +160,11 @@ def test_report_shows_the_measured_plans_and_the_choice():
     assert "measured 2 close plans" in report
     lines = [line for line in report.splitlines() if line.startswith("  ") and "measured" in line]
     assert len(lines) == 2 and lines[1].endswith("(3 turns)  <- chosen") and "130.0 (1 turn)" in lines[0]
+    # With the choice rule's spreads and reason, as plan="auto" fills them in.
+    trials = (Trial(pipe, 0.100, 0.118, 3, 0.03), Trial(dp, 0.105, 0.120, 3, 0.04))
+    report = AutoPlan(dp, 0.105, 0.105, profile, CLUSTER, 2.0, trials, reason="data parallelism, the simplest").report()
+    assert "118.0 ± 3% (3 turns)" in report and "120.0 ± 4% (3 turns)  <- chosen" in report
+    assert "chosen: data parallelism, the simplest (the fastest median unless" in report
 
 
 def test_a_zero_bubble_choice_is_explained_against_1f1b_on_the_same_stages():

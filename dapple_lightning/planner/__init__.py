@@ -1,6 +1,7 @@
 """The planning layer: profiles, clusters, the cost model, the simulator, the planner, and the
 policy that chooses among plans the model cannot tell apart (:func:`shortlist`,
-:func:`measure_in_turns`, :func:`refine`).
+:func:`measure_in_turns`, :func:`refine`), and the one rule that chooses a plan from measurements,
+``plan="auto"``'s and the search's alike (:func:`choose_measured`).
 
 Pure Python: nothing here starts a process group or needs a device, except
 :func:`profile_layers`, which times layers on the current device, and :func:`measure_cluster`,
@@ -9,6 +10,7 @@ which times the process group's links (both import torch only when called).
 
 from dapple_lightning.planner._baselines import baselines, data_parallel_plan, pipedream_plan, straight_plan
 from dapple_lightning.planner._budget import format_bytes, over_budget, parse_memory, stage_memory_lines
+from dapple_lightning.planner._choice import MIN_SPREAD, MeasuredPlan, PlanChoice, choose_measured, relative_spread
 from dapple_lightning.planner._clock import DeviceEvent, Stopwatch, device_clock
 from dapple_lightning.planner._cluster import GB, Cluster
 from dapple_lightning.planner._cost import CostModel, Estimate, Placement, estimate
@@ -36,12 +38,12 @@ from dapple_lightning.planner._pipedream import REFERENCE_PROFILES, load_profile
 from dapple_lightning.planner._placement import PLACEMENTS, allocate, place
 from dapple_lightning.planner._profile import LayerProfile, ModelProfile
 from dapple_lightning.planner._select import (
-    TRIAL_DROP,
     TRIAL_LIMIT,
     TRIAL_MARGIN,
     TRIAL_ROUNDS,
     Measured,
     Trial,
+    measure_and_choose,
     measure_in_turns,
     refine,
     refine_allreduce,
@@ -54,12 +56,12 @@ __all__ = [
     "AUTO_WINDOW_MOST",
     "GB",
     "MEMORY_MARGIN",
+    "MIN_SPREAD",
     "OBJECTIVES",
     "OFFLOAD_CANDIDATES",
     "PLACEMENTS",
     "REFERENCE_PROFILES",
     "SETTLE_STEPS",
-    "TRIAL_DROP",
     "TRIAL_LIMIT",
     "TRIAL_MARGIN",
     "TRIAL_ROUNDS",
@@ -71,8 +73,10 @@ __all__ = [
     "Event",
     "LayerProfile",
     "Measured",
+    "MeasuredPlan",
     "ModelProfile",
     "Placement",
+    "PlanChoice",
     "PlannedPlan",
     "Simulation",
     "Stopwatch",
@@ -82,6 +86,7 @@ __all__ = [
     "baselines",
     "best_over_micro_batches",
     "check_objective",
+    "choose_measured",
     "choose_window",
     "compute_units",
     "cores",
@@ -96,6 +101,7 @@ __all__ = [
     "live_bytes",
     "load_profile",
     "map_tensors",
+    "measure_and_choose",
     "measure_cluster",
     "measure_in_turns",
     "micro_batch_candidates",
@@ -111,6 +117,7 @@ __all__ = [
     "read_pipedream",
     "refine",
     "refine_allreduce",
+    "relative_spread",
     "replay_window",
     "replica_candidates",
     "shortlist",

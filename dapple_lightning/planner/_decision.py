@@ -27,13 +27,16 @@ class AutoPlan:
     profiling_s: float
     """Seconds spent profiling, measuring the process group, planning and on trials."""
     trials: tuple[Trial, ...] = ()
-    """The close candidates measured, in the order predicted; ``plan`` is the fastest measured."""
+    """The close candidates measured, in the order predicted; ``plan`` is the one the choice rule
+    (``planner.choose_measured``) took from them."""
     stage_memory_bytes: tuple[float, ...] = ()
     """The chosen plan's predicted peak per rank of each stage (the budget is ``cluster.memory_bytes``)."""
     one_f_one_b_step_s: float | None = None
     """For a zero-bubble plan: the same stages' predicted step under DAPPLE's 1F1B schedule."""
     lever: str | None = None
     """When no plan fitted the budget as it was: which stages recompute or are offloaded, and why."""
+    reason: str | None = None
+    """Why the choice rule took ``plan`` from the trials (``PlanChoice.reason``); ``None`` without trials."""
 
     def report(self) -> str:
         lines = [
@@ -51,10 +54,13 @@ class AutoPlan:
             width = max(len(t.plan.describe()) for t in self.trials)
             for t in self.trials:
                 mark = "  <- chosen" if t.plan == self.plan else ""
+                spread = "" if t.spread is None else f" ± {t.spread:.0%}"
                 lines.append(
                     f"  {t.plan.describe():{width}}  predicted {t.predicted_step_s * 1e3:7.1f}  "
-                    f"measured {t.measured_step_s * 1e3:7.1f} ({t.turns} turn{'s' if t.turns > 1 else ''}){mark}"
+                    f"measured {t.measured_step_s * 1e3:7.1f}{spread} ({t.turns} turn{'s' if t.turns > 1 else ''}){mark}"
                 )
+            if self.reason is not None:
+                lines.append(f"chosen: {self.reason} (the fastest median unless a simpler plan is within the spreads)")
         if self.data_parallel_step_s is None:
             lines.append(f"predicted {self.predicted_step_s * 1e3:.1f} ms/step; pure data parallelism does not fit")
         elif self.plan.num_stages == 1:

@@ -14,18 +14,19 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from dapple_lightning.plan import ZERO_BUBBLE, Plan
+from dapple_lightning.planner._choice import MeasuredPlan, PlanChoice, choose_measured
 from dapple_lightning.planner._cluster import Cluster
 from dapple_lightning.planner._cost import Placement, estimate
 from dapple_lightning.planner._dp import plan_dapple
 from dapple_lightning.planner._profile import ModelProfile
 
 __all__ = [
-    "TRIAL_DROP",
     "TRIAL_LIMIT",
     "TRIAL_MARGIN",
     "TRIAL_ROUNDS",
     "Measured",
     "Trial",
+    "measure_and_choose",
     "measure_in_turns",
     "refine",
     "refine_allreduce",
@@ -42,12 +43,6 @@ TRIAL_LIMIT = 3
 
 TRIAL_ROUNDS = 3
 """Turns each plan gets at most (see :func:`measure_in_turns`)."""
-
-TRIAL_DROP = 0.05
-"""A measured plan this share slower than the best so far gets no more turns: well beyond the
-spread between two short turns of one plan, so that noise alone does not drop the fastest
-(the spread it was set against is in ``docs/benchmarks.md``, "Trials for what the model cannot
-tell apart")."""
 
 
 @dataclass(frozen=True)
@@ -81,6 +76,8 @@ class Trial:
     measured_step_s: float
     """Median over its turns."""
     turns: int = 1
+    spread: float | None = None
+    """Relative, as the choice rule reads it (:attr:`MeasuredPlan.spread`)."""
 
 
 def shortlist(
@@ -177,13 +174,13 @@ def measure_in_turns(
     trial: Callable[[Plan], Measured],
     *,
     rounds: int = TRIAL_ROUNDS,
-    drop: float = TRIAL_DROP,
 ) -> list[list[Measured]]:
     """Each plan's measurements (``trial(plan)``, a few real steps), taken in turns: in every
     round each plan still in the running gets one turn, in an order rotated from round to round,
     so that the machine drifting (other load, clocks, memory) weighs on all of them alike rather
-    than on whichever came last. After a round, a plan whose median step so far is more than
-    ``drop`` (a share) slower than the best's gets no more turns; one plan left ends the rounds.
+    than on whichever came last. After a round, a plan that the choice rule
+    (:func:`choose_measured`) already tells apart from the fastest, slower by more than their
+    spreads, gets no more turns; one plan left ends the rounds.
 
     Close plans can differ by less than a machine drifts from one turn to the next, and one run
     of each in a row then ranks them in the order of the drift; ``docs/benchmarks.md`` ("Trials
@@ -191,20 +188,48 @@ def measure_in_turns(
     """
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds!r}")
-    if drop < 0:
-        raise ValueError(f"drop must be >= 0, got {drop!r}")
     runs: list[list[Measured]] = [[] for _ in plans]
     running = list(range(len(plans)))
     for turn in range(rounds):
         shift = turn % max(len(running), 1)
         for i in running[shift:] + running[:shift]:
             runs[i].append(trial(plans[i]))
-        steps = {i: statistics.median(m.step_s for m in runs[i]) for i in running}
-        best = min(steps.values(), default=0.0)
-        running = [i for i in running if steps[i] <= best * (1.0 + drop)]
+        so_far = {i: _as_measured(plans[i], runs[i], i) for i in running}
+        leader = max(so_far.values(), key=lambda m: (m.median, -m.order))
+        running = [i for i in running if not leader.beats(so_far[i])]
         if len(running) <= 1:
             break
     return runs
+
+
+def _as_measured(plan: Plan, runs: Sequence[Measured], order: int, global_batch: int = 1) -> MeasuredPlan:
+    """A plan's turns as the choice rule reads them: samples/s per turn (no spread within a turn
+    is recorded, so :data:`MIN_SPREAD` is assumed)."""
+    return MeasuredPlan(plan, tuple(global_batch / m.step_s for m in runs), order=order)
+
+
+def measure_and_choose(
+    close: Sequence[tuple[Plan, float]],
+    trial: Callable[[Plan], Measured],
+    *,
+    global_batch: int,
+    rounds: int = TRIAL_ROUNDS,
+) -> tuple[PlanChoice, tuple[Trial, ...], list[tuple[Plan, Measured]]]:
+    """``plan="auto"``'s trials: the shortlist ``close`` (plans and their predicted steps, from
+    :func:`shortlist`) measured in turns (:func:`measure_in_turns`), each turn read as samples/s
+    and a plan's place in the shortlist as its order, and chosen by the one rule every path that
+    measures plans uses (:func:`choose_measured`). Returns the choice, each plan's :class:`Trial`,
+    and each plan's median measurement (for :func:`refine`), in the shortlist's order."""
+    plans = [plan for plan, _ in close]
+    turns = measure_in_turns(plans, trial, rounds=rounds)
+    measured = [_as_measured(p, t, i, global_batch) for i, (p, t) in enumerate(zip(plans, turns, strict=True))]
+    choice = choose_measured(measured)
+    runs = [(plan, Measured.median(t)) for plan, t in zip(plans, turns, strict=True)]
+    trials = tuple(
+        Trial(plan, predicted, median.step_s, len(t), m.spread)
+        for (plan, predicted), (_, median), t, m in zip(close, runs, turns, measured, strict=True)
+    )
+    return choice, trials, runs
 
 
 def refine(

@@ -29,7 +29,6 @@ import threading
 import time
 import warnings
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import optuna
@@ -37,6 +36,7 @@ import sqlalchemy
 from optuna.trial import FrozenTrial, TrialState
 
 from dapple_lightning.plan import Plan
+from dapple_lightning.search._launch import proc_stat
 from dapple_lightning.search._redact import cause, storage_error
 from dapple_lightning.search._space import PlanSpace, describe_plan
 
@@ -56,6 +56,7 @@ __all__ = [
     "repeat_trial",
     "requeue_stale_trial",
     "same_plan",
+    "start_heartbeat",
     "unmeasured_plan",
 ]
 
@@ -85,11 +86,8 @@ def _retry_attrs(number: int, attrs: Mapping[str, Any]) -> dict[str, Any]:
 
 def _start_time(pid: int) -> str | None:
     """The process's start time in clock ticks since boot (Linux), to tell a reused pid apart."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat[stat.rfind(")") + 2 :].split()[19]
+    fields = proc_stat(pid)
+    return None if fields is None else fields[19]
 
 
 def runner_info() -> dict[str, Any]:
@@ -287,8 +285,6 @@ def fail_stale(study: optuna.Study) -> list[int]:
     Optuna ends a trial before its callback marks it: for that moment another worker counts it as
     finished, and may stop one trial early; the worker that ended it goes on to ``n_trials``.
     """
-    if _interval(study) is None:
-        return []
     running = [t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
@@ -297,56 +293,36 @@ def fail_stale(study: optuna.Study) -> list[int]:
     return [n for n in running if attrs.get(f"{_INTERRUPTED}{n}") == mine]
 
 
-def _interval(study: optuna.Study) -> int | None:
-    """Seconds between the heartbeats of ``study``'s storage (``None``: it has none)."""
-    # Optuna keeps heartbeats to Study.optimize and exposes no study's storage; the search asks and
-    # tells itself, so it reaches for the storage to beat.
-    get = getattr(study._storage, "get_heartbeat_interval", None)
-    return get() if get is not None else None
+def start_heartbeat(study: optuna.Study, trial: optuna.Trial) -> int | None:
+    """Record ``trial``'s heartbeat now, then every interval of its storage from a daemon thread
+    until the storage says the trial finished; the interval (``None``: the storage has no heartbeat).
 
+    Optuna beats only inside ``Study.optimize`` (its beating thread is private to it); the search
+    asks and tells itself, so it beats through the storage's public heartbeat methods, which
+    ``fail_stale_trials`` and the grace period then read as Optuna's own.
+    """
+    storage = trial.storage
+    get = getattr(storage, "get_heartbeat_interval", None)
+    interval = get() if get is not None else None
+    if interval is None:
+        return None
+    trial_id = storage.get_trial_id_from_study_id_trial_number(
+        storage.get_study_id_from_name(study.study_name), trial.number
+    )
+    storage.record_heartbeat(trial_id)
 
-class _Pulse:
-    """Beats for the running trials of this process, from one daemon thread that ends when it has
-    nothing left to beat for: a trial is dropped once its storage says it is finished."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._beating: dict[tuple[int, int], tuple[Any, int]] = {}
-        self._thread: threading.Thread | None = None
-
-    def start(self, study: optuna.Study, trial: optuna.Trial) -> int | None:
-        """Beat for ``trial`` from now on (the first beat before returning); the interval."""
-        storage, interval = study._storage, _interval(study)
-        if interval is None:
-            return None
-        storage.record_heartbeat(trial._trial_id)
-        with self._lock:
-            self._beating[(id(storage), trial._trial_id)] = (storage, trial._trial_id)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="dapple-heartbeat", daemon=True)
-                self._thread.start()
-        return interval
-
-    def _run(self) -> None:
+    def beat() -> None:
         while True:
-            with self._lock:
-                if not self._beating:
-                    self._thread = None
+            time.sleep(interval)  # the heartbeat's period, not synchronisation
+            try:
+                if storage.get_trial(trial_id).state.is_finished():
                     return
-                beating = dict(self._beating)
-            time.sleep(min(storage.get_heartbeat_interval() for storage, _ in beating.values()))
-            for key, (storage, trial_id) in beating.items():
-                try:
-                    if storage.get_trial(trial_id).state.is_finished():
-                        with self._lock:
-                            self._beating.pop(key, None)
-                    else:
-                        storage.record_heartbeat(trial_id)
-                except Exception:  # the database is away for a moment: the next beat tries again
-                    pass
+                storage.record_heartbeat(trial_id)
+            except Exception:  # the database is away for a moment: the next beat tries again
+                pass
 
-
-_PULSE = _Pulse()
+    threading.Thread(target=beat, name=f"dapple-heartbeat-{trial.number}", daemon=True).start()
+    return interval
 
 
 # ------------------------------------------------------------------------------------ drawing
@@ -364,7 +340,7 @@ def draw_plan(study: optuna.Study, trial: optuna.Trial, space: PlanSpace) -> tup
     is neither answered from an earlier trial nor waits.
     """
     trial.set_user_attr("runner", runner_info())
-    interval = _PULSE.start(study, trial)
+    interval = start_heartbeat(study, trial)
     if interval is not None:
         trial.set_user_attr("heartbeat_s", interval)  # a trial that beats can be waited for
     fail_stale(study)

@@ -13,7 +13,11 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["EVENT_PREFIX", "emit", "parse_event", "start_parent_watchdog"]
+__all__ = ["EVENT_PREFIX", "INFEASIBLE", "emit", "parse_event", "start_parent_watchdog"]
+
+INFEASIBLE = 3
+"""The exit code of a trial's rank (``_worker``) and leader (``_leader``) for a plan that does not
+fit the model or its batches (the reason in ``infeasible.json``)."""
 
 EVENT_PREFIX = "@@dapple-search "
 """Lines on a trial's stdout that start with this are events for the search; the rest is chatter."""

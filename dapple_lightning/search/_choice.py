@@ -1,22 +1,12 @@
-"""Which plan a study's measurements support: each plan's median and spread, and the choice among them.
+"""Which plan a study's measurements support: the study's trials read as the planner's measurement
+records and chosen by its one rule (``planner.choose_measured``, whose docstring states it), which
+``plan="auto"`` uses too, so that both choose the same plan from the same numbers.
 
-A trial is one short run on a machine that other work shares, so one measurement of a plan says
-little: runs of one plan differ by more than many plans differ from each other (design notes), and
-the fastest of many noisy measurements is, more often than not, a lucky one. So the choice is made
-over plans, not trials, and only where the numbers can carry it:
-
-1. **A plan's measurements** are its completed trials: its first measurement and any repeats (the
-   confirmation round's, ``_loop``). A sampler's repeated proposal answered from an earlier
-   measurement (``duplicate_of``) is not a measurement and does not count.
-2. **Its number** is the median of its measurements; **its spread** the larger of how much its
-   trials' step times vary (the median of their recorded spreads, each at least
-   :data:`MIN_SPREAD`) and how far its measurements disagree (half their range over their median).
-3. **Two plans can be told apart** when the faster leads the slower by more than the sum of their
-   spreads.
-4. **The choice** is the simplest plan that cannot be told apart from the fastest: data parallelism
-   first, then fewer stages, then the one measured first. A pipeline must also beat data
-   parallelism by more than both spreads; data parallelism always qualifies. When the simplest is
-   not the fastest, the note names the plans that could not be told apart, with their numbers.
+The study's side of it: **a plan's runs** are its completed trials, its first measurement and any
+repeats (the confirmation round's, ``_loop``), each trial's samples/s its value and its spread the
+``spread`` attribute (half the interquartile range of its step times over their median). A
+sampler's repeated proposal answered from an earlier measurement (``duplicate_of``) is not a
+measurement and does not count. A plan's order is its first trial's number.
 
 This is the rule of the study's "best" everywhere: :func:`best_plan`, ``optuna://`` plan specs,
 the command line's ``best``, the sweeper's results and ``search plot``'s ranking.
@@ -24,7 +14,6 @@ the command line's ``best``, the sweeper's results and ``search plot``'s ranking
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -32,11 +21,11 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from dapple_lightning.plan import Plan
+from dapple_lightning.planner import MeasuredPlan, PlanChoice, choose_measured
 from dapple_lightning.search._fingerprint import Fingerprint
 from dapple_lightning.search._space import describe_plan, plan_from_params
 
 __all__ = [
-    "MIN_SPREAD",
     "Choice",
     "PlanResult",
     "choice_lines",
@@ -44,29 +33,9 @@ __all__ = [
     "compare_with_data_parallel",
     "no_completed_trial",
     "plan_results",
-    "relative_spread",
-    "spread",
     "throughput_study",
     "trial_plan",
 ]
-
-MIN_SPREAD = 0.03
-"""Relative measurement spread assumed for a trial that recorded none (or less)."""
-
-
-def relative_spread(step_times: Sequence[float]) -> float | None:
-    """Half the interquartile range of ``step_times`` over their median (``None`` for fewer than 4)."""
-    if len(step_times) < 4:
-        return None
-    q1, median, q3 = statistics.quantiles(step_times, n=4)
-    return (q3 - q1) / 2 / median if median > 0 else None
-
-
-def spread(trial: FrozenTrial) -> float:
-    """The trial's relative measurement spread (half the interquartile range of its step times over
-    their median), at least :data:`MIN_SPREAD`."""
-    value = trial.user_attrs.get("spread")
-    return max(float(value), MIN_SPREAD) if isinstance(value, int | float) else MIN_SPREAD
 
 
 def trial_plan(trial: FrozenTrial, study: optuna.Study | None = None) -> Plan:
@@ -88,24 +57,21 @@ def throughput_study(study: optuna.Study) -> bool:
 
 
 @dataclass(frozen=True)
-class PlanResult:
-    """One plan's measurements in a study, summed up."""
+class PlanResult(MeasuredPlan):
+    """One plan's measurements in a study: the record the choice rule reads, with its trials."""
 
-    plan: Plan
-    trials: tuple[FrozenTrial, ...]
+    trials: tuple[FrozenTrial, ...] = ()
     """Its completed measurements, in trial order: its first measurement, then any repeats."""
-    samples_per_s: float
-    """The median of the measurements."""
-    spread: float
-    """Relative: the larger of its trials' spread and how far its measurements disagree."""
 
     @classmethod
     def of(cls, plan: Plan, trials: Sequence[FrozenTrial]) -> PlanResult:
-        values = [t.values[0] for t in trials]
-        median = statistics.median(values)
-        within = statistics.median(spread(t) for t in trials)
-        between = (max(values) - min(values)) / 2 / median if median > 0 else 0.0
-        return cls(plan, tuple(trials), median, max(within, between))
+        spreads = tuple(_recorded_spread(t) for t in trials)
+        return cls(plan, tuple(t.values[0] for t in trials), spreads, trials[0].number, tuple(trials))
+
+    @property
+    def samples_per_s(self) -> float:
+        """The median of the measurements."""
+        return self.median
 
     @property
     def trial(self) -> FrozenTrial:
@@ -114,18 +80,7 @@ class PlanResult:
 
     @property
     def number(self) -> int:
-        return self.trials[0].number
-
-    @property
-    def data_parallel(self) -> bool:
-        return self.plan.num_stages == 1
-
-    def beats(self, other: PlanResult) -> bool:
-        """Whether this plan leads ``other`` by more than the two spreads: a lead the noise does not explain."""
-        return self.samples_per_s > other.samples_per_s * (1 + self.spread + other.spread)
-
-    def told_apart(self, other: PlanResult) -> bool:
-        return self.beats(other) or other.beats(self)
+        return self.order
 
     def figure(self) -> str:
         """``"412.0 ± 3%"``: the median samples/s and the spread."""
@@ -135,6 +90,11 @@ class PlanResult:
         """``"trial 3 (1:1 cuts=3 M=4 dapple, 412.0 ± 3%)"``."""
         runs = f", {len(self.trials)} runs" if len(self.trials) > 1 else ""
         return f"trial {self.number} ({describe_plan(self.plan)}, {self.figure()}{runs})"
+
+
+def _recorded_spread(trial: FrozenTrial) -> float | None:
+    value = trial.user_attrs.get("spread")
+    return float(value) if isinstance(value, int | float) else None
 
 
 def plan_results(study: optuna.Study) -> list[PlanResult]:
@@ -161,30 +121,25 @@ def no_completed_trial(study: optuna.Study) -> ValueError:
     return ValueError(f"study {study.study_name!r} has no completed trial yet ({summary or 'no trials'})")
 
 
-def _simplicity(result: PlanResult) -> tuple[int, int]:
-    return result.plan.num_stages, result.number
-
-
 @dataclass(frozen=True)
-class Choice:
-    """The plan a study's measurements support (see the module docstring for the rule)."""
+class Choice(PlanChoice):
+    """The plan a study's measurements support (the rule: ``planner.choose_measured``); its plans
+    are the study's :class:`PlanResult`."""
 
     chosen: PlanResult
     ranked: tuple[PlanResult, ...]
-    """Every measured plan, the highest median first."""
     tied: tuple[PlanResult, ...]
-    """The plans that cannot be told apart from the fastest, the fastest among them (first)."""
-    note: str | None
-    """Why the chosen plan is not simply the fastest, with the numbers; ``None`` when it is, clearly."""
 
     @property
-    def leader(self) -> PlanResult:
-        return self.ranked[0]
-
-    @property
-    def data_parallel(self) -> PlanResult | None:
-        """The fastest data-parallel plan (one stage), if one was measured."""
-        return next((r for r in self.ranked if r.data_parallel), None)
+    def note(self) -> str | None:
+        """Why the chosen plan is not simply the fastest, with the numbers; ``None`` when it is, clearly."""
+        if len(self.tied) == 1:
+            return None
+        names = ", ".join(r.describe() for r in self.tied)
+        return (
+            f"cannot be told apart (each within the summed spreads of the fastest): {names}; "
+            f"chosen: trial {self.chosen.number}, {self.reason}"
+        )
 
     @property
     def trial(self) -> FrozenTrial:
@@ -192,7 +147,8 @@ class Choice:
 
 
 def choose_plan(study: optuna.Study) -> Choice:
-    """The plan to train with, by the rule of the module docstring.
+    """The plan to train with: the study's measured plans (:func:`plan_results`) chosen by the
+    planner's rule (``planner.choose_measured``).
 
     Raises:
         ValueError: When no trial has completed yet, or the study does not maximize one
@@ -200,34 +156,11 @@ def choose_plan(study: optuna.Study) -> Choice:
     """
     if not throughput_study(study):
         raise ValueError(f"study {study.study_name!r} does not maximize one value: no plan choice by throughput")
-    ranked = plan_results(study)
-    if not ranked:
+    results = plan_results(study)
+    if not results:
         raise no_completed_trial(study)
-    leader = ranked[0]
-    dp = next((r for r in ranked if r.data_parallel), None)
-    tied = tuple(r for r in ranked if not leader.told_apart(r))
-    eligible = [r for r in tied if dp is None or r.data_parallel or r.beats(dp)]
-    chosen = min(eligible, key=_simplicity)
-    return Choice(chosen, tuple(ranked), tied, _note(chosen, leader, tied))
-
-
-def _note(chosen: PlanResult, leader: PlanResult, tied: Sequence[PlanResult]) -> str | None:
-    if len(tied) == 1:
-        return None
-    if chosen.data_parallel and not leader.data_parallel:
-        why = "data parallelism, the simplest"
-    elif chosen is not leader:
-        why = "fewer stages" if chosen.plan.num_stages < leader.plan.num_stages else "measured first"
-        why = f"the simpler: {why}"
-    elif any(_simplicity(r) < _simplicity(leader) for r in tied):
-        why = "the fastest; the simpler ones do not beat data parallelism by more than the spreads"
-    else:
-        why = "the fastest, and the simplest of them"
-    names = ", ".join(r.describe() for r in tied)
-    return (
-        f"cannot be told apart (each within the summed spreads of the fastest): {names}; "
-        f"chosen: trial {chosen.number}, {why}"
-    )
+    picked = choose_measured(results)
+    return Choice(picked.chosen, picked.ranked, picked.tied, picked.reason)
 
 
 def choice_lines(choice: Choice, *, top: int = 6) -> list[str]:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-__all__ = ["Handle", "child_env", "default_launcher", "group_alive", "kill_group", "launch", "prestart"]
+__all__ = ["Handle", "child_env", "default_launcher", "group_alive", "kill_group", "launch", "prestart", "proc_stat"]
 
 Kind = Literal["trial", "probe"]
 _READY_TIMEOUT_S = 600.0
@@ -44,17 +44,27 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie counts as ended)."""
+def proc_stat(pid: int | str) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (which may hold spaces): state,
+    ppid, pgrp, ... (``proc(5)``, from its third field on); ``None`` where it cannot be read (no
+    such process, or no ``/proc``)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
+        return None
+    return stat[stat.rfind(")") + 2 :].split()
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie counts as ended)."""
+    fields = proc_stat(pid)
+    if fields is None:
         try:
             os.kill(pid, 0)
         except (ProcessLookupError, PermissionError):
             return False
         return not Path("/proc").is_dir()
-    return stat[stat.rfind(")") + 2 :].split()[0] not in ("Z", "X")
+    return fields[0] not in ("Z", "X")
 
 
 def group_alive(pgid: int) -> bool:
@@ -71,15 +81,8 @@ def group_alive(pgid: int) -> bool:
             return False
         return True
     for entry in proc.iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # Fields after the command name (which may hold spaces): state, ppid, pgrp, ...
-        rest = stat[stat.rfind(")") + 2 :].split()
-        if len(rest) > 2 and int(rest[2]) == pgid and rest[0] not in ("Z", "X"):
+        fields = proc_stat(entry.name) if entry.name.isdigit() else None
+        if fields is not None and len(fields) > 2 and int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
             return True
     return False
 

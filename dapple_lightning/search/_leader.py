@@ -32,11 +32,10 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from dapple_lightning.search._child import start_parent_watchdog
+from dapple_lightning.search._child import INFEASIBLE, start_parent_watchdog
 
-__all__ = ["INFEASIBLE", "lead"]
+__all__ = ["lead"]
 
-INFEASIBLE = 3
 MONITOR_S = 0.05
 """How often the agent looks at its ranks: how late a dead rank is noticed, at most."""
 

@@ -8,9 +8,8 @@ anything, so it happens in a child process like the trials, under a time limit.
 
 The profile: the Sequential's input is captured by running ``training_step`` on the first batch up
 to the Sequential (``self.log`` is silenced), then each layer is run alone, forward and backward,
-on ``global_batch // world_size`` rows (a replica's share of a one-stage plan), keeping medians.
-The planner's ``profile_layers`` does the timing when ``dapple_lightning.planner`` exports it; a
-minimal equivalent here stands in otherwise. Either way the result follows the JSON schema of
+on ``global_batch // world_size`` rows (a replica's share of a one-stage plan), keeping medians:
+the planner's ``profile_layers`` times them, and the result is the JSON of
 :class:`dapple_lightning.planner.ModelProfile`.
 """
 
@@ -24,7 +23,6 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from statistics import median
 from typing import Any
 
 from dapple_lightning.search._child import start_parent_watchdog
@@ -151,58 +149,12 @@ def _rows(value: Any, n: int) -> Any:
     return tuple(v[:n] for v in value)
 
 
-def _tensors(value: Any) -> list[Any]:
-    import torch
-
-    return [value] if isinstance(value, torch.Tensor) else [v for v in value if isinstance(v, torch.Tensor)]
-
-
 def _profile(seq: Any, first_input: Any, rows: int, device: str, reps: int = 3) -> dict[str, Any]:
-    import torch
+    from dapple_lightning.planner import profile_layers
 
-    try:
-        from dapple_lightning.planner import profile_layers  # type: ignore[attr-defined]
-    except ImportError:
-        profile_layers = None
-    if profile_layers is not None:
-        data = profile_layers(list(seq), _rows(first_input, rows), repeats=reps, warmup=1).to_dict()
-        data["device"] = device
-        return data
-    x = _rows(first_input, rows)
-    layers = []
-    for index, layer in enumerate(seq):
-        inputs = [t.detach().requires_grad_(t.is_floating_point()) for t in _tensors(x)]
-        arg = inputs[0] if isinstance(x, torch.Tensor) else tuple(inputs)
-        fwd, bwd = [], []
-        out: Any = None
-        for _ in range(reps + 1):  # the first round warms up allocators and kernels
-            layer.zero_grad(set_to_none=True)
-            t0 = time.perf_counter()
-            out = layer(arg)
-            t1 = time.perf_counter()
-            outs = [t for t in _tensors(out) if t.requires_grad]
-            if outs:
-                torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
-            t2 = time.perf_counter()
-            fwd.append(t1 - t0)
-            bwd.append(t2 - t1)
-        layers.append(
-            {
-                "name": f"{index}: {type(layer).__name__}",
-                "forward_s": median(fwd[1:]),
-                "backward_s": median(bwd[1:]),
-                "activation_bytes": sum(t.numel() * t.element_size() for t in _tensors(out)),
-                "param_bytes": sum(p.numel() * p.element_size() for p in layer.parameters()),
-            }
-        )
-        x = out.detach() if isinstance(out, torch.Tensor) else tuple(t.detach() for t in _tensors(out))
-    return {
-        "format": "dapple-lightning-profile",
-        "version": 1,
-        "profile_batch_size": rows,
-        "device": device,
-        "layers": layers,
-    }
+    data = profile_layers(list(seq), _rows(first_input, rows), repeats=reps, warmup=1).to_dict()
+    data["device"] = device
+    return data
 
 
 def main(spec_path: str) -> int:

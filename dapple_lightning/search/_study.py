@@ -45,8 +45,8 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
+from dapple_lightning.planner import relative_spread
 from dapple_lightning.search._bookkeeping import heartbeat_storage
-from dapple_lightning.search._choice import relative_spread
 from dapple_lightning.search._config import SearchConfig
 from dapple_lightning.search._loop import (
     Drawn,

@@ -47,7 +47,7 @@ from statistics import median
 from typing import Any, Literal
 
 from dapple_lightning.plan import Plan
-from dapple_lightning.search._child import parse_event
+from dapple_lightning.search._child import INFEASIBLE, parse_event
 from dapple_lightning.search._devices import host_devices, lease_devices
 from dapple_lightning.search._factory import check_factory_spec
 from dapple_lightning.search._launch import Handle, default_launcher, group_alive, launch
@@ -55,7 +55,6 @@ from dapple_lightning.search._launch import Handle, default_launcher, group_aliv
 # group_alive is re-exported: tests and callers check that a trial's processes are gone.
 __all__ = ["FailKind", "TrialConfig", "TrialResult", "classify_failure", "group_alive", "run_trial"]
 
-INFEASIBLE = 3  # the exit code of _worker / _leader for a plan that does not fit
 _OOM_MARKERS = (
     "MemoryError",
     "out of memory",

@@ -6,7 +6,7 @@ SPEC.json``, once per rank, with the variables ``torchrun`` would set (``RANK``,
 its own. Rank 0 prints one event line per optimizer step (see ``_child.emit``), so the search can
 report intermediate values and prune while the trial runs.
 
-Exit codes: 0 trained; :data:`INFEASIBLE` the plan does not fit the model or its batches (the
+Exit codes: 0 trained; ``_child.INFEASIBLE`` the plan does not fit the model or its batches (the
 reason is in ``infeasible.json``); anything else is a failure.
 """
 
@@ -23,11 +23,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from dapple_lightning.search._child import emit, start_parent_watchdog
+from dapple_lightning.search._child import INFEASIBLE, emit, start_parent_watchdog
 
-__all__ = ["INFEASIBLE", "main"]
-
-INFEASIBLE = 3
+__all__ = ["main"]
 
 
 def _check_feasible(plan: Any, module: Any, loader: Any, world_size: int, sequential: str | None) -> int:

@@ -8,6 +8,7 @@ import pytest
 from test_results import FP, _distributions
 
 from dapple_lightning.plan import Plan
+from dapple_lightning.planner import Measured, measure_and_choose
 from dapple_lightning.search import (
     PlanSpace,
     best_choice,
@@ -17,6 +18,7 @@ from dapple_lightning.search import (
     explain_choice,
     params_from_plan,
 )
+from dapple_lightning.search._cli import main as cli
 from dapple_lightning.search._loop import enqueue_baselines
 from dapple_lightning.search._seed import baseline_plans
 
@@ -147,3 +149,36 @@ def test_baselines_are_queued_first_and_once_per_study():
     waiting = study.get_trials(states=(optuna.trial.TrialState.WAITING,))
     assert [t.user_attrs["source"] for t in waiting] == ["data_parallel", "straight"]
     assert study.user_attrs["baselines_enqueued"] == ["data_parallel", "straight"]
+
+
+PIPE2 = Plan.straight(6, 2, micro_batches=2)
+
+
+@pytest.mark.parametrize(
+    ("step_s", "chosen"),
+    [
+        # Step seconds per turn of each plan, in the shortlist's order.
+        ({DP: [1.00, 1.02, 1.01], PIPE: [0.97, 0.96, 0.98]}, DP),  # 4% ahead: within the spreads
+        ({DP: [1.00], PIPE: [0.80]}, PIPE),  # 25% ahead: data parallelism gets no second turn
+        ({DP: [1.20], PIPE: [1.00, 1.01, 1.00], PIPE2: [0.98, 1.00, 0.99]}, PIPE),  # same stages: the first
+    ],
+)
+def test_plan_auto_and_the_search_choose_the_same_plan_from_the_same_measurements(storage, tmp_path, step_s, chosen):
+    # plan="auto"'s path: the shortlist measured in turns of scripted step times, and chosen, by the
+    # call autoplan.choose_plan makes.
+    close = [(plan, 1.0) for plan in step_s]
+    taken: list[tuple[Plan, float]] = []
+
+    def trial(plan: Plan) -> Measured:
+        step = step_s[plan][sum(p == plan for p, _ in taken)]
+        taken.append((plan, step))
+        return Measured(step, (step / 2,) * plan.num_stages, (step / 2,) * plan.num_stages)
+
+    auto, _, _ = measure_and_choose(close, trial, global_batch=FP.global_batch)
+    # The search's path: every turn a trial of the study, samples/s as its value, in the order taken.
+    study = study_of(storage, [(plan, FP.global_batch / step, None) for plan, step in taken])
+    out = tmp_path / "best.yaml"
+    assert cli(["best", "--storage", storage, "--study", "s", "--export", str(out)]) == 0
+    assert auto.chosen.plan == choose_plan(study).chosen.plan == best_plan(storage, "s") == chosen
+    assert Plan.coerce(str(out)) == chosen
+    assert [m.plan for m in auto.ranked] == [r.plan for r in choose_plan(study).ranked]

@@ -63,6 +63,7 @@ from dapple_lightning.strategy._refusals import check_before_start
 from dapple_lightning.strategy._resume import begin, kept_plan
 from dapple_lightning.strategy._rng import RngStates, share_rng_states
 from dapple_lightning.strategy._step import MicroBatches, clip_grad_norm_over_stages, local_optimizers
+from dapple_lightning.strategy._summary import summarize_whole
 from dapple_lightning.surgery import Chain, Cut
 
 __all__ = ["DappleStrategy"]
@@ -298,6 +299,7 @@ class DappleStrategy(CheckpointHooks):
             local_optimizers(self.optimizers, module, self._cut.stage)
             self._checkpoints.set_optimizers(self.optimizers, full_names)
             adapt_finetuning(trainer.callbacks, self)
+            summarize_whole(trainer.callbacks, module, self._cut)  # not this rank's stage alone
         self.setup_precision_plugin()
         # Lightning clips with the norm of this rank's gradients; the norm must span all stages.
         self.precision_plugin.clip_grad_by_norm = functools.partial(  # type: ignore[method-assign]

@@ -43,5 +43,5 @@ def test_rank_0_prints_the_whole_models_summary(tmp_path):
     want = summary(tmp_path / "one.json", devices=1)
     got = summary(tmp_path / "dapple.json", devices=3, strategy=DappleStrategy(PLAN_2_1, start_method="forkserver"))
     assert want["total"] == sum(p.numel() for p in models.HeadMLP().parameters()) == 1028
-    assert got["total"] == want["total"]  # not stage 0's 416 (its 4 layers, with embed and head)
+    assert got["total"] == want["total"]  # not rank 0's 756 (stage 0's layers, embed and head)
     assert got == want  # every row (layers.0 ... layers.6, not a StageModule), count and size as one device

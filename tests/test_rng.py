@@ -24,6 +24,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 
 from dapple_lightning import DappleStrategy, Plan
+from dapple_lightning.strategy._rng import RngStates
 
 import models
 from harness import quiet_trainer, read_metrics
@@ -121,3 +122,12 @@ def test_auto_plans_profiling_leaves_the_streams_as_one_device(one_device, tmp_p
     """plan="auto" draws a batch through the collate_fn and runs trial steps before choosing."""
     _, recorded = fit(tmp_path, devices=2, strategy=DappleStrategy("auto", start_method="forkserver"))
     assert_streams_as_one_device(recorded, one_device[1], 2)
+
+
+def test_taken_states_come_back_after_draws_from_every_stream():
+    before = streams()
+    states = RngStates.take(torch.device("cpu"))
+    torch.rand(3), np.random.rand(3), random.random()
+    assert streams() != before
+    states.restore()
+    assert streams() == before

@@ -305,3 +305,36 @@ class DeepMLP(MLP):
         torch.manual_seed(0)
         hidden = [nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(6)]
         self.layers = nn.Sequential(nn.Linear(IN, 16), *hidden, nn.Linear(16, OUT))
+
+
+class _T5LikeBlock(nn.Module):
+    """Returns ``(hidden, position_bias, None)`` as T5's blocks do: the first block makes the bias
+    (one row, shared by every row of the batch) and the loop hands it to the next blocks."""
+
+    def __init__(self, makes_bias: bool) -> None:
+        super().__init__()
+        self.ff = nn.Linear(16, 16)
+        self.relative_bias = nn.Parameter(torch.zeros(1, 16)) if makes_bias else None
+
+    def forward(self, hidden, position_bias=None):
+        if position_bias is None:
+            position_bias = self.relative_bias
+        return torch.tanh(self.ff(hidden) + position_bias), position_bias, None
+
+
+class T5LikeBlocks(MLP):
+    """An nn.ModuleList of T5-like blocks, looped as T5's stack loops them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(IN, 16)
+        self.layers = nn.ModuleList(_T5LikeBlock(makes_bias=i == 0) for i in range(4))
+        self.head = nn.Linear(16, OUT)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        hidden, bias = self.embed(x), None
+        for block in self.layers:
+            hidden, bias, _ = block(hidden, position_bias=bias)
+        return nn.functional.mse_loss(self.head(hidden), y)

@@ -72,9 +72,16 @@ def test_unsupported_precision():
     [
         ("CallsTwice", "called the pipelined Sequential more than once"),
         ("NeverCalls", "did not call the pipelined Sequential"),
-        ("DictActivation", "output of stage 0 is a dict; what flows between pipeline stages must be a tensor"),
+        ("DictActivation", "output of stage 0 is of type dict; what flows between pipeline stages must be a tensor"),
+        (
+            "T5LikeBlocks",  # 6 rows per micro-batch; the bias is one row, shared by every row
+            "the output of stage 0 is a 3-item tuple whose item 2 is None, not a tensor (item 0: a tensor of shape "
+            "(6, 16); item 1: a tensor of shape (1, 16), whose dim 0 is not the batch's 6 rows; item 2: None); what "
+            "flows between pipeline stages must be a tensor or a tuple of tensors, each with the batch in dim 0: the "
+            "tuple of items [0] would pass",
+        ),
     ],
-    ids=["twice", "never", "dict-activation"],
+    ids=["twice", "never", "dict-activation", "t5-like-tuple"],
 )
 def test_step_contract(model, message, tmp_path):
     layers = len(getattr(models, model)().layers)

@@ -47,10 +47,44 @@ def as_tensors(value: Any, where: str) -> tuple[list[torch.Tensor], bool]:
         return [value], False
     if isinstance(value, tuple | list) and value and all(isinstance(v, torch.Tensor) for v in value):
         return list(value), True
-    raise TypeError(
-        f"{where} is a {type(value).__name__}; what flows between pipeline stages must be a tensor or a "
-        "tuple of tensors with the batch in dim 0 (wrap other values in the layers or pass them as tensors)"
+    raise TypeError(_not_an_activation(value, where))
+
+
+_RULE = "what flows between pipeline stages must be a tensor or a tuple of tensors, each with the batch in dim 0"
+
+
+def _not_an_activation(value: Any, where: str) -> str:
+    """The refusal of ``value`` as an activation: which item breaks the rule, and what would pass."""
+    kind = type(value).__name__
+    if not isinstance(value, tuple | list):
+        return (
+            f"{where} is of type {kind}; {_RULE} (return the tensors from the layer; pass other values as side inputs)"
+        )
+    if not value:
+        return f"{where} is an empty {kind}; {_RULE}"
+    rows = next((v.shape[0] for v in value if isinstance(v, torch.Tensor) and v.dim() > 0), None)
+    culprit = next(i for i, v in enumerate(value) if not isinstance(v, torch.Tensor))
+    listed = "; ".join(f"item {i}: {_describe(v, rows)}" for i, v in enumerate(value))
+    fitting = [i for i, v in enumerate(value) if _fits(v, rows)]
+    passes = f"the tuple of items {fitting} would pass" if fitting else "a tuple of per-row tensors would pass"
+    return (
+        f"{where} is a {len(value)}-item {kind} whose item {culprit} is {_describe(value[culprit], rows)}, not a "
+        f"tensor ({listed}); {_RULE}: {passes}. Return only those from the layer and compute the rest (None, flags, "
+        "a value shared by every row) on every rank, as a side input of the next layers"
     )
+
+
+def _fits(value: Any, rows: int | None) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == rows
+
+
+def _describe(value: Any, rows: int | None) -> str:
+    if not isinstance(value, torch.Tensor):
+        return "None" if value is None else f"of type {type(value).__name__}"
+    shape = f"a tensor of shape {tuple(value.shape)}"
+    if value.dim() == 0:
+        return f"{shape}, with no batch dim"
+    return shape if value.shape[0] == rows else f"{shape}, whose dim 0 is not the batch's {rows} rows"
 
 
 def _fresh(received: torch.Tensor) -> torch.Tensor:

@@ -41,9 +41,32 @@ def check_before_start(
     if isinstance(plan, Plan) and any(stage.offload is not None for stage in plan.stages):
         _check_offload(module.trainer)
     chain = find_chain(module, sequential_name)
+    if (problem := _encoder_decoder_refusal(module, chain, plan, world_size)) is not None:
+        raise ValueError(problem)
     if isinstance(plan, Plan):  # plan="auto" profiles the chain's layers and makes a plan that fits them
         plan.check(num_layers=len(chain), world_size=world_size)
     return chain
+
+
+def _encoder_decoder_refusal(module: Any, chain: Chain, plan: Plan | str, world_size: int) -> str | None:
+    """Why an encoder-decoder model (Hugging Face's ``config.is_encoder_decoder``: T5, BART, ...) cannot be
+    pipelined with ``plan``, or ``None`` (a one-stage plan runs: every rank holds every layer)."""
+    if (plan.num_stages if isinstance(plan, Plan) else world_size) == 1:
+        return None
+    for name, sub in module.named_modules():
+        inside = [path for path in chain.paths if not name or path == name or path.startswith(f"{name}.")]
+        if inside and getattr(getattr(sub, "config", None), "is_encoder_decoder", False) is True:
+            given = (
+                "plan='auto', which may choose several stages," if isinstance(plan, str) else "a plan of several stages"
+            )
+            return (
+                f"{type(sub).__name__} ({name or 'the module'}) is an encoder-decoder model, and {given} would pipeline "
+                f"its layers {list(inside)}: its decoder's blocks take the encoder's output as a side input, which "
+                "never crosses stages, so a stage holding decoder blocks would not have it. dapple does not pipeline "
+                f"encoder-decoder models yet: give a one-stage plan (Plan.data_parallel({len(chain)}, {world_size})) "
+                "or use strategy='ddp'"
+            )
+    return None
 
 
 def _check_offload(trainer: Any) -> None:

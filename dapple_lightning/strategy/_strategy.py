@@ -34,7 +34,6 @@ from lightning.fabric.utilities.distributed import (
     _get_default_process_group_backend_for_device,
 )
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
@@ -62,7 +61,9 @@ from dapple_lightning.strategy._pipelines import Buffers, Pipelines, broadcast_m
 from dapple_lightning.strategy._recovery import Recovery, RecoveryMode, is_active
 from dapple_lightning.strategy._refusals import check_before_start
 from dapple_lightning.strategy._resume import begin, kept_plan
+from dapple_lightning.strategy._rng import RngStates, share_rng_states
 from dapple_lightning.strategy._step import MicroBatches, clip_grad_norm_over_stages, local_optimizers
+from dapple_lightning.strategy._summary import summarize_whole
 from dapple_lightning.surgery import Chain, Cut
 
 __all__ = ["DappleStrategy"]
@@ -218,7 +219,6 @@ class DappleStrategy(CheckpointHooks):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        reset_seed()
         self.set_world_ranks()
         self._validate()  # refuse bad input before any collective
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
@@ -227,6 +227,7 @@ class DappleStrategy(CheckpointHooks):
         connect(self.cluster_environment, backend, self._timeout, self.world_size)
         if self._host_group is None:
             self._host_group = host_group(backend, self._timeout)
+        share_rng_states(self.root_device, self._host_group)  # one device's streams on every rank (_rng)
         if not self._leaves_at_exit:
             atexit.register(self._leave)
             self._leaves_at_exit = True
@@ -263,6 +264,7 @@ class DappleStrategy(CheckpointHooks):
         module = self.lightning_module
         if self._cut is not None:
             raise RuntimeError(STAYS_CUT)
+        streams = RngStates.take(self.root_device)  # what the user's code finds after setup (_rng)
         chain = self._validate()
         self.precision_plugin.convert_module(module)
         self._materialized = on_meta(module)
@@ -289,6 +291,7 @@ class DappleStrategy(CheckpointHooks):
         )
         if self.auto_plan is None:
             rank_zero_info(f"dapple plan:\n{self.plan.table()}")
+        streams.restore()
         if fitting:
             with self._cut.whole():  # configure_optimizers sees the model as one device has it
                 self.setup_optimizers(trainer)
@@ -296,6 +299,7 @@ class DappleStrategy(CheckpointHooks):
             local_optimizers(self.optimizers, module, self._cut.stage)
             self._checkpoints.set_optimizers(self.optimizers, full_names)
             adapt_finetuning(trainer.callbacks, self)
+            summarize_whole(trainer.callbacks, module, self._cut)  # not this rank's stage alone
         self.setup_precision_plugin()
         # Lightning clips with the norm of this rank's gradients; the norm must span all stages.
         self.precision_plugin.clip_grad_by_norm = functools.partial(  # type: ignore[method-assign]

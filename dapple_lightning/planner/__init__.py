@@ -15,6 +15,7 @@ from dapple_lightning.planner._cost import CostModel, Estimate, Placement, estim
 from dapple_lightning.planner._decision import AutoPlan
 from dapple_lightning.planner._dp import (
     PlannedPlan,
+    SearchRecord,
     best_over_micro_batches,
     micro_batch_candidates,
     plan_dapple,
@@ -74,6 +75,7 @@ __all__ = [
     "ModelProfile",
     "Placement",
     "PlannedPlan",
+    "SearchRecord",
     "Simulation",
     "Stopwatch",
     "Trial",

@@ -22,8 +22,8 @@ from pathlib import Path
 from dapple_lightning.planner import REFERENCE_PROFILES, Cluster, plan_dapple, read_pipedream
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from planner_paper import MODELS  # noqa: E402
-from planner_speed import synthetic  # noqa: E402
+from planner_paper import MODELS
+from planner_speed import synthetic
 
 
 def cases(quick: bool) -> list[tuple[str, object, Cluster, int]]:

@@ -59,11 +59,9 @@ count the longer suffix is kept under, whether the suffix's first stage warms up
 micro-batch less (``K - 1``: the two ping-pong), the suffix seen through the link to the new
 stage (``None`` when the new stage is the last), and the suffix itself."""
 
-_Cost = tuple[int, float, float, float, MemoryParts, MemoryParts | None]
-"""A stage ``[i, j)`` priced: ``i``, its forward and backward of one micro-batch, its all-reduce
-and optimizer step, its memory parts, and those when it recomputes (``None``: it may not)."""
-
-_Costs = list[_Cost]
+_Cost = tuple[float, float, float, MemoryParts, MemoryParts | None]
+"""A stage ``[i, j)`` priced: its forward and backward of one micro-batch, its all-reduce and
+optimizer step, its memory parts, and those when it recomputes (``None``: it may not)."""
 
 _Placed = tuple[tuple[int, ...], Placement, float]
 """Where a new stage goes: the free devices per server after it, its devices (per server in the
@@ -135,10 +133,6 @@ def _insert(front: list[_Suffix], new: _Suffix, k: int, beam: int | None) -> boo
     return True
 
 
-def _minus_start(cost: _Cost) -> int:
-    return -cost[0]
-
-
 def _depth_terms(
     forward: float, backward: float, memory: MemoryParts, lean: MemoryParts | None, depth: int, m: int, cap: float
 ) -> tuple[float, Terms, bool] | None:
@@ -162,7 +156,14 @@ class _Pass:
     - ``z + forward_per_sample[i] * samples[left] + forward_fixed[i]``: the prefix's forwards
       of micro-batch 0 precede every chain of the suffix (``Z_0 >= sum F + Z``), and no prefix
       stage has more than ``left`` replicas;
-    - ``prefix_work[i] / left``: some prefix stage does at least its share of the prefix's work.
+    - ``prefix_work[i] / left``: some prefix stage does at least its share of the prefix's work;
+    - ``d + passes_per_sample[i] * samples[left] + passes_fixed[i]`` for a suffix whose ``D`` is
+      ``d``: micro-batch 0's forward and backward through every prefix stage chain with the
+      suffix's ``D`` (``D_t >= F_t + B_t + D_{t+1}``, and ``Z_0 >= D_0``).
+
+    Stage costs are priced once (:meth:`stage_cost`), by the stage's layers, replicas and
+    servers, whichever state asks; every pass of the search at the same micro-batch count
+    (other placement policies, the coarse and the full cut points) shares them.
     """
 
     def __init__(
@@ -195,40 +196,32 @@ class _Pass:
         self._canonical = policy != "append"
         self.placed: dict[tuple[tuple[int, ...], tuple[int, ...] | None, int], _Placed] = {}
         """What :meth:`place` found, by its arguments: the search asks the same again and again."""
-        self.costs: dict[tuple[int, int, int], _Costs] = {}
-        """What :meth:`stage_costs` found, by stage end, replicas and servers (the search hands
-        the same table to its passes over other placement policies)."""
+        self.costs: dict[tuple[int, int, int, int], _Cost | None] = {}
+        """What :meth:`stage_cost` found, by its arguments (the search hands the same table to
+        its passes over other placement policies)."""
         self.priced = 0
         """Stages ``[i, j)`` on a placement priced (forward, backward, closing, memory): each once."""
 
-    def stage_costs(self, end: int, stage: Placement, cap: float, recompute: bool, bound: float) -> _Costs:
-        """The costs of stages ``[i, end)`` on ``stage`` for each allowed start ``i``, latest first.
-
-        A stage's price depends only on its layers, replicas and servers, not on the state that
-        asks, so it is computed once per pass. The list stops where the stage no longer fits
-        under ``cap`` or its own chain exceeds ``bound`` (both only grow as it takes earlier
-        layers; the bound only falls, so a list cut at an earlier bound stays long enough).
-        """
-        key = (end, stage.replicas, stage.servers)
-        costs = self.costs.get(key)
-        if costs is None:
-            model = self.model
-            m = self.micro_batches
-            samples = self.samples[stage.replicas]
-            costs = self.costs[key] = []
-            for x in range(bisect.bisect_left(self.allowed, end) - 1, -2, -1):
-                i = self.allowed[x] if x >= 0 else 0
-                forward, backward = model.passes(i, end, m, samples)
-                memory = model.memory_parts(i, end, samples, stage.replicas)
-                lean = model.memory_parts(i, end, samples, stage.replicas, True) if recompute else None
-                self.priced += 1
-                if peak_bytes(memory, 1, m) > cap and (lean is None or peak_bytes(lean, 1, m) > cap):
-                    break
-                closing = model.allreduce(i, end, stage) + model.update(i, end)
-                if closing + m * (forward + backward) > bound:
-                    break
-                costs.append((i, forward, backward, closing, memory, lean))
-        return costs
+    def stage_cost(self, start: int, end: int, stage: Placement, cap: float, recompute: bool) -> _Cost | None:
+        """Stage ``[start, end)`` on ``stage`` priced, or ``None`` when it does not fit under ``cap``
+        (even recomputing, where ``recompute`` allows). Its price depends only on its layers,
+        replicas and servers, not on the state that asks: each is computed once per pass."""
+        key = (start, end, stage.replicas, stage.servers)
+        if key in self.costs:
+            return self.costs[key]
+        model = self.model
+        m = self.micro_batches
+        samples = self.samples[stage.replicas]
+        forward, backward = model.passes(start, end, m, samples)
+        memory = model.memory_parts(start, end, samples, stage.replicas)
+        lean = model.memory_parts(start, end, samples, stage.replicas, True) if recompute else None
+        self.priced += 1
+        cost: _Cost | None = None
+        if peak_bytes(memory, 1, m) <= cap or (lean is not None and peak_bytes(lean, 1, m) <= cap):
+            closing = model.allreduce(start, end, stage) + model.update(start, end)
+            cost = (forward, backward, closing, memory, lean)
+        self.costs[key] = cost
+        return cost
 
     def place(self, free: tuple[int, ...], first: tuple[int, ...] | None, replicas: int) -> _Placed:
         """A new stage of ``replicas`` devices taken from ``free``, in front of a first stage
@@ -289,7 +282,7 @@ class _Search:
         self.stages_priced = 0
         self.before = (0, 0, 0, 0)
         """:meth:`work` of an earlier search whose work this one continues."""
-        self._costs: dict[tuple[int, tuple[int, ...]], dict[tuple[int, int, int], _Costs]] = {}
+        self._costs: dict[int, dict[tuple[int, int, int, int], _Cost | None]] = {}
         """Stages ``[i, j)`` on a placement whose costs the search computed."""
         self.best_offered = math.inf
         self.end_bound = math.inf
@@ -308,8 +301,8 @@ class _Search:
         """
         self.best_offered = math.inf
         search = _Pass(self.model, policy, micro_batches, cuts, self.replicas)
-        # Stage costs do not depend on the placement policy: passes that differ only in it share them.
-        search.costs = self._costs.setdefault((micro_batches, tuple(search.allowed)), {})
+        # Stage costs depend on neither the placement policy nor the cut points: passes share them.
+        search.costs = self._costs.setdefault(micro_batches, {})
         cluster = self.model.cluster
         layers = self.model.num_layers
         states: _States = [{} for _ in range(layers + 1)]
@@ -422,17 +415,22 @@ class _Search:
         gpipe = self.gpipe
         beam = self.beam
         cap = self.memory_cap
-        costs = search.stage_costs(j, stage, cap, self.recompute, top.bound)
+        recompute = self.recompute
         if rest == 0:
-            costs = costs[-1:] if costs and costs[-1][0] == 0 else []
+            starts: Iterable[int] = (0,)
         else:
             # Skip the cuts whose prefix alone is more work than `rest` devices can do within
-            # the bound (prefix_work only grows with i), and the start 0 (no devices left).
+            # the bound (prefix_work only grows with i).
+            allowed = search.allowed
             top_i = bisect.bisect_right(search.prefix_work, top.bound * rest) - 1
-            lo = bisect.bisect_left(costs, -top_i, key=_minus_start)
-            costs = costs[lo : len(costs) - 1 if costs and costs[-1][0] == 0 else len(costs)]
+            hi = min(bisect.bisect_left(allowed, j), bisect.bisect_right(allowed, top_i))
+            starts = (allowed[x] for x in range(hi - 1, -1, -1))
         ahead_samples = search.samples[rest] if rest else 0
-        for i, forward, backward, closing, memory, lean in costs:
+        for i in starts:
+            cost = search.stage_cost(i, j, stage, cap, recompute)
+            if cost is None:
+                break  # memory only grows as the stage takes earlier layers
+            forward, backward, closing, memory, lean = cost
             bound = top.bound
             if closing + m * (forward + backward) > bound:
                 break  # and so does the stage's own chain for earlier starts

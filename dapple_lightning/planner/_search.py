@@ -415,7 +415,7 @@ class _Search:
         gpipe = self.gpipe
         beam = self.beam
         cap = self.memory_cap
-        recompute = self.recompute
+        may_recompute = self.recompute
         if rest == 0:
             starts: Iterable[int] = (0,)
         else:
@@ -427,7 +427,7 @@ class _Search:
             starts = (allowed[x] for x in range(hi - 1, -1, -1))
         ahead_samples = search.samples[rest] if rest else 0
         for i in starts:
-            cost = search.stage_cost(i, j, stage, cap, recompute)
+            cost = search.stage_cost(i, j, stage, cap, may_recompute)
             if cost is None:
                 break  # memory only grows as the stage takes earlier layers
             forward, backward, closing, memory, lean = cost

@@ -21,6 +21,7 @@ from dapple_lightning.planner import (
     plan_dapple,
     read_pipedream,
 )
+from dapple_lightning.planner.__main__ import main
 
 TOLERANCE = 1.5
 """Most a count may move, as a factor, before the record must be updated."""
@@ -91,3 +92,13 @@ def test_the_record_says_how_far_a_beam_may_be_from_the_optimum() -> None:
     assert 0 < record.lower_bound_s < best.predicted_step_s
     assert record.gap(best.predicted_step_s) == pytest.approx(best.predicted_step_s / record.lower_bound_s - 1)
     assert best.to_dict()["search"]["exact"] is False
+
+
+def test_the_cli_says_whether_the_search_was_exact(tmp_path, capsys) -> None:
+    path = tmp_path / "four.json"
+    ModelProfile((LayerProfile("l", 1e-3, 2e-3, 10**6, 10**6),) * 4, 1).save(path)
+    assert main(["--profile", str(path), "--cluster", "1x2", "--global-batch", "4"]) == 0
+    assert "search: exact over its space (" in capsys.readouterr().out
+    assert main(["--profile", str(path), "--cluster", "1x2", "--global-batch", "4", "--exact", "no"]) == 0
+    out = capsys.readouterr().out
+    assert "search: a beam, not exhaustive" in out and "% above the optimum (lower bound" in out

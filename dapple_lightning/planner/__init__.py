@@ -17,6 +17,7 @@ from dapple_lightning.planner._cost import CostModel, Estimate, Placement, estim
 from dapple_lightning.planner._decision import AutoPlan
 from dapple_lightning.planner._dp import (
     PlannedPlan,
+    SearchRecord,
     best_over_micro_batches,
     micro_batch_candidates,
     plan_dapple,
@@ -78,6 +79,7 @@ __all__ = [
     "Placement",
     "PlanChoice",
     "PlannedPlan",
+    "SearchRecord",
     "Simulation",
     "Stopwatch",
     "Trial",

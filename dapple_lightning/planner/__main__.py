@@ -143,6 +143,21 @@ def _cluster(args: argparse.Namespace) -> Cluster:
     return dataclasses.replace(cluster, **changes)
 
 
+def _exactness(best: PlannedPlan) -> str:
+    """Whether the search was exhaustive, else how far its best plan may be from the optimum."""
+    record = best.search
+    if record is None:
+        return ""
+    work = f"{record.states} states, {record.partial_plans} partial plans priced"
+    if record.exact:
+        return f"\nsearch: exact over its space ({work})"
+    return (
+        f"\nsearch: a beam, not exhaustive ({work}); the best plan is at most "
+        f"{100 * record.gap(best.predicted_step_s):.1f}% above the optimum (lower bound "
+        f"{record.lower_bound_s:.4f} s: the model's compute spread evenly over every device)"
+    )
+
+
 def _table(plans: Sequence[PlannedPlan], global_batch: int) -> str:
     rows = [
         (
@@ -266,6 +281,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"cluster {cluster.describe()}; global batch {args.global_batch}; planned in {seconds:.2f} s"
     )
     print(_table([*plans, *others], args.global_batch))
+    print(_exactness(plans[0]))
     print(
         "\nstep s: the analytic model (what the planner minimises); sim s: the event simulator's replay "
         "of the same plan (queues on links, 1F1B waits)"

@@ -48,6 +48,7 @@ from dapple_lightning.planner._simulator import simulate_plan
 
 __all__ = [
     "PlannedPlan",
+    "SearchRecord",
     "best_over_micro_batches",
     "micro_batch_candidates",
     "plan_dapple",
@@ -86,6 +87,9 @@ class PlannedPlan:
     peak_limit_bytes: float | None = field(default=None, compare=False)
     """The per-device peak the planner's objective allowed (the device memory for ``"time"``,
     the least peak for ``"memory"``; see ``_objective``); ``None`` for plans not from the search."""
+    search: SearchRecord | None = field(default=None, compare=False)
+    """How the search that found the plan went: exact or not, a lower bound, its work; ``None``
+    for plans not from the search."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.plan, Plan):
@@ -119,6 +123,8 @@ class PlannedPlan:
             "stage_memory_bytes": list(self.stage_memory_bytes),
             "peak_limit_bytes": self.peak_limit_bytes,
         }
+        if self.search is not None:
+            out["search"] = self.search.to_dict()
         if self.estimate is not None:
             est = self.estimate
             out.update(
@@ -135,6 +141,40 @@ class PlannedPlan:
     def with_speedup(self, dp_step_s: float | None) -> PlannedPlan:
         speedup = None if dp_step_s is None or self.predicted_step_s <= 0 else dp_step_s / self.predicted_step_s
         return dataclasses.replace(self, speedup_vs_dp=speedup)
+
+
+@dataclass(frozen=True)
+class SearchRecord:
+    """What one :func:`plan_dapple` search did, for its plans' readers and for tests of its work.
+
+    The counts are deterministic (the same on any machine), so a change that multiplies the
+    planner's work shows in them whatever the machine's speed.
+    """
+
+    exact: bool
+    """Whether the search kept every partial plan that could still win (then its best plan is
+    optimal over the search space), or a beam of them."""
+    lower_bound_s: float
+    """A step time no plan of the search space beats: the cluster's devices sharing the model's
+    total compute evenly (every plan's busiest stage does at least that share). Compare it with
+    a beam's best plan for the most it can be off the optimum."""
+    states: int
+    """States (layer, free devices) whose stages the search priced."""
+    stages_priced: int
+    """Stages (layers on a placement, at a micro-batch count) whose costs it computed."""
+    partial_plans: int
+    """Partial plans it priced: a stage put in front of a partial plan (its unit of work)."""
+    kept: int
+    """Partial plans it kept when priced."""
+
+    def gap(self, step_s: float) -> float:
+        """How far ``step_s`` may be above the optimum, as a share of it: at most this (0 when exact)."""
+        if self.exact:
+            return 0.0
+        return step_s / self.lower_bound_s - 1.0 if self.lower_bound_s > 0 else math.inf
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
 
 
 def micro_batch_candidates(global_batch: int) -> tuple[int, ...]:
@@ -277,7 +317,8 @@ def plan_dapple(
     if not search.top.items:
         raise ValueError(_no_fit_message(model, candidates, counts, schedule, cuts, recompute))
     planned = _planned(model, search, _data_parallel_step(model, candidates), schedule)
-    planned = [dataclasses.replace(p, peak_limit_bytes=limit) for p in planned]
+    record = _record(model, search, exact, candidates)
+    planned = [dataclasses.replace(p, peak_limit_bytes=limit, search=record) for p in planned]
     return sorted(planned, key=lambda p: p.predicted_step_s)[:top]
 
 
@@ -358,7 +399,9 @@ def _search(
     # second search from the start; and a run is skipped when the first search found all of
     # its plans below that bound (its own bound never fell under it) and none was.
     seen = search.top.seen
+    first = search
     search = _Search(model, top, counts, schedule, beam, memory_cap, recompute)
+    search.before = first.work()
     for key, (z, payload) in seen.items():
         search.top.offer(z, key, payload)
     bound = search.top.bound
@@ -367,6 +410,16 @@ def _search(
             continue
         search.run(policy, m, cuts)
     return search
+
+
+def _record(model: CostModel, search: _Search, exact: bool, candidates: Sequence[int]) -> SearchRecord:
+    """The :class:`SearchRecord` of ``search`` (its counts summed over both searches of ``top > 1``)."""
+    forward_fixed, backward_fixed, forward_var, backward_var, _, _ = model.affine_prefix_sums()
+    per_sample = (forward_var[-1] + backward_var[-1]) / model.profile.profile_batch_size
+    # Every sample passes every layer once per step; each micro-batch pays the fixed costs once.
+    work = model.global_batch * per_sample + min(candidates) * (forward_fixed[-1] + backward_fixed[-1])
+    counts = search.work()
+    return SearchRecord(exact, work / model.cluster.world_size, *counts)
 
 
 def _seeds(

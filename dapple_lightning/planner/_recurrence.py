@@ -26,7 +26,18 @@ planner does this once per suffix and reuses it for every candidate stage), and
 
 from __future__ import annotations
 
-__all__ = ["Link", "Tail", "combine", "prepend", "stage_chain", "through_link"]
+__all__ = [
+    "Link",
+    "Tail",
+    "Terms",
+    "attach",
+    "chain_from",
+    "combine",
+    "prepend",
+    "stage_chain",
+    "stage_terms",
+    "through_link",
+]
 
 Tail = tuple[float, float, float, float, float]
 """``(D, Z, RT, X, F + B)`` of a suffix: the recurrence's numbers of its first stage, and that
@@ -58,20 +69,48 @@ def stage_chain(
     place of this stage's ``B_{j+1}, F_{j+K+1}`` lengthens the chain by ``partner - F - B``);
     under GPipe, all forwards, the last one's round trip, all backwards.
     """
+    terms = stage_terms(forward, backward, micro_batches, depth)
+    return chain_from(terms, backward, round_trip, partner, gpipe)
+
+
+Terms = tuple[float, float, int, float, float, float, float, int]
+"""What :func:`stage_chain` computes of a stage before it knows the stages after it (the
+planner prices one stage in front of many suffixes): ``F + B``, ``M (F + B)``, the warm-up
+window's jumps and the backwards besides them, the passes up to the last forward, ``M F``,
+``M B`` and ``M - K - 1``."""
+
+
+def stage_terms(forward: float, backward: float, micro_batches: int, depth: int) -> Terms:
+    """The part of :func:`stage_chain` that does not depend on the stages after the stage."""
     m = micro_batches
     fb = forward + backward
     jumps = (m - 1) // depth + 1
-    work = max(m * fb, jumps * (fb + round_trip) + (m - jumps * depth + depth - 1) * backward)
-    lead = m * forward + (m - depth if m > depth else 0) * backward
+    return (
+        fb,
+        m * fb,
+        jumps,
+        (m - jumps * depth + depth - 1) * backward,
+        m * forward + (m - depth if m > depth else 0) * backward,
+        m * forward,
+        m * backward,
+        m - depth - 1,
+    )
+
+
+def chain_from(
+    terms: Terms, backward: float, round_trip: float, partner: float | None, gpipe: bool
+) -> tuple[float, float]:
+    """:func:`stage_chain` from the stage's :func:`stage_terms` and what comes after it."""
+    fb, all_passes, jumps, between, lead, all_forwards, all_backwards, last = terms
+    work = max(all_passes, jumps * (fb + round_trip) + between)
     if gpipe:
-        work = max(work, m * forward + round_trip + m * backward)
+        work = max(work, all_forwards + round_trip + all_backwards)
     if partner is not None:
         # Detours start at F_{j+K}, j >= 0, at least two apart. One at j = M - K - 1 (from the
         # last forward) skips only B_{j+1}; earlier ones skip B_{j+1} and F_{j+K+1}. Before the
         # last forward, only detours that land (at B_{j+2}) ahead of it count.
-        last = m - depth - 1
         if last >= 0:
-            work = max(work, m * fb + (partner - backward) + (last // 2) * max(0.0, partner - fb))
+            work = max(work, all_passes + (partner - backward) + (last // 2) * max(0.0, partner - fb))
         if last >= 2 and partner > fb:
             lead = lead + ((last - 2) // 2 + 1) * (partner - fb)
     return work, lead
@@ -118,13 +157,20 @@ def prepend(
     all-reduce and optimizer step; ``depth``: its warm-up depth ``K``; ``pairs``: the next stage
     warms up one micro-batch less (``K - 1``), so the two ping-pong (DAPPLE only).
     """
-    m = micro_batches
-    fb = forward + backward
+    terms = stage_terms(forward, backward, micro_batches, depth)
+    return attach(forward, backward, closing, terms, link, pairs, gpipe)
+
+
+def attach(
+    forward: float, backward: float, closing: float, terms: Terms, link: Link | None, pairs: bool, gpipe: bool
+) -> Tail:
+    """:func:`prepend` from the stage's :func:`stage_terms` (computed once for many links)."""
+    fb = terms[0]
     if link is None:
-        d = m * fb
+        d = terms[1]
         return d, closing + d, fb, fb + closing, fb
     d_link, z_link, rt_link, x_link, z_last_forward, partner = link
-    work, lead = stage_chain(forward, backward, m, depth, rt_link, partner if pairs else None, gpipe)
+    work, lead = chain_from(terms, backward, rt_link, partner if pairs else None, gpipe)
     d = max(work, fb + d_link)
     rt = fb + rt_link
     x = max(rt + closing, forward + x_link)

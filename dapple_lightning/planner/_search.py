@@ -29,8 +29,8 @@ from typing import Any
 
 from dapple_lightning.planner._cost import CostModel, Placement
 from dapple_lightning.planner._placement import allocate, place
-from dapple_lightning.planner._recurrence import Link, prepend, through_link
-from dapple_lightning.planner._stage_memory import peak_bytes
+from dapple_lightning.planner._recurrence import Link, Terms, attach, stage_terms, through_link
+from dapple_lightning.planner._stage_memory import MemoryParts, peak_bytes
 
 __all__: list[str] = []
 
@@ -58,6 +58,10 @@ _Candidate = tuple[int, int, bool, Link | None, _Suffix | None]
 count the longer suffix is kept under, whether the suffix's first stage warms up one
 micro-batch less (``K - 1``: the two ping-pong), the suffix seen through the link to the new
 stage (``None`` when the new stage is the last), and the suffix itself."""
+
+_Cost = tuple[float, float, float, MemoryParts, MemoryParts | None]
+"""A stage ``[i, j)`` priced: its forward and backward of one micro-batch, its all-reduce and
+optimizer step, its memory parts, and those when it recomputes (``None``: it may not)."""
 
 _Placed = tuple[tuple[int, ...], Placement, float]
 """Where a new stage goes: the free devices per server after it, its devices (per server in the
@@ -90,7 +94,7 @@ class _Top:
 _z = operator.attrgetter("z")
 
 
-def _insert(front: list[_Suffix], new: _Suffix, k: int, beam: int | None) -> None:
+def _insert(front: list[_Suffix], new: _Suffix, k: int, beam: int | None) -> bool:
     """Add ``new`` to ``front`` (sorted by Z) unless ``k`` kept suffixes beat it in all numbers.
 
     With ``k = 1`` the suffixes ``new`` beats leave; with ``k > 1`` they stay (counting who
@@ -105,7 +109,7 @@ def _insert(front: list[_Suffix], new: _Suffix, k: int, beam: int | None) -> Non
         if old.passes <= passes and old.x <= x and old.round_trip <= round_trip and old.d <= d and old.stages == stages:
             beaten += 1
             if beaten >= k:
-                return
+                return False
     if k == 1:
         start = bisect.bisect_left(front, z, key=_z)
         # The suffixes that `new` beats in all numbers leave.
@@ -125,6 +129,21 @@ def _insert(front: list[_Suffix], new: _Suffix, k: int, beam: int | None) -> Non
     front.insert(stop, new)
     if beam is not None and len(front) > beam:
         del front[beam:]
+        return stop < beam
+    return True
+
+
+def _depth_terms(
+    forward: float, backward: float, memory: MemoryParts, lean: MemoryParts | None, depth: int, m: int, cap: float
+) -> tuple[float, Terms, bool] | None:
+    """A stage keeping ``depth`` micro-batches: its backward, its :func:`stage_terms` and whether
+    it recomputes (only when it must: recomputing only makes the backward longer); ``None``
+    when it does not fit under ``cap`` either way."""
+    recompute = peak_bytes(memory, depth, m) > cap
+    if recompute and (lean is None or peak_bytes(lean, depth, m) > cap):
+        return None
+    b = backward + forward if recompute else backward
+    return b, stage_terms(forward, b, m, depth), recompute
 
 
 class _Pass:
@@ -137,7 +156,14 @@ class _Pass:
     - ``z + forward_per_sample[i] * samples[left] + forward_fixed[i]``: the prefix's forwards
       of micro-batch 0 precede every chain of the suffix (``Z_0 >= sum F + Z``), and no prefix
       stage has more than ``left`` replicas;
-    - ``prefix_work[i] / left``: some prefix stage does at least its share of the prefix's work.
+    - ``prefix_work[i] / left``: some prefix stage does at least its share of the prefix's work;
+    - ``d + passes_per_sample[i] * samples[left] + passes_fixed[i]`` for a suffix whose ``D`` is
+      ``d``: micro-batch 0's forward and backward through every prefix stage chain with the
+      suffix's ``D`` (``D_t >= F_t + B_t + D_{t+1}``, and ``Z_0 >= D_0``).
+
+    Stage costs are priced once (:meth:`stage_cost`), by the stage's layers, replicas and
+    servers, whichever state asks; every pass of the search at the same micro-batch count
+    (other placement policies, the coarse and the full cut points) shares them.
     """
 
     def __init__(
@@ -157,6 +183,8 @@ class _Pass:
         self.allowed = sorted(set(range(1, layers)) if cuts is None else {c for c in cuts if 0 < c < layers})
         self.forward_fixed = forward_fixed
         self.forward_per_sample = [x / batch for x in forward_var]
+        self.passes_fixed = [f + b for f, b in zip(forward_fixed, backward_fixed)]
+        self.passes_per_sample = [(f + b) / batch for f, b in zip(forward_var, backward_var)]
         self.prefix_work = [
             model.global_batch * (forward_var[i] + backward_var[i]) / batch + m * (forward_fixed[i] + backward_fixed[i])
             for i in range(layers + 1)
@@ -168,6 +196,32 @@ class _Pass:
         self._canonical = policy != "append"
         self.placed: dict[tuple[tuple[int, ...], tuple[int, ...] | None, int], _Placed] = {}
         """What :meth:`place` found, by its arguments: the search asks the same again and again."""
+        self.costs: dict[tuple[int, int, int, int], _Cost | None] = {}
+        """What :meth:`stage_cost` found, by its arguments (the search hands the same table to
+        its passes over other placement policies)."""
+        self.priced = 0
+        """Stages ``[i, j)`` on a placement priced (forward, backward, closing, memory): each once."""
+
+    def stage_cost(self, start: int, end: int, stage: Placement, cap: float, recompute: bool) -> _Cost | None:
+        """Stage ``[start, end)`` on ``stage`` priced, or ``None`` when it does not fit under ``cap``
+        (even recomputing, where ``recompute`` allows). Its price depends only on its layers,
+        replicas and servers, not on the state that asks: each is computed once per pass."""
+        key = (start, end, stage.replicas, stage.servers)
+        if key in self.costs:
+            return self.costs[key]
+        model = self.model
+        m = self.micro_batches
+        samples = self.samples[stage.replicas]
+        forward, backward = model.passes(start, end, m, samples)
+        memory = model.memory_parts(start, end, samples, stage.replicas)
+        lean = model.memory_parts(start, end, samples, stage.replicas, True) if recompute else None
+        self.priced += 1
+        cost: _Cost | None = None
+        if peak_bytes(memory, 1, m) <= cap or (lean is not None and peak_bytes(lean, 1, m) <= cap):
+            closing = model.allreduce(start, end, stage) + model.update(start, end)
+            cost = (forward, backward, closing, memory, lean)
+        self.costs[key] = cost
+        return cost
 
     def place(self, free: tuple[int, ...], first: tuple[int, ...] | None, replicas: int) -> _Placed:
         """A new stage of ``replicas`` devices taken from ``free``, in front of a first stage
@@ -218,9 +272,26 @@ class _Search:
         self.schedule = schedule
         self.gpipe = schedule == "gpipe"
         self.states_expanded = 0
+        """States whose stages the search priced (each its own pass over stage sizes and starts)."""
+        self.links_made = 0
+        """Suffixes seen through a link to a new stage."""
+        self.priced = 0
+        """Partial plans priced: a stage put in front of a suffix (the search's unit of work)."""
+        self.kept = 0
+        """Partial plans kept in a front when priced (some leave later, beaten or out of a beam)."""
+        self.stages_priced = 0
+        self.before = (0, 0, 0, 0)
+        """:meth:`work` of an earlier search whose work this one continues."""
+        self._costs: dict[int, dict[tuple[int, int, int, int], _Cost | None]] = {}
+        """Stages ``[i, j)`` on a placement whose costs the search computed."""
         self.best_offered = math.inf
         self.end_bound = math.inf
         """The bound when the last run ended: that run found every plan of its own below it."""
+
+    def work(self) -> tuple[int, int, int, int]:
+        """States expanded, stages priced, partial plans priced and kept, with :attr:`before`'s."""
+        now = (self.states_expanded, self.stages_priced, self.priced, self.kept)
+        return tuple(a + b for a, b in zip(self.before, now))  # type: ignore[return-value]
 
     def run(self, policy: str, micro_batches: int, cuts: Sequence[int] | None = None) -> float:
         """Offer the best plans with ``micro_batches`` under ``policy`` to ``self.top``.
@@ -230,6 +301,8 @@ class _Search:
         """
         self.best_offered = math.inf
         search = _Pass(self.model, policy, micro_batches, cuts, self.replicas)
+        # Stage costs depend on neither the placement policy nor the cut points: passes share them.
+        search.costs = self._costs.setdefault(micro_batches, {})
         cluster = self.model.cluster
         layers = self.model.num_layers
         states: _States = [{} for _ in range(layers + 1)]
@@ -238,6 +311,7 @@ class _Search:
             for free, fronts in states[j].items():
                 self._expand(search, states, j, free, fronts)
             states[j].clear()
+        self.stages_priced += search.priced
         self.end_bound = self.top.bound
         return self.best_offered
 
@@ -259,8 +333,10 @@ class _Search:
         if left <= search.most:
             options.append(left)
         nbytes = self.model.cut_bytes(j, search.micro_batches)
+        # Stages of different sizes often see a suffix through links of the same speed.
+        links: dict[tuple[tuple[tuple[int, ...], int] | None, float], list[_Candidate]] = {}
         for r in options:
-            groups = self._through_links(search, free, fronts, r, nbytes, head_start)
+            groups = self._through_links(search, free, fronts, r, nbytes, head_start, links)
             for (left_free, stage), candidates in groups.items():
                 if candidates:
                     self._prepend_stages(search, states, j, left - r, left_free, stage, candidates)
@@ -273,12 +349,14 @@ class _Search:
         replicas: int,
         nbytes: float,
         head_start: float,
+        links: dict[tuple[tuple[tuple[int, ...], int] | None, float], list[_Candidate]],
     ) -> dict[tuple[tuple[int, ...], Placement], list[_Candidate]]:
         """Each suffix seen through its link to a new stage of ``replicas`` devices, grouped by
-        where that stage goes (the state it leads to); suffixes the bound rules out are left out."""
+        where that stage goes (the state it leads to); suffixes the bound rules out are left out.
+        ``links`` keeps each front's candidates by the link's seconds per message, for the
+        other stage sizes of the same state."""
         m = search.micro_batches
         gpipe = self.gpipe
-        bound = self.top.bound
         groups: dict[tuple[tuple[int, ...], Placement], list[_Candidate]] = {}
         for sub, front in fronts.items():
             first = None if sub is None else sub[0]
@@ -291,20 +369,33 @@ class _Search:
                 candidates.append((depth, 0 if gpipe else depth, not gpipe, None, None))
                 continue
             send = search.cluster.message_time(nbytes, per_byte)
-            stages = -1
-            for suffix in front:  # sorted by Z: once one is out of the bound, so are the rest
-                if send + suffix.z + head_start > bound:
-                    break
-                if suffix.stages != stages:  # one count per front unless it is a beam's
-                    # The stage count matters only through K = min(S - s, M) of the stages
-                    # before, and whether the next one has K - 1: up to M.
-                    stages = suffix.stages
-                    depth = m if gpipe else min(stages + 1, m)
-                    kept = 0 if gpipe else depth
-                    pairs = not gpipe and stages == depth - 1
-                link = through_link(suffix.d, suffix.z, suffix.round_trip, suffix.x, suffix.passes, send, send, m)
-                candidates.append((depth, kept, pairs, link, suffix))
+            seen = links.get((sub, send))
+            if seen is None:
+                seen = links[(sub, send)] = self._links(front, send, head_start, m)
+            candidates += seen
         return groups
+
+    def _links(self, front: list[_Suffix], send: float, head_start: float, m: int) -> list[_Candidate]:
+        """The suffixes of ``front`` seen through a link of ``send`` seconds each way, up to the
+        first that the bound rules out."""
+        gpipe = self.gpipe
+        bound = self.top.bound
+        out: list[_Candidate] = []
+        stages = -1
+        for suffix in front:  # sorted by Z: once one is out of the bound, so are the rest
+            if send + suffix.z + head_start > bound:
+                break
+            if suffix.stages != stages:  # one count per front unless it is a beam's
+                # The stage count matters only through K = min(S - s, M) of the stages
+                # before, and whether the next one has K - 1: up to M.
+                stages = suffix.stages
+                depth = m if gpipe else min(stages + 1, m)
+                kept = 0 if gpipe else depth
+                pairs = not gpipe and stages == depth - 1
+            link = through_link(suffix.d, suffix.z, suffix.round_trip, suffix.x, suffix.passes, send, send, m)
+            out.append((depth, kept, pairs, link, suffix))
+        self.links_made += len(out)
+        return out
 
     def _prepend_stages(
         self,
@@ -319,12 +410,12 @@ class _Search:
         """Stages ``[i, j)`` on ``stage`` in front of each of ``candidates``, for each ``i`` the
         bounds allow, leaving ``rest`` devices for the layers before ``i``: whole plans
         (``i == 0``) are offered to ``top``, partial ones kept in the fronts of their states."""
-        model = self.model
         top = self.top
         m = search.micro_batches
         gpipe = self.gpipe
         beam = self.beam
         cap = self.memory_cap
+        may_recompute = self.recompute
         if rest == 0:
             starts: Iterable[int] = (0,)
         else:
@@ -335,30 +426,37 @@ class _Search:
             hi = min(bisect.bisect_left(allowed, j), bisect.bisect_right(allowed, top_i))
             starts = (allowed[x] for x in range(hi - 1, -1, -1))
         ahead_samples = search.samples[rest] if rest else 0
-        samples = search.samples[stage.replicas]
         for i in starts:
-            forward, backward = model.passes(i, j, m, samples)
-            memory = model.memory_parts(i, j, samples, stage.replicas)
-            lean = model.memory_parts(i, j, samples, stage.replicas, True) if self.recompute else None
-            if peak_bytes(memory, 1, m) > cap and (lean is None or peak_bytes(lean, 1, m) > cap):
-                break  # memory only grows as the stage takes earlier layers, or keeps more micro-batches
-            closing = model.allreduce(i, j, stage) + model.update(i, j)
+            cost = search.stage_cost(i, j, stage, cap, may_recompute)
+            if cost is None:
+                break  # memory only grows as the stage takes earlier layers
+            forward, backward, closing, memory, lean = cost
             bound = top.bound
             if closing + m * (forward + backward) > bound:
-                break  # and so does the stage's own chain
+                break  # and so does the stage's own chain for earlier starts
             if i and search.prefix_work[i] / rest > bound:
                 continue
             head_start = search.forward_per_sample[i] * ahead_samples + search.forward_fixed[i]
+            head_passes = search.passes_per_sample[i] * ahead_samples + search.passes_fixed[i]
             front: list[_Suffix] | None = None
             front_stages = -1
+            # The stage's numbers per warm-up depth, computed once for all its suffixes.
+            by_depth: dict[int, tuple[float, Terms, bool] | None] = {}
             for depth, stages, pairs, link, suffix in candidates:
-                # Recomputing only makes the backward longer: a stage recomputes when it must.
-                recompute = peak_bytes(memory, depth, m) > cap
-                if recompute and (lean is None or peak_bytes(lean, depth, m) > cap):
+                if link is not None and (
+                    forward + link[1] + head_start > bound or forward + backward + link[0] + head_passes > bound
+                ):
+                    continue  # out of the bound before pricing: Z >= F + Z_link, D >= F + B + D_link
+                if depth in by_depth:
+                    known = by_depth[depth]
+                else:
+                    known = by_depth[depth] = _depth_terms(forward, backward, memory, lean, depth, m, cap)
+                if known is None:
                     continue
-                b = backward + forward if recompute else backward
-                d, z, round_trip, x, passes = prepend(forward, b, closing, m, depth, link, pairs, gpipe)
-                if z + head_start > bound:
+                b, terms, recompute = known
+                self.priced += 1
+                d, z, round_trip, x, passes = attach(forward, b, closing, terms, link, pairs, gpipe)
+                if z + head_start > bound or d + head_passes > bound:
                     continue
                 new = _Suffix(stages, d, z, round_trip, x, passes, i, j, stage.replicas, recompute, suffix)
                 if i == 0:
@@ -370,7 +468,7 @@ class _Search:
                     front_stages = stages
                     sub = (stage.take, 0 if beam else stages)
                     front = states[i].setdefault(left_free, {}).setdefault(sub, [])
-                _insert(front, new, top.k, beam)
+                self.kept += _insert(front, new, top.k, beam)
 
     def _offer(self, plan: _Suffix, policy: str, m: int) -> None:
         spec: list[tuple[int, int, int, bool]] = []

@@ -8,40 +8,38 @@ listed here. Each change is an attribute set through a :class:`Patches` record, 
 :meth:`Patches.remove` (the strategy's ``teardown``, which Lightning also calls after an
 exception) or at the end of a ``with`` block (:meth:`Patches.scoped`, also when the block raises).
 
-============================== ======================== ======================================== =========
-object                         attribute                why                                      undone
-============================== ======================== ======================================== =========
-user's LightningModule         ``log`` (instance)       a micro-batch's values are captured and   end of
-                                                        combined per global batch; while plan=    block
-                                                        "auto" runs the step to profile, nothing
-                                                        is logged
-user's LightningModule         ``cpu`` (instance)       Lightning's teardown moves the model to   end of
-                                                        the CPU; a module left on the meta        block
-                                                        device has nothing to move
-precision plugin               ``clip_grad_by_norm``    the norm must span every stage's          teardown
-                               (instance)               gradients, not this rank's
-precision plugin               ``_after_closure``       recovery's vote goes after the closure    teardown
-                               (instance)               and clipping, inside the optimizer step:
-                                                        no public hook runs there
-optimizer                      ``step`` (instance)      an offloaded stage steps layer by layer   teardown
-                                                        where their state lives
-``BaseFinetuning`` subclass    ``finetune_function``    the hook sees the whole model, and a      teardown
-instance                       (instance)               param group it adds keeps this rank's
-                                                        parameters
-``BaseFinetuning`` (class)     ``filter_on_optimizer``  what one device's optimizer holds, by     end of
-                                                        name (Lightning calls it on the class)    block
-training loader's              ``generator``            every rank draws the same order           teardown
-``RandomSampler``
-training loader's              ``sampler``              recovery resumes an epoch mid-way         teardown
-``BatchSampler``                                        (:class:`~._order.EpochOrder`)
-trainer's checkpoint connector ``_loaded_checkpoint``   the state recovered after a restart is    Lightning
-                                                        what Lightning restores                   clears it
-fit loop's epoch loop          ``_batches_that_stepped`` a recovered step's count, which Lightning Lightning
-                                                        counts twice after a validation           state
-============================== ======================== ======================================== =========
+=========================== ========================= ==================================================== =========
+object                      attribute                 why                                                  undone
+=========================== ========================= ==================================================== =========
+user's LightningModule      ``log`` (instance)        a micro-batch's values are captured and combined per block end
+                                                      global batch; while plan="auto" runs the step to
+                                                      profile, nothing is logged
+user's LightningModule      ``cpu`` (instance)        Lightning's teardown moves the model to the CPU; a   block end
+                                                      module left on the meta device has nothing to move
+precision plugin            ``clip_grad_by_norm``     the norm must span every stage's gradients, not this teardown
+                                                      rank's
+precision plugin            ``_after_closure``        recovery's vote goes after the closure and clipping, teardown
+                                                      inside the optimizer step: no public hook runs there
+optimizer                   ``step``                  an offloaded stage steps layer by layer where their  teardown
+                                                      state lives
+``BaseFinetuning`` instance ``finetune_function``     the hook sees the whole model, and a param group it  teardown
+                                                      adds keeps this rank's parameters
+``BaseFinetuning`` (class)  ``filter_on_optimizer``   what one device's optimizer holds, by name           block end
+                                                      (Lightning calls it on the class)
+loader's ``RandomSampler``  ``generator``             every rank draws the same order                      teardown
+loader's ``BatchSampler``   ``sampler``               recovery resumes an epoch mid-way                    teardown
+                                                      (:class:`~._order.EpochOrder`)
+checkpoint connector        ``_loaded_checkpoint``    the state recovered after a restart is what          no (*)
+                                                      Lightning restores
+fit loop's epoch loop       ``_batches_that_stepped`` a recovered step's count, which Lightning counts     no (*)
+                                                      twice after a validation
+=========================== ========================= ==================================================== =========
 
-The last two are Lightning's state, handed over as a checkpoint's restore would set it; they are
-not undone. The strategy also sets ``rank_zero_only.rank`` as Lightning's own strategies do.
+(*) Lightning's state, handed over as a checkpoint's restore would set it: not undone. The strategy
+also sets ``rank_zero_only.rank`` as Lightning's own strategies do. The runtime changes the
+``forward`` of the user's batch norms (``runtime._batchnorm``, undone at teardown by ``Buffers``)
+and of split linear layers (``runtime._linear_split``, for one block): a room below the strategy,
+with its own undo.
 
 Private Lightning names are used here only: the distributed helpers of ``lightning.fabric``
 (``_init_dist_connection`` and the like, as ``DDPStrategy`` uses them), its RNG state
@@ -50,8 +48,9 @@ collectors, the script and spawn launchers (whose ``_wrapping_function`` and
 classes (:mod:`._snapshot` walks them), ``call._call_callbacks_state_dict``,
 ``LightningModule._apply_batch_transfer_handler`` and ``fit_loop._data_source``.
 
-Checked against Lightning 2.6.6 (the version installed here); another version may move any of
-these, which the tests that fit through the strategy would show.
+Checked against Lightning 2.6.6 only (the version installed here; pyproject allows ``lightning>=2.4``):
+another version may move any of these, which ``tests/test_lightning_adapter.py`` and the tests that
+fit through the strategy would show.
 """
 
 from __future__ import annotations

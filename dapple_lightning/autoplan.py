@@ -159,7 +159,7 @@ def time_step_outside(
     ``sequential_input``; the Sequential is replaced by a replay of its output."""
     with torch.no_grad():
         output = sequential(sequential_input)
-    with standing_in(module, set_sequential, sequential, _Replay(output)):
+    with standing_in(set_sequential, sequential, _Replay(output)):
         return _time_step(module, step, repeats, warmup, _device_of(sequential_input))
 
 
@@ -179,7 +179,7 @@ def time_step_around(
     layer computes: each replays its output, so the step's own code (before, between and after
     the containers) is what is timed; the forward of code between containers is counted, its
     backward is not (it ends at the last layer's replay)."""
-    with standing_in(module, put, tuple(containers), _replaying(containers, outputs)):
+    with standing_in(put, tuple(containers), _replaying(containers, outputs)):
         return _time_step(module, step, repeats, warmup, _device_of(outputs))
 
 

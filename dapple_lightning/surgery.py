@@ -328,18 +328,15 @@ _Placed = TypeVar("_Placed")
 
 
 @contextmanager
-def standing_in(
-    module: nn.Module, set_container: Callable[[_Placed], None], container: _Placed, stand_in: _Placed
-) -> Iterator[None]:
-    """Within the block, ``stand_in`` replaces the container and ``module.log`` does nothing
-    (the user's step may log); both are put back after. ``set_container`` may also put a
-    chain's containers and their stand-ins (sequences of modules) in their places."""
+def standing_in(set_container: Callable[[_Placed], None], container: _Placed, stand_in: _Placed) -> Iterator[None]:
+    """Within the block, ``stand_in`` replaces the container; it is put back after.
+    ``set_container`` may also put a chain's containers and their stand-ins (sequences of
+    modules) in their places. The user's step may log: a caller that runs it inside Lightning's
+    trainer silences ``module.log`` (the strategy does, through its Lightning adapter)."""
     set_container(stand_in)
-    module.log = lambda *args, **kwargs: None
     try:
         yield
     finally:
-        del module.log
         set_container(container)
 
 
@@ -358,7 +355,7 @@ def capture_input(
 ) -> Any:
     """Run ``step`` (the user's training_step on a batch) until it calls the container; return its input."""
     capture = _Capture()
-    with standing_in(module, set_container, container, capture), torch.no_grad(), suppress(StageExit):
+    with standing_in(set_container, container, capture), torch.no_grad(), suppress(StageExit):
         step()
     if capture.value is None:
         raise RuntimeError(

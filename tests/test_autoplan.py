@@ -85,7 +85,7 @@ def test_step_outside_times_the_loss_and_puts_everything_back():
     fwd, bwd = time_step_outside(model, set_sequential, sequential, lambda: model.training_step((x, y), 0), x)
     assert fwd > 0 and bwd > 0
     assert model.layers is sequential
-    assert model.logged == []  # logging was silenced while timing
+    assert "log" not in vars(model)  # the strategy silences logging around plan='auto' (its Lightning adapter)
     assert all(p.grad is None for p in model.parameters())
 
 

@@ -61,14 +61,14 @@ def test_a_cut_keeps_the_stage_under_its_original_names_and_restores_the_very_mo
         assert torch.equal(value, weights[f"layers.{key}"]), key
 
 
-def test_capture_input_stops_the_step_at_the_container_and_silences_logging() -> None:
+def test_capture_input_stops_the_step_at_the_container_before_it_logs() -> None:
     net = Net()
     x = torch.randn(5, 3)
     got = capture_input(net, lambda m: set_submodule(net, "layers", m), net.layers, lambda: net.training_step(x, 0))
     assert torch.allclose(got, net.embed(x))
     assert net.logged == []  # the step's log call went nowhere
     assert isinstance(net.layers, nn.Sequential) and not isinstance(net.layers, StageModule)
-    with standing_in(net, lambda m: set_submodule(net, "layers", m), net.layers, nn.Identity()):
+    with standing_in(lambda m: set_submodule(net, "layers", m), net.layers, nn.Identity()):
         assert isinstance(net.layers, nn.Identity)
     assert "log" not in net.__dict__
 

@@ -3,12 +3,12 @@
 The strategy keeps Lightning's lifecycle and hands the work to small modules: the micro-batch
 step and its gradient set-aside (``_step``), checkpoints in the single-device layout,
 full (``_checkpoint``, streamed by ``_stream``) or sharded (``_sharded``), ``plan="auto"``'s setup (``_auto``), the process groups (``_pipelines``),
-the spawn launcher (``_launcher``) and the heartbeat that ends every rank when one is lost (``_heartbeat``).
+the spawn launcher and every change to Lightning's and the user's objects (``_lightning``), and the heartbeat that ends every rank when one is lost (``_heartbeat``).
 """
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from dapple_lightning.strategy._launcher import FORKSERVER_PRELOAD
+from dapple_lightning.strategy._lightning import FORKSERVER_PRELOAD
 from dapple_lightning.strategy._sharded import consolidate_checkpoint
 from dapple_lightning.strategy._strategy import DappleStrategy
 

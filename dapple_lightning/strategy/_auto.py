@@ -28,6 +28,7 @@ from dapple_lightning.plan import Plan
 from dapple_lightning.planner import SETTLE_STEPS, Measured
 from dapple_lightning.runtime import Pipeline, StageModule, Timeline, stand_in_layers
 from dapple_lightning.strategy._auto_blocks import BlockChain, put_in_place
+from dapple_lightning.strategy._lightning import training_loader
 from dapple_lightning.strategy._pipelines import Pipelines
 from dapple_lightning.strategy._refusals import offload_refusal
 from dapple_lightning.strategy._resident import Resident, parameter_bytes
@@ -129,7 +130,7 @@ def choose_automatically(setting: AutoSetting, batch: Any, chain: Chain) -> Auto
 
 def draw_global_batch(trainer: Any, to_device: Callable[[Any], Any]) -> Any:
     """The first training batch, on the device, leaving the loader's order as it was."""
-    return to_device(draw_batch(trainer.fit_loop._data_source.dataloader()))
+    return to_device(draw_batch(training_loader(trainer)))
 
 
 class Trials:

@@ -50,7 +50,8 @@ from dapple_lightning.autoplan import fresh_leaves, small_batch_of, time_step_ar
 from dapple_lightning.microbatch import batch_size_of
 from dapple_lightning.planner import ModelProfile, map_tensors
 from dapple_lightning.runtime import StageExit
-from dapple_lightning.surgery import Chain, set_submodule, standing_in
+from dapple_lightning.strategy._lightning import silenced_log
+from dapple_lightning.surgery import Chain, set_submodule
 
 __all__ = ["BlockCall", "BlockChain", "ChainedBlock", "put_in_place", "record_block_calls"]
 
@@ -184,10 +185,8 @@ def record_block_calls(module: nn.Module, chain: Chain, step: Callable[[], Any])
     for index, layer in enumerate(layers):
         handles.append(layer.register_forward_pre_hook(partial(pre, index), with_kwargs=True, prepend=True))
         handles.append(layer.register_forward_hook(partial(post, index), with_kwargs=True))
-    put = put_in_place(module, chain)
     try:
-        # The containers stand in for themselves: standing_in only silences the step's logging here.
-        with standing_in(module, put, chain.containers, chain.containers), torch.no_grad(), suppress(StageExit):
+        with silenced_log(module), torch.no_grad(), suppress(StageExit):
             step()
     finally:
         for handle in handles:

@@ -31,6 +31,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.utils.data import DataLoader, RandomSampler
 
+from dapple_lightning.strategy._lightning import Patches
+
 __all__ = ["SameBatch", "same_order"]
 
 _PERIOD = 8191  # position weights (1 to 8191): a reordering of rows changes the weighted sum
@@ -65,13 +67,13 @@ class SameBatch:
         return box[0]
 
 
-def same_order(dataloader: object, seed: int) -> object:
+def same_order(patches: Patches, dataloader: object, seed: int) -> object:
     """``dataloader``, drawing the same order on every rank. A RandomSampler without a generator
     draws its order from each process's global RNG, which the ranks consume differently (dropout in
-    different layers), so it gets a generator seeded identically on every rank."""
+    different layers), so it gets a generator seeded identically on every rank (recorded in ``patches``)."""
     sampler = getattr(dataloader, "sampler", None)
     if isinstance(dataloader, DataLoader) and isinstance(sampler, RandomSampler) and sampler.generator is None:
-        sampler.generator = torch.Generator().manual_seed(seed)
+        patches.set(sampler, "generator", torch.Generator().manual_seed(seed))
     return dataloader
 
 

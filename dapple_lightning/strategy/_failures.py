@@ -28,7 +28,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
-from lightning.fabric.utilities.distributed import _init_dist_connection
+
+from dapple_lightning.strategy._lightning import init_dist_connection
 
 __all__ = [
     "ASYNC_ERROR_HANDLING",
@@ -84,7 +85,7 @@ def connect(env: ClusterEnvironment, backend: str, timeout: timedelta, world_siz
     """Lightning's ``_init_dist_connection``, after :func:`prepare_backend`, on this attempt's keys under torchrun;
     refuses a process group of another size than the Trainer's."""
     prepare_backend(backend)
-    _init_dist_connection(env, backend, timeout=timeout, **attempt_store(timeout))
+    init_dist_connection(env, backend, timeout=timeout, **attempt_store(timeout))
     if dist.get_world_size() != world_size:
         raise RuntimeError(
             f"the process group has {dist.get_world_size()} ranks but this Trainer expects {world_size}; a "

@@ -13,33 +13,32 @@ from __future__ import annotations
 
 import functools
 from typing import Any
-from unittest.mock import patch
 
 from lightning.pytorch.callbacks import BaseFinetuning
 
 from dapple_lightning.strategy._checkpoint import group_names, keep_local
+from dapple_lightning.strategy._lightning import Patches, finetuning_filter
+from dapple_lightning.strategy._parts import FitParts
 
 __all__ = ["adapt_finetuning"]
 
 
-def adapt_finetuning(callbacks: list[Any], strategy: Any) -> None:
-    """Wrap the hooks of every ``BaseFinetuning`` in ``callbacks`` (once) for ``strategy``."""
+def adapt_finetuning(patches: Patches, callbacks: list[Any], parts: FitParts) -> None:
+    """Wrap the ``finetune_function`` of every ``BaseFinetuning`` in ``callbacks`` for this fit's
+    ``parts``; ``patches`` records the wrap, which the strategy's teardown takes off."""
     for callback in callbacks:
-        if isinstance(callback, BaseFinetuning) and not getattr(callback, "_dapple_adapted", False):
-            callback.finetune_function = _regrouping(strategy, callback.finetune_function)
-            callback._dapple_adapted = True
+        if isinstance(callback, BaseFinetuning):
+            patches.set(callback, "finetune_function", _regrouping(parts, callback.finetune_function))
 
 
-def _regrouping(strategy: Any, hook: Any) -> Any:
+def _regrouping(parts: FitParts, hook: Any) -> Any:
     @functools.wraps(hook)
     def run(pl_module: Any, epoch: int, optimizer: Any) -> Any:
-        cut, checkpoints = strategy._cut, strategy._checkpoints
-        if cut is None:
-            return hook(pl_module, epoch, optimizer)
+        checkpoints = parts.checkpoints
         index = next(i for i, o in enumerate(checkpoints.optimizers) if o is optimizer)
         known = len(checkpoints.full_optimizer_names[index])
         held = {n for group in checkpoints.full_optimizer_names[index] for n in group}
-        with cut.whole():
+        with parts.cut.whole():
             name_of = {id(p): n for n, p in pl_module.named_parameters()}
 
             def not_held(optimizer: Any, params: Any) -> list[Any]:
@@ -47,7 +46,7 @@ def _regrouping(strategy: Any, hook: Any) -> Any:
                 # parameters, and Lightning's check compares values, which meta tensors lack.
                 return [p for p in params if name_of.get(id(p)) not in held]
 
-            with patch.object(BaseFinetuning, "filter_on_optimizer", staticmethod(not_held)):
+            with finetuning_filter(not_held):
                 result = hook(pl_module, epoch, optimizer)
             added = group_names(pl_module, [optimizer])[0][known:]
         if added:

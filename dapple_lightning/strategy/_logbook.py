@@ -33,6 +33,7 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 
 from dapple_lightning.plan import Plan
 from dapple_lightning.runtime import Message, replaying
+from dapple_lightning.strategy._parts import FitParts
 from dapple_lightning.strategy._recovery import private_directory
 
 __all__ = ["Logbook", "replay_lost_stages"]
@@ -117,13 +118,13 @@ class Logbook:
 
 
 def replay_lost_stages(
-    strategy: Any, trainer: Any, plan: Plan, lost: list[int], checkpoint: tuple[str, int], step: int, group: Any
+    parts: FitParts, logbook: Logbook, plan: Plan, lost: list[int], checkpoint: tuple[str, int], step: int, group: Any
 ) -> str | None:
     """Replay every rank in ``lost`` (each an unreplicated stage's) from ``checkpoint`` (path, its
-    step) up to ``step`` (collective over every rank). ``None`` when done; else why it was refused,
-    on every rank, before any state changed."""
+    step) up to ``step`` (collective over every rank); ``logbook``: this rank's. ``None`` when done;
+    else why it was refused, on every rank, before any state changed."""
     rank, (path, start) = dist.get_rank(), checkpoint
-    logbook: Logbook = strategy._recovery.logbook
+    trainer = parts.module.trainer
     logs: dict[int, Any] = {}
     for victim in lost:
         if rank in _neighbours(plan, victim):
@@ -133,23 +134,23 @@ def replay_lost_stages(
                 box: list[Any] = [None]
                 dist.recv_object_list(box, src=sender, group=group)
                 logs[sender] = box[0]
-    refusal = _refusal(strategy, trainer, path, start, step, logs) if rank in lost else None
+    refusal = _refusal(parts, trainer, path, start, step, logs) if rank in lost else None
     refusals: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(refusals, refusal, group=group)
     if found := next((r for r in refusals if r is not None), None):
         return found
     if rank in lost:
-        _replay(strategy, trainer, path, start, step, logs)
+        _replay(parts, trainer, path, start, step, logs)
     return None
 
 
-def _refusal(strategy: Any, trainer: Any, path: str, start: int, step: int, logs: Mapping[int, Any]) -> str | None:
+def _refusal(parts: FitParts, trainer: Any, path: str, start: int, step: int, logs: Mapping[int, Any]) -> str | None:
     missing = [sender for sender, entries in logs.items() if entries is None]
     if missing:
         return f"the log of steps {start}-{step - 1} is incomplete on rank(s) {missing}"
     if not Path(path).exists():
         return f"the checkpoint {path} is not there"
-    if strategy._pipeline.reducers:
+    if parts.pipeline.reducers:
         return "the stage shares parameters with other stages, whose gradients a replay alone cannot sum"
     if trainer.gradient_clip_val:
         return "gradient clipping's norm spans every stage, which a replay alone cannot compute"
@@ -158,14 +159,14 @@ def _refusal(strategy: Any, trainer: Any, path: str, start: int, step: int, logs
     return None
 
 
-def _replay(strategy: Any, trainer: Any, path: str, start: int, step: int, logs: Mapping[int, Any]) -> None:
+def _replay(parts: FitParts, trainer: Any, path: str, start: int, step: int, logs: Mapping[int, Any]) -> None:
     configs = trainer.lr_scheduler_configs
-    checkpoint = strategy.load_checkpoint(path)
-    strategy._checkpoints.load_model(checkpoint, strict=False)
-    strategy._checkpoints.load_optimizers(checkpoint)
+    checkpoint = parts.load_checkpoint(path)
+    parts.checkpoints.load_model(checkpoint, strict=False)
+    parts.checkpoints.load_optimizers(checkpoint)
     for config, state in zip(configs, checkpoint.get("lr_schedulers", []), strict=False):
         config.scheduler.load_state_dict(state)
-    steps, pipeline = strategy._steps, strategy._pipeline
+    steps, pipeline = parts.steps, parts.pipeline
     for i in range(step - start):
         entries = [entries[i] for entries in logs.values()]
         batch = next(e["batch"] for e in entries if "batch" in e)
@@ -176,11 +177,11 @@ def _replay(strategy: Any, trainer: Any, path: str, start: int, step: int, logs:
                 inbox[(link, sender)] = messages
         with replaying(pipeline, inbox):
             steps.dataloader_idx = 0
-            steps.train(pipeline, (batch, batch_idx), {}, strategy.precision_plugin.train_step_context)
-        for optimizer in strategy.optimizers:
+            steps.train(pipeline, (batch, batch_idx), {}, parts.train_step_context)
+        for optimizer in parts.optimizers:
             optimizer.zero_grad()
         steps.add_fresh_gradients(1.0)
-        for optimizer in strategy.optimizers:
+        for optimizer in parts.optimizers:
             optimizer.step()
         for config in configs:  # as Lightning steps them: by the batch's index in its epoch
             if (batch_idx + 1) % config.frequency == 0:

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from dapple_lightning.strategy._lightning import unmoved_cpu
+
 __all__ = ["STAYS_CUT", "materialize", "meta_context", "on_meta", "unmoved_on_meta"]
 
 STAYS_CUT = (
@@ -48,11 +50,8 @@ def unmoved_on_meta(module: nn.Module | None) -> Iterator[None]:
     if module is None or not on_meta(module):
         yield
         return
-    module.cpu = lambda: module  # type: ignore[method-assign]
-    try:
+    with unmoved_cpu(module):
         yield
-    finally:
-        del module.cpu
 
 
 def materialize(module: nn.Module, device: torch.device, seed: int) -> None:

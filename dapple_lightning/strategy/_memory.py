@@ -39,6 +39,7 @@ from dapple_lightning.runtime import Timeline, write_chrome_trace
 from dapple_lightning.strategy._auto_blocks import BlockChain
 from dapple_lightning.strategy._checkpoint import gather_on_zero
 from dapple_lightning.strategy._failures import HOST_WAIT
+from dapple_lightning.strategy._lightning import training_loader
 from dapple_lightning.surgery import Chain, capture_input, set_submodule, unchanged
 
 __all__ = ["parse_memory", "predicted_memory", "warn_if_over_budget", "write_trace"]
@@ -102,7 +103,7 @@ def _predict_and_warn(module: Any, chain: Chain, plan: Plan, trainer: Any, limit
         rank_zero_info("dapple memory_limit: the model is on the meta device, so the plan's memory is not predicted")
         return
     device = next(module.parameters()).device
-    batch = move_data_to_device(draw_batch(trainer.fit_loop._data_source.dataloader()), device)
+    batch = move_data_to_device(draw_batch(training_loader(trainer)), device)
     peaks = predicted_memory(module, chain, plan, batch)
     problem = over_budget(plan, peaks, limit)
     if problem is not None:

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler, SequentialSampler
 
+from dapple_lightning.strategy._lightning import Patches
+
 __all__ = ["EpochOrder", "track"]
 
 
@@ -52,12 +54,12 @@ class EpochOrder(Sampler):
         return len(self.inner)  # type: ignore[arg-type]
 
 
-def track(dataloader: object, pending: Mapping[str, Any] | None) -> EpochOrder | None:
+def track(patches: Patches, dataloader: object, pending: Mapping[str, Any] | None) -> EpochOrder | None:
     """Put an :class:`EpochOrder` under ``dataloader``'s batch sampler (once); ``None`` where the
     order cannot be told again: no plain ``BatchSampler`` over a map-style dataset, a loader that
     restores its own position (Lightning's stateful ones), or a sampler whose order is drawn from
     the global RNG (neither sequential nor with a ``generator``). Its epoch then restarts from its
-    first batch after a recovery, as Lightning warns."""
+    first batch after a recovery, as Lightning warns. ``patches`` records the sampler it replaces."""
     if not isinstance(dataloader, DataLoader) or type(dataloader.batch_sampler) is not BatchSampler:
         return None
     if isinstance(dataloader.dataset, IterableDataset) or callable(getattr(dataloader, "load_state_dict", None)):
@@ -67,7 +69,7 @@ def track(dataloader: object, pending: Mapping[str, Any] | None) -> EpochOrder |
     if not isinstance(inner, SequentialSampler) and not isinstance(getattr(inner, "generator", None), torch.Generator):
         return None
     if not isinstance(batches.sampler, EpochOrder):
-        batches.sampler = EpochOrder(batches.sampler, batches.batch_size)
+        patches.set(batches, "sampler", EpochOrder(batches.sampler, batches.batch_size))
     if pending is not None:
         batches.sampler.resume(pending)
     return batches.sampler

@@ -8,7 +8,6 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from torch import Tensor, nn
 
 from dapple_lightning.plan import Plan
@@ -22,6 +21,7 @@ from dapple_lightning.runtime import (
     stage_group,
     synchronize_batch_norms,
 )
+from dapple_lightning.strategy._lightning import distributed_is_initialized
 
 __all__ = ["BUCKET_BYTES", "Buffers", "Pipelines", "Staged", "broadcast_module"]
 
@@ -137,7 +137,7 @@ def broadcast_module(module: nn.Module, device: torch.device, *, bucket_bytes: i
     all of it, which a model cut into a pipeline for memory does not have. A tensor larger than a
     bucket travels in bucket-sized pieces.
     """
-    if not _distributed_is_initialized() or dist.get_world_size() == 1:
+    if not distributed_is_initialized() or dist.get_world_size() == 1:
         return Staged(device, 0, 0)
     by_dtype: dict[torch.dtype, list[Tensor]] = {}
     for t in module.state_dict(keep_vars=True).values():

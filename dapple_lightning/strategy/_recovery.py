@@ -55,13 +55,20 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
-from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from dapple_lightning.strategy._ballot import Ballot, Undecided
 from dapple_lightning.strategy._heartbeat import attempt, launcher_client
+from dapple_lightning.strategy._lightning import (
+    Patches,
+    after_closure,
+    batches_that_stepped,
+    callbacks_state,
+    collect_rng_states,
+    set_batches_that_stepped,
+    set_rng_states,
+)
 from dapple_lightning.strategy._order import EpochOrder, track
 from dapple_lightning.strategy._snapshot import BufferCopies, Snapshot, loops_state
 from dapple_lightning.strategy._step import to_cpu
@@ -139,7 +146,7 @@ class Recovery:
         self._aborts: Ballot | None = None  # another client's, for the heartbeat thread: it aborts a vote under way
         self._pending: int | None = None  # the step whose vote the main thread casts or waits for
         self._signals: Any = None
-        self._unwrap: Any = None  # puts the precision plugin's closure hook back
+        self._unwrap: Any = None  # removes the optimizers' step hooks
         self._buffers: dict[str, Any] = {}  # the module's buffers at the last safe point
         self._buffer_copies: BufferCopies | None = None  # where the module's buffers are, found once per module
         self._timeout_s = 120.0
@@ -171,9 +178,9 @@ class Recovery:
 
     # ------------------------------------------------------------------ set-up
 
-    def start(self, trainer: Any, identity: dict[str, Any]) -> None:
+    def start(self, trainer: Any, identity: dict[str, Any], patches: Patches) -> None:
         """Begin for a fit: ``identity`` (run, plan, world, rank, stage) goes into the file; every
-        optimizer step waits for the vote."""
+        optimizer step waits for the vote (its hook into the precision plugin recorded in ``patches``)."""
         self._trainer, self._identity, self.rank = trainer, identity, identity["rank"]
         self._phase, self._snapshot, self._exit_at_safe_point = "idle", None, False
         self._written.clear()
@@ -194,13 +201,10 @@ class Recovery:
         # The vote goes where every collective of the step is behind and the update ahead: after
         # Lightning's closure (training_step, backward) and its gradient clipping (an all-reduce),
         # inside the optimizer's step. An optimizer step pre-hook would run before the closure.
-        precision = trainer.strategy.precision_plugin
-        after_closure = precision._after_closure
-        precision._after_closure = lambda model, optimizer: (after_closure(model, optimizer), self._vote())
+        after_closure(patches, trainer.strategy.precision_plugin, self._vote)
         hooks = [o.register_step_post_hook(self._updated) for o in trainer.strategy.optimizers]
 
         def unwrap() -> None:
-            vars(precision).pop("_after_closure", None)
             for hook in hooks:
                 hook.remove()
 
@@ -211,10 +215,10 @@ class Recovery:
         position when the training loader is set up."""
         self.recovered = checkpoint
 
-    def track_loader(self, dataloader: object, trainer: Any) -> None:
+    def track_loader(self, patches: Patches, dataloader: object, trainer: Any) -> None:
         """``process_dataloader``: the training loader's order becomes resumable."""
         if self.active and trainer.state.stage == RunningStage.TRAINING:
-            self.order = track(dataloader, None if self.recovered is None else self.recovered["dapple_order"])
+            self.order = track(patches, dataloader, None if self.recovered is None else self.recovered["dapple_order"])
 
     def listen(self) -> None:
         """At the start of training: torchrun's SIGTERM (the agent stopping the attempt) writes the state.
@@ -243,9 +247,9 @@ class Recovery:
         if not self.active:
             return
         if self.recovered is not None:  # where the recovered step's snapshot was taken
-            _set_rng_states(self.recovered["dapple_rng"])
+            set_rng_states(self.recovered["dapple_rng"])
             # Lightning counts a restart after a validation as one at the end of a batch and steps this twice.
-            self._trainer.fit_loop.epoch_loop._batches_that_stepped = self.recovered["dapple_batches_that_stepped"]
+            set_batches_that_stepped(self._trainer, self.recovered["dapple_batches_that_stepped"])
             self.recovered = None
             file_of(self.rank).unlink(missing_ok=True)  # restored: it must not come back after a later failure
         if self._trainer.accumulate_grad_batches != 1:  # raised since the start (GradientAccumulationScheduler)
@@ -274,10 +278,10 @@ class Recovery:
             "epoch": trainer.current_epoch,
             "global_step": trainer.global_step,
             "loops": loops_state(trainer),
-            "rng": _collect_rng_states(include_cuda=torch.cuda.is_available()),
-            "batches_that_stepped": trainer.fit_loop.epoch_loop._batches_that_stepped,
+            "rng": collect_rng_states(include_cuda=torch.cuda.is_available()),
+            "batches_that_stepped": batches_that_stepped(trainer),
             "checkpoint": self.last_checkpoint,
-            "callbacks": call._call_callbacks_state_dict(trainer),
+            "callbacks": callbacks_state(trainer),
             "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
             "precision": (type(precision).__qualname__, precision.state_dict()),
             "order": None if self.order is None else self.order.position(trainer),

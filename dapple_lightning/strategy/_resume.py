@@ -30,7 +30,9 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from dapple_lightning.plan import Plan
+from dapple_lightning.strategy._lightning import Patches, hand_over_checkpoint
 from dapple_lightning.strategy._logbook import Logbook, replay_lost_stages
+from dapple_lightning.strategy._parts import FitParts
 from dapple_lightning.strategy._recovery import FORMAT, Recovery, file_of, is_active, private_directory
 
 __all__ = ["RECOVERED", "begin", "kept_plan", "load_optimizers", "recover"]
@@ -40,9 +42,10 @@ RECOVERED = "dapple_recovered_step"
 _fits = 0  # fits begun in this process: a vote namespace per fit, the same on every rank
 
 
-def begin(recovery: Recovery, trainer: Any, plan: Plan, group: Any) -> None:
-    """At the end of the strategy's ``setup`` for a fit: start recovery's bookkeeping and, after
-    torchrun restarted the job, hand Lightning the recovered state (collective then)."""
+def begin(recovery: Recovery, trainer: Any, plan: Plan, group: Any, parts: FitParts, patches: Patches) -> None:
+    """At the end of the strategy's ``setup`` for a fit: start recovery's bookkeeping (its hooks
+    recorded in ``patches``) and, after torchrun restarted the job, hand Lightning the recovered
+    state (collective then)."""
     rank, world = trainer.global_rank, trainer.world_size
     identity = {
         "run": os.environ.get("TORCHELASTIC_RUN_ID"),
@@ -51,25 +54,25 @@ def begin(recovery: Recovery, trainer: Any, plan: Plan, group: Any) -> None:
         "rank": rank,
         "stage": plan.stage_of(rank),
         "fit": _take_fit(),
-        "timeout_s": trainer.strategy._timeout.total_seconds(),
+        "timeout_s": parts.timeout.total_seconds(),
     }
     if not _restarted():  # a first attempt: anything kept under this run's name is another job's or stale
         for stale in file_of(rank).parent.glob(f"*rank{rank}.pt*"):
             stale.unlink(missing_ok=True)
-    recovery.start(trainer, identity)
+    recovery.start(trainer, identity, patches)
     if recovery.active and recovery.mode == "log":
         logs = file_of(rank).parent / f"log-rank{rank}"
         if not _restarted():
             shutil.rmtree(logs, ignore_errors=True)
         recovery.logbook = Logbook(plan, rank, logs)
-        trainer.strategy._pipeline.record = recovery.logbook.record
+        parts.pipeline.record = recovery.logbook.record
     if not recovery.active or not _restarted():
         return
-    checkpoint = recover(identity, plan, group, trainer.strategy)
+    checkpoint = recover(identity, plan, group, recovery, parts)
     if checkpoint is not None:
         recovery.resume_from(checkpoint)
         # Lightning restores from it as from a checkpoint file: its strategy.setup comes before the restore.
-        trainer._checkpoint_connector._loaded_checkpoint = checkpoint
+        hand_over_checkpoint(trainer, checkpoint)
 
 
 def _take_fit() -> int:
@@ -99,7 +102,9 @@ def kept_plan(recovery: Recovery, group: Any) -> Plan | None:
     return Plan.from_yaml(found)
 
 
-def recover(identity: Mapping[str, Any], plan: Plan, group: Any, strategy: Any) -> dict[str, Any] | None:
+def recover(
+    identity: Mapping[str, Any], plan: Plan, group: Any, recovery: Recovery, parts: FitParts
+) -> dict[str, Any] | None:
     """The checkpoint dict of the newest step every stage kept, for this rank; ``None`` if there is
     none (collective over every rank; ``group``: a gloo group, or ``None`` under gloo). With the
     log (``recovery="log"``), a stage without a replica that kept it is replayed (:mod:`._logbook`)."""
@@ -112,8 +117,8 @@ def recover(identity: Mapping[str, Any], plan: Plan, group: Any, strategy: Any) 
     why = "no kept state (the failure came before the first step)"
     if step is None and any(h is not None for h in held):
         why = "no step that every stage kept (every replica of a stage was lost)"
-        if strategy._recovery.logbook is not None:
-            step, lost, why = _replayable(kept, plan, strategy, why, group)
+        if recovery.logbook is not None:
+            step, lost, why = _replayable(kept, plan, parts, recovery.logbook, why, group)
     if step is None:
         rank_zero_warn(
             f"dapple: the job was restarted, and recovery found {why}; it starts as the script says "
@@ -139,14 +144,16 @@ def recover(identity: Mapping[str, Any], plan: Plan, group: Any, strategy: Any) 
             mine = box[0]
     assert mine is not None
     if rank in lost:
-        module, optimizers = strategy.lightning_module, strategy.optimizers
-        mine = {**mine, "state_dict": module.state_dict(), "optimizer_states": [o.state_dict() for o in optimizers]}
+        optimizer_states = [o.state_dict() for o in parts.optimizers]
+        mine = {**mine, "state_dict": parts.module.state_dict(), "optimizer_states": optimizer_states}
     moved = ", ".join(f"rank {n} from rank {s}" for n, s in sources.items()) or "none"
     rank_zero_info(f"dapple: recovered step {step} from the ranks' kept state (sent to replacements: {moved})")
     return _as_checkpoint(mine, step)
 
 
-def _replayable(kept: list[Any], plan: Plan, strategy: Any, why: str, group: Any) -> tuple[int | None, list[int], str]:
+def _replayable(
+    kept: list[Any], plan: Plan, parts: FitParts, logbook: Logbook, why: str, group: Any
+) -> tuple[int | None, list[int], str]:
     """The newest kept step, with the ranks to replay to reach it, when every stage that lacks it
     has one rank and the ranks that kept it name one checkpoint before it (collective)."""
     step = max(k[0] for k in kept if k is not None)
@@ -158,8 +165,7 @@ def _replayable(kept: list[Any], plan: Plan, strategy: Any, why: str, group: Any
         return None, [], why + ", and no log and checkpoint to replay it from"
     (checkpoint,) = checkpoints
     lost = [plan.stage_ranks(s)[0] for s in lacking]
-    trainer = strategy.lightning_module.trainer
-    refusal = replay_lost_stages(strategy, trainer, plan, lost, checkpoint, step, group)
+    refusal = replay_lost_stages(parts, logbook, plan, lost, checkpoint, step, group)
     if refusal is not None:
         return None, [], f"a stage to replay, which cannot be: {refusal}"
     return step, lost, ""

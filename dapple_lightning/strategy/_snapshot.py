@@ -23,9 +23,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from lightning.pytorch.loops.loop import _Loop
-from lightning.pytorch.loops.progress import _BaseProgress
 from torch import Tensor, nn
+
+from dapple_lightning.strategy._lightning import BaseProgress, Loop
 
 __all__ = ["FRESH", "BufferCopies", "LoopsReader", "Snapshot", "loops_state"]
 
@@ -84,23 +84,23 @@ class LoopsReader:
         return state
 
 
-def _walk(loop: _Loop, path: tuple[str, ...], prefix: str) -> Iterator[tuple[tuple[str, ...], str, list[str], bool]]:
+def _walk(loop: Loop, path: tuple[str, ...], prefix: str) -> Iterator[tuple[tuple[str, ...], str, list[str], bool]]:
     """``(attribute path, key prefix, tracker names, has own state)`` of ``loop`` and its sub-loops, in
     the order of Lightning's ``_Loop.state_dict``."""
     trackers, subloops = [], []
     for name, value in vars(loop).items():
-        if isinstance(value, _BaseProgress):
+        if isinstance(value, BaseProgress):
             trackers.append(name)
-        elif isinstance(value, _Loop):
+        elif isinstance(value, Loop):
             subloops.append(name)
-    own_state = type(loop).on_save_checkpoint is not _Loop.on_save_checkpoint  # the base's is always {}
+    own_state = type(loop).on_save_checkpoint is not Loop.on_save_checkpoint  # the base's is always {}
     yield path, prefix, trackers, own_state
     for name in subloops:
         yield from _walk(getattr(loop, name), (*path, name), f"{prefix}{name}.")
 
 
-def _progress(tracker: _BaseProgress) -> dict[str, Any]:
-    return {k: _progress(v) if isinstance(v, _BaseProgress) else v for k, v in vars(tracker).items()}
+def _progress(tracker: BaseProgress) -> dict[str, Any]:
+    return {k: _progress(v) if isinstance(v, BaseProgress) else v for k, v in vars(tracker).items()}
 
 
 _READERS: weakref.WeakKeyDictionary[Any, tuple[Any, LoopsReader]] = weakref.WeakKeyDictionary()

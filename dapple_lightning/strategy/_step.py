@@ -33,6 +33,7 @@ from torch.optim import Optimizer
 from dapple_lightning.microbatch import Rows, batch_size_of, concat_slices, map_tensors, slice_batch
 from dapple_lightning.runtime import Pending, Pipeline, StageCall, StageModule, share
 from dapple_lightning.strategy._checkpoint import keep_local
+from dapple_lightning.strategy._lightning import Patches, shadowed_log, transfer_batch
 
 __all__ = ["MicroBatches", "clip_grad_norm_over_stages", "local_optimizers", "to_cpu"]
 
@@ -40,7 +41,7 @@ Logged = dict[str, tuple[float, dict]]
 """Logged values by name: the global batch's value and the ``self.log`` keyword arguments."""
 
 
-def local_optimizers(optimizers: list[Optimizer], module: nn.Module, stage: StageModule) -> None:
+def local_optimizers(patches: Patches, optimizers: list[Optimizer], module: nn.Module, stage: StageModule) -> None:
     """Each rank's optimizers step its own parameters: other stages' leave the param groups
     (:func:`keep_local`), and an offloaded stage's layers step one at a time where their state lives.
 
@@ -48,7 +49,8 @@ def local_optimizers(optimizers: list[Optimizer], module: nn.Module, stage: Stag
     training step (the pipeline) and the backward. With ``offload`` on the stage, each optimizer's
     ``step`` runs the closure, then lets the stage's offloader step the optimizer over the other
     parameters and then one layer at a time, with that layer's parameters, gradients and state
-    read in from disk (:meth:`~dapple_lightning.runtime.Offloader.step`).
+    read in from disk (:meth:`~dapple_lightning.runtime.Offloader.step`); ``patches`` records that
+    ``step``, which the strategy's teardown puts back.
     """
     keep_local(optimizers, module)
     offloader = stage.offload
@@ -66,7 +68,7 @@ def local_optimizers(optimizers: list[Optimizer], module: nn.Module, stage: Stag
             offloader.step(_optimizer, _original)
             return loss
 
-        optimizer.step = step  # type: ignore[method-assign]
+        patches.set(optimizer, "step", step)
 
 
 class MicroBatches:
@@ -161,11 +163,8 @@ class MicroBatches:
         def carry() -> Tensor:  # this replica's share, summed along with the gradients
             return capture.flatten(loss_sum)
 
-        module.log = capture.log  # instance attribute shadows the method during the step
-        try:
+        with shadowed_log(module, capture.log):
             stats = pipeline.run(total, forward, train=train, forward_context=context, carry=carry)
-        finally:
-            del module.log
         if pipeline.alone:  # a replay (runtime._recorded): its loss and logs were shared when it first ran
             return 0.0, {}
         return self._combine(pipeline, loss_sum, capture, stats.carried)
@@ -197,7 +196,7 @@ class MicroBatches:
         rows it computes, and Lightning's callbacks still see the whole batch."""
         if self.dataloader_idx is None:
             return rows
-        return self.module._apply_batch_transfer_handler(rows, device=self.device, dataloader_idx=self.dataloader_idx)
+        return transfer_batch(self.module, rows, self.device, self.dataloader_idx)
 
     def log(self, values: Logged) -> None:
         for name, (value, kwargs) in values.items():

@@ -3,8 +3,11 @@
 Lifecycle glue only: it builds the process groups, asks model surgery for the rank's stage
 (:mod:`~dapple_lightning.surgery`), hands each step to :class:`~._step.MicroBatches` (which runs
 the rank's :class:`~dapple_lightning.runtime.Pipeline`), and keeps Lightning's contracts for
-checkpoints (:mod:`._checkpoint`), ``plan="auto"`` (:mod:`._auto`), meta-device models
-(:mod:`._materialize`) and launching.
+collectives (as DDP's, with barriers on a gloo host group), checkpoints (each rank saves and
+loads only what it holds, in the single-device layout: :mod:`._checkpoint`; a state recovered
+after torchrun's restart: :mod:`._resume`), ``plan="auto"`` (:mod:`._auto`), meta-device models
+(:mod:`._materialize`) and launching. Whatever it changes on Lightning's, the optimizers' and the
+user's objects goes through :mod:`._lightning`, which puts it back at ``teardown``.
 
 One optimizer step under Lightning's automatic optimization:
 
@@ -28,17 +31,10 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.utilities.distributed import (
-    _destroy_dist_connection,
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-)
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch import Trainer
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.exceptions import _augment_message
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
@@ -50,17 +46,30 @@ from dapple_lightning.runtime import Pipeline, StepStats, Timeline
 from dapple_lightning.strategy._auto import AutoSetting, choose_automatically, draw_global_batch
 from dapple_lightning.strategy._batch import SameBatch, same_order
 from dapple_lightning.strategy._checkpoint import Checkpoints, group_names
-from dapple_lightning.strategy._checkpoint_hooks import CheckpointHooks
 from dapple_lightning.strategy._failures import PEER_LOST, as_timeout, connect, host_group, peer_lost_message
 from dapple_lightning.strategy._finetuning import adapt_finetuning
 from dapple_lightning.strategy._heartbeat import SILENT, watch_peers
-from dapple_lightning.strategy._launcher import SpawnLauncher
+from dapple_lightning.strategy._lightning import (
+    STATE_LEFT_IN_SPAWNED_RANKS,
+    Patches,
+    ScriptLauncher,
+    SpawnLauncher,
+    all_gather_if_available,
+    augment_message,
+    default_backend_for,
+    destroy_dist_connection,
+    distributed_is_initialized,
+    optimizers_to_device,
+    silenced_log,
+    sync_if_available,
+)
 from dapple_lightning.strategy._materialize import STAYS_CUT, materialize, meta_context, on_meta, unmoved_on_meta
 from dapple_lightning.strategy._memory import parse_memory, warn_if_over_budget, write_trace
+from dapple_lightning.strategy._parts import FitParts
 from dapple_lightning.strategy._pipelines import Buffers, Pipelines, broadcast_module
 from dapple_lightning.strategy._recovery import Recovery, RecoveryMode, is_active
 from dapple_lightning.strategy._refusals import check_before_start
-from dapple_lightning.strategy._resume import begin, kept_plan
+from dapple_lightning.strategy._resume import RECOVERED, begin, kept_plan, load_optimizers
 from dapple_lightning.strategy._rng import RngStates, share_rng_states
 from dapple_lightning.strategy._step import MicroBatches, clip_grad_norm_over_stages, local_optimizers
 from dapple_lightning.strategy._summary import summarize_whole
@@ -71,7 +80,7 @@ __all__ = ["DappleStrategy"]
 PlanLike = Plan | Mapping[str, Any] | str | Any
 
 
-class DappleStrategy(CheckpointHooks):
+class DappleStrategy(ParallelStrategy):
     """Synchronous pipeline + data parallel training with a DAPPLE plan.
 
     Args:
@@ -172,6 +181,7 @@ class DappleStrategy(CheckpointHooks):
         self._host_group: Any = None  # gloo, for barriers, when the world's backend is not gloo
         self._heartbeat = SILENT  # ends this rank within seconds of a peer's loss (see _heartbeat)
         self._recovery = Recovery(recovery)
+        self._patches = Patches()  # what this fit changed on Lightning's, the optimizers' and the user's objects
         self.staged: Any = None
         """How rank 0's initial weights reached this rank (see ``_pipelines.Staged``)."""
 
@@ -212,16 +222,19 @@ class DappleStrategy(CheckpointHooks):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if self._start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = ScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
-            self._launcher = SpawnLauncher(self, start_method=self._start_method)
+            self._launcher = SpawnLauncher(self, self._start_method, self._state_left_in_ranks)
+
+    def _state_left_in_ranks(self) -> None:
+        self._spawned_ranks_kept_state = True
 
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
         self.set_world_ranks()
         self._validate()  # refuse bad input before any collective
-        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        backend = self._process_group_backend or default_backend_for(self.root_device)
         self._process_group_backend = backend
         assert self.cluster_environment is not None
         connect(self.cluster_environment, backend, self._timeout, self.world_size)
@@ -241,7 +254,7 @@ class DappleStrategy(CheckpointHooks):
         try:
             self._checkpoints.wait()
         finally:
-            _destroy_dist_connection()
+            destroy_dist_connection()
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -296,22 +309,38 @@ class DappleStrategy(CheckpointHooks):
             with self._cut.whole():  # configure_optimizers sees the model as one device has it
                 self.setup_optimizers(trainer)
                 full_names = group_names(module, self.optimizers)
-            local_optimizers(self.optimizers, module, self._cut.stage)
+            local_optimizers(self._patches, self.optimizers, module, self._cut.stage)
             self._checkpoints.set_optimizers(self.optimizers, full_names)
-            adapt_finetuning(trainer.callbacks, self)
-            summarize_whole(trainer.callbacks, module, self._cut)  # not this rank's stage alone
+            adapt_finetuning(self._patches, trainer.callbacks, self._fit_parts())
+            summarize_whole(self._patches, trainer.callbacks, module, self._cut)  # not this rank's stage alone
         self.setup_precision_plugin()
         # Lightning clips with the norm of this rank's gradients; the norm must span all stages.
-        self.precision_plugin.clip_grad_by_norm = functools.partial(  # type: ignore[method-assign]
+        clip = functools.partial(
             clip_grad_norm_over_stages, owned=self._checkpoints.owns_gradient, device=self.root_device
         )
+        self._patches.set(self.precision_plugin, "clip_grad_by_norm", clip)
         if fitting:
-            _optimizers_to_device(self.optimizers, self.root_device)
-            begin(self._recovery, trainer, self.plan, self._host_group)
+            optimizers_to_device(self.optimizers, self.root_device)
+            begin(self._recovery, trainer, self.plan, self._host_group, self._fit_parts(), self._patches)
+
+    def _fit_parts(self) -> FitParts:
+        assert self._pipeline is not None and self._steps is not None and self._cut is not None
+        return FitParts(
+            module=self.lightning_module,
+            pipeline=self._pipeline,
+            steps=self._steps,
+            checkpoints=self._checkpoints,
+            cut=self._cut,
+            optimizers=self.optimizers,
+            timeout=self._timeout,
+            train_step_context=self.precision_plugin.train_step_context,
+            load_checkpoint=self.load_checkpoint,
+        )
 
     def _resolve_plan(self, trainer: Trainer, chain: Chain, pipelines: Pipelines) -> Plan:
         if isinstance(self._plan_spec, Plan):
-            warn_if_over_budget(self.lightning_module, chain, self._plan_spec, trainer, self._memory_limit)
+            with silenced_log(self.lightning_module):  # the user's step runs outside Lightning's loops
+                warn_if_over_budget(self.lightning_module, chain, self._plan_spec, trainer, self._memory_limit)
             return self._plan_spec
         if trainer.state.fn != TrainerFn.FITTING:
             # Forward-only loops have no training batch to profile; every rank holds every layer.
@@ -329,7 +358,9 @@ class DappleStrategy(CheckpointHooks):
             self.precision_plugin.train_step_context,
             self._memory_limit,
         )
-        chosen = choose_automatically(setting, draw_global_batch(trainer, super().batch_to_device), chain)
+        batch = draw_global_batch(trainer, super().batch_to_device)
+        with silenced_log(self.lightning_module):  # the user's step runs outside Lightning's loops
+            chosen = choose_automatically(setting, batch, chain)
         rank_zero_info(chosen.report())
         self.auto_plan = chosen
         return chosen.plan
@@ -364,8 +395,8 @@ class DappleStrategy(CheckpointHooks):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        dataloader = same_order(dataloader, self._shuffle_seed)
-        self._recovery.track_loader(dataloader, self.lightning_module.trainer)
+        dataloader = same_order(self._patches, dataloader, self._shuffle_seed)
+        self._recovery.track_loader(self._patches, dataloader, self.lightning_module.trainer)
         return dataloader
 
     @override
@@ -412,6 +443,89 @@ class DappleStrategy(CheckpointHooks):
         assert self._steps is not None and self._pipeline is not None
         return self._steps.evaluate(self._pipeline, hook, args, kwargs, context)
 
+    # -------------------------------------------------- collectives (barriers on the host group)
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if distributed_is_initialized():
+            dist.barrier(group=self._host_group)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        if not isinstance(tensor, Tensor) or not distributed_is_initialized():
+            return tensor
+        return sync_if_available(tensor, group, reduce_op=reduce_op)
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        return all_gather_if_available(tensor, group=group, sync_grads=sync_grads)
+
+    # ------------------------------------------------ checkpoints (each rank its own part)
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # After the cut, each rank loads only what it holds (a sharded checkpoint reads only that).
+        return True
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The unpartitioned state dict (collective); on rank 0, meta stand-ins for other ranks' entries,
+        which :meth:`save_checkpoint` fills in as it writes."""
+        attached = self._checkpoints.module is not None
+        return self._checkpoints.model_state() if attached else self.lightning_module.state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The optimizer's state in the single-device layout (collective; stand-ins as above)."""
+        known = bool(self._checkpoints.optimizers)
+        return self._checkpoints.optimizer_state(optimizer) if known else optimizer.state_dict()
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Write a file (or a sharded directory) under a temporary name, then rename (collective)."""
+        if self._spawned_ranks_kept_state:
+            raise RuntimeError(STATE_LEFT_IN_SPAWNED_RANKS)
+        self._checkpoints.save(checkpoint, filepath, storage_options, self.checkpoint_io)
+        self._recovery.checkpointed(filepath, checkpoint.get("global_step", 0))
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until an asynchronous save in flight is written; raise its error (collective-free)."""
+        self._checkpoints.wait()
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        if self._recovery.recovered is not None:  # newer than the script's checkpoint, which it started from
+            return self._recovery.recovered
+        return self._checkpoints.load(checkpoint_path, self.checkpoint_io, weights_only)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if self._checkpoints.module is None:
+            super().load_model_state_dict(checkpoint, strict)
+        else:
+            self._checkpoints.load_model(checkpoint, strict and RECOVERED not in checkpoint)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if RECOVERED in checkpoint:
+            load_optimizers(self.optimizers, checkpoint)
+        else:
+            self._checkpoints.load_optimizers(checkpoint)
+        optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        self._checkpoints.remove(filepath, self.checkpoint_io)
+
     # -------------------------------------------------------------------------- the end
 
     @override
@@ -419,10 +533,11 @@ class DappleStrategy(CheckpointHooks):
         self._failed = True
         self._heartbeat.report_failure(type(exception).__name__)
         self._recovery.on_failure()
-        _augment_message(exception, pattern=PEER_LOST, new_message=peer_lost_message(self.global_rank, self._timeout))
+        augment_message(exception, pattern=PEER_LOST, new_message=peer_lost_message(self.global_rank, self._timeout))
 
     @override
     def teardown(self) -> None:
+        self._patches.remove()  # first: nothing below may leave Lightning's or the user's objects changed
         if self._pipeline is not None and self._trace_path is not None and not self._failed:
             write_trace(self._pipeline.timeline, self._trace_path)
         if self._steps is not None:
@@ -433,7 +548,7 @@ class DappleStrategy(CheckpointHooks):
             self._buffers.close()
         if not self._failed:
             self._checkpoints.wait()
-            if self._cut is not None and _distributed_is_initialized() and not self._materialized:
+            if self._cut is not None and distributed_is_initialized() and not self._materialized:
                 # Whole containers back on every rank with every stage's weights, on the CPU (not a whole model on a GPU).
                 self._cut.restore(self._checkpoints.whole_chain(), torch.device("cpu"))
                 self._cut = None

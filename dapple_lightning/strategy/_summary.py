@@ -16,6 +16,7 @@ from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.utilities.model_summary import ModelSummary as Summary
 from typing_extensions import override
 
+from dapple_lightning.strategy._lightning import Patches
 from dapple_lightning.surgery import Cut
 
 __all__ = ["WholeSummary", "summarize_whole"]
@@ -58,7 +59,7 @@ class WholeSummary(Summary):
         return self._totals[2]
 
 
-def summarize_whole(callbacks: list[Any], module: Any, cut: Cut) -> None:
+def summarize_whole(patches: Patches, callbacks: list[Any], module: Any, cut: Cut) -> None:
     """Every ``ModelSummary`` callback (``RichModelSummary`` too) among ``callbacks`` prints the whole
     model's summary, taken now, instead of summarising this rank's stage at ``on_fit_start``."""
     wanted = [c for c in callbacks if isinstance(c, ModelSummary) and c._max_depth]
@@ -67,4 +68,4 @@ def summarize_whole(callbacks: list[Any], module: Any, cut: Cut) -> None:
     with cut.whole():
         for callback in wanted:
             summary = WholeSummary(module, callback._max_depth)
-            callback._summary = lambda trainer, pl_module, _summary=summary: _summary
+            patches.set(callback, "_summary", lambda trainer, pl_module, _summary=summary: _summary)

@@ -220,3 +220,18 @@ def test_only_the_lightning_adapter_imports_private_lightning_names() -> None:
             if private:
                 found.append(f"{path.relative_to(ROOT)}:{line} imports {private} from {module}")
     assert not found, f"private Lightning names outside {LIGHTNING_ADAPTER}:\n" + "\n".join(found)
+
+
+def test_code_refers_to_no_tracker_and_never_types_the_strategy_as_any() -> None:
+    """A reader of the package cannot open the project's tracker; and rooms below the strategy receive
+    explicit parts (``FitParts``), never the strategy typed as ``Any``."""
+    import re
+
+    pattern = re.compile(r"\b[Ii]ssue \d|strategy: Any")
+    found = [
+        f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+        for path in _sources(PACKAGE)
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
+    assert not found, "references to a tracker or `strategy: Any`:\n" + "\n".join(found)

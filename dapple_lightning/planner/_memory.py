@@ -2,7 +2,7 @@
 the optimizer's state, measured rather than assumed.
 
 The analytic model (parameters, gradients, optimizer factor, the layers' outputs) misses what
-frameworks really allocate (issue 17, mCAP). These meters measure it on any device:
+frameworks really allocate (mCAP, Dreuning et al.). These meters measure it on any device:
 
 - :class:`SavedBytes` counts, through ``torch.autograd.graph.saved_tensors_hooks``, the bytes
   autograd keeps for the backward while it is active: each storage once (views and a tensor

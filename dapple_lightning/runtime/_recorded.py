@@ -1,4 +1,4 @@
-"""A stage's traffic recorded, and a stage run again on its record, alone (issue 16's logging and replay).
+"""A stage's traffic recorded, and a stage run again on its record, alone.
 
 While training, :attr:`Pipeline.record <dapple_lightning.runtime.Pipeline>` sees every message a
 rank sends (its link, destination, tensors); the strategy keeps those bound for a stage that has

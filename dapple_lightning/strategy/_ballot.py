@@ -1,4 +1,4 @@
-"""The per-step vote of recovery: every rank updates its optimizer or none does (issue 16).
+"""The per-step vote of recovery: every rank updates its optimizer or none does.
 
 One counter per step in the launcher's store orders everything: a rank that reached its update
 adds 1 (:meth:`Ballot.cast`), a rank that learns of a lost peer adds :data:`ABORT`

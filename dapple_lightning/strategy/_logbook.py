@@ -1,5 +1,5 @@
 """Recovery for a stage without a replica: its neighbours log what they send it; after its rank is
-lost, the replacement replays its steps since the last checkpoint (issue 16, SWIFT's logging).
+lost, the replacement replays its steps since the last checkpoint (SWIFT's logging).
 
 With ``DappleStrategy(recovery="log")``, every rank that sends to a rank of an unreplicated stage
 keeps, per training step, the messages it sent that rank (the activations in, or the gradients

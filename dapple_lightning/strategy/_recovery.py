@@ -1,4 +1,4 @@
-"""Training survives a lost rank under torchrun's restarts, without a checkpoint (issue 16, SWIFT's idea).
+"""Training survives a lost rank under torchrun's restarts, without a checkpoint (SWIFT's idea).
 
 No copy of the model is made while training runs well. Each rank keeps a few small facts per
 step (Lightning's loop counters, schedulers and callbacks' state, the RNG states, the epoch's

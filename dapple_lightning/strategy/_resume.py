@@ -1,4 +1,4 @@
-"""After torchrun restarts the job: the survivors' state back into every rank (issue 16).
+"""After torchrun restarts the job: the survivors' state back into every rank.
 
 :mod:`._recovery` has each survivor write its state, as of one global step, to node-local
 storage when a peer is lost. After the restart's rendezvous, :func:`recover` (collective):

@@ -101,6 +101,11 @@ def test_a_given_plan_with_offload_is_priced_at_its_window_and_refused_only_when
     assert message is not None and f"stage 0 (layers 0-5) {format_bytes(one[0])}" in message
 
 
+PRICING_TIMEOUT_S = 10
+"""The process group's timeout in the test below: short, so that pricing outlasts it quickly, but long
+enough that no rendezvous or collective of a loaded machine hits it."""
+
+
 class SlowToProfile(models.MLP):
     """Rank 0 prices a given plan against memory_limit alone; here that takes longer than the process
     group's timeout (a large model would), while training itself is quick."""
@@ -111,12 +116,16 @@ class SlowToProfile(models.MLP):
 
 
 class _SlowWhilePriced(torch.nn.Tanh):
+    slept = False
+
     def forward(self, x):
-        if any(frame.function == "predicted_memory" for frame in inspect.stack(0)):
-            time.sleep(1.0)  # stands for a large layer's work, not for synchronisation
+        if not self.slept and any(frame.function == "predicted_memory" for frame in inspect.stack(0)):
+            self.slept = True
+            time.sleep(PRICING_TIMEOUT_S + 1)  # stands for a large layer's work, not for synchronisation
         return super().forward(x)
 
 
 def test_the_other_ranks_wait_past_the_timeout_while_rank_0_prices_a_given_plan(tmp_path):
-    metrics, _ = fit(SlowToProfile, tmp_path, plan=TWO_STAGES, strategy_kwargs={"memory_limit": "1GiB", "timeout": 2})
-    assert len(metrics["train_loss"]) == 4  # both ranks trained past rank 0's pricing (several seconds)
+    kwargs = {"memory_limit": "1GiB", "timeout": PRICING_TIMEOUT_S}
+    metrics, _ = fit(SlowToProfile, tmp_path, plan=TWO_STAGES, strategy_kwargs=kwargs)
+    assert len(metrics["train_loss"]) == 4  # both ranks trained past rank 0's pricing

@@ -35,7 +35,17 @@ from pathlib import Path
 import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
 
-__all__ = ["GRACE_S", "INTERVAL_S", "SILENT", "STALE_S", "Heartbeat", "attempt", "launcher_client", "watch_peers"]
+__all__ = [
+    "GRACE_S",
+    "INTERVAL_S",
+    "PEERS_END_WITHIN_S",
+    "SILENT",
+    "STALE_S",
+    "Heartbeat",
+    "attempt",
+    "launcher_client",
+    "watch_peers",
+]
 
 INTERVAL_S = 0.4
 """How often a rank beats and looks at its peers."""
@@ -44,6 +54,11 @@ STALE_S = 2.8
 machine or a long call that holds the GIL is not mistaken for a dead rank)."""
 GRACE_S = 1.0
 """How long the main thread gets, once a peer is known lost, to end the run through its own error."""
+PEERS_END_WITHIN_S = STALE_S + 3 * INTERVAL_S + GRACE_S
+"""The heartbeat's own slowest path from a lost rank to the end of its peers, with no delay from the
+machine: up to one look before a watcher sees the lost rank's last beat, :data:`STALE_S` of silence, one
+more look to judge it, one look for the other peers to read the verdict, then their :data:`GRACE_S`. A
+loaded machine adds its scheduling delays; only the process group's timeout bounds a heartbeat that fails."""
 _RUNNING = frozenset("RSDI")
 """/proc states of a live process: running, sleeping (a blocked receive), in the kernel, idle."""
 _STOPPED = frozenset("Tt")

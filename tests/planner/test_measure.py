@@ -72,15 +72,34 @@ def test_small_batch_splits_each_time_into_fixed_and_per_sample_parts():
             profile_layers(layers, torch.randn(64, 64), small_batch=bad)
 
 
-def test_adding_into_existing_gradients_is_timed_for_layers_with_parameters():
+def test_adding_into_existing_gradients_is_timed_for_layers_with_parameters(monkeypatch):
+    # On a fake device clock every span lasts 1 s, and computing the Linear's weight gradient while one is
+    # already there (to add into) 0.5 s more: what a second backward costs more is that, on the layer with
+    # parameters alone. (On the host's clock the difference of two timed medians is noise-bound.)
+    clock = _EventClock()
+    monkeypatch.setattr(_clock, "device_clock", lambda device: clock.event)
+    monkeypatch.setattr(_clock.time, "perf_counter", _no_host_clock)
     torch.manual_seed(0)
-    # A wide layer on few rows: adding into its 4 M gradient entries is a real share of its backward.
-    layers = nn.Sequential(nn.Linear(2048, 2048), nn.ReLU())
+    layers = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    weight = layers[0].weight
+    weight.register_hook(lambda grad: clock.advance(0.5) if weight.grad is not None else None)
     for small in (None, 2):
-        profile = profile_layers(layers, torch.randn(8, 2048), repeats=5, warmup=1, small_batch=small)
-        assert profile.layers[0].accumulate_s > 0
-        assert profile.layers[1].accumulate_s == 0.0  # ReLU has no parameters
+        profile = profile_layers(layers, torch.randn(8, 8), repeats=3, warmup=1, small_batch=small)
+        assert [x.backward_s for x in profile.layers] == [1.0, 1.0]  # the pass into no gradients
+        assert [x.accumulate_s for x in profile.layers] == [pytest.approx(0.5), 0.0]  # ReLU has no parameters
     assert all(p.grad is None for p in layers.parameters())
+
+
+def test_a_second_backward_that_comes_out_faster_adds_nothing(monkeypatch):
+    # Noise can make the pass into existing gradients the faster one: it is priced 0, not below.
+    clock = _EventClock()
+    monkeypatch.setattr(_clock, "device_clock", lambda device: clock.event)
+    monkeypatch.setattr(_clock.time, "perf_counter", _no_host_clock)
+    layers = nn.Sequential(nn.Linear(8, 8))
+    weight = layers[0].weight
+    weight.register_hook(lambda grad: clock.advance(0.5) if weight.grad is None else None)
+    profile = profile_layers(layers, torch.randn(8, 8), repeats=3, warmup=1)
+    assert (profile.layers[0].backward_s, profile.layers[0].accumulate_s) == (1.5, 0.0)
 
 
 def test_optimizer_step_is_timed_and_leaves_weights_and_gradients_alone():
@@ -150,6 +169,10 @@ class _EventClock:
     def event(self) -> _Event:
         return _Event(self)
 
+    def advance(self, seconds: float) -> None:
+        """Work inside the span being timed that lasts ``seconds`` longer."""
+        self.now += seconds
+
 
 class _Event:
     def __init__(self, clock: _EventClock) -> None:
@@ -199,14 +222,19 @@ def test_on_cuda_the_profile_is_timed_with_cuda_events(monkeypatch):
     assert profile.layers[0].update_s > 0 and profile.layers[2].update_s > 0
 
 
-def test_split_backward_times_the_weights_part_apart():
+def test_split_backward_times_the_weights_part_apart(monkeypatch):
+    # On a fake device clock every span lasts 1 s, and computing a Linear's weight gradient 0.5 s more:
+    # the inputs-only backward leaves it out, and the difference is the layer's W.
+    clock = _EventClock()
+    monkeypatch.setattr(_clock, "device_clock", lambda device: clock.event)
+    monkeypatch.setattr(_clock.time, "perf_counter", _no_host_clock)
     torch.manual_seed(0)
-    # Matmuls of some milliseconds each, well above the timer's noise on a loaded machine.
-    layers = nn.Sequential(nn.Embedding(64, 512), nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 512))
-    profile = profile_layers(layers, torch.randint(0, 64, (64, 8)), repeats=3, warmup=1, split_backward=True)
+    layers = nn.Sequential(nn.Embedding(64, 16), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+    for linear in (layers[1], layers[3]):
+        linear.weight.register_hook(lambda grad: clock.advance(0.5))
+    profile = profile_layers(layers, torch.randint(0, 64, (8, 4)), repeats=3, warmup=1, split_backward=True)
     embed, linear, tanh, last = profile.layers
-    assert embed.weight_s == embed.backward_s  # an integer input has no gradient: all of it is W
-    # A Linear's weight gradient costs as many flops as its input's: well above 0, timer noise aside.
-    assert 0 < linear.weight_s <= linear.backward_s and 0 < last.weight_s <= last.backward_s
-    assert tanh.weight_s == 0.0  # nothing to update
+    assert (embed.weight_s, embed.backward_s) == (1.0, 1.0)  # an integer input has no gradient: all of it is W
+    assert (linear.weight_s, linear.backward_s) == (last.weight_s, last.backward_s) == (pytest.approx(0.5), 1.5)
+    assert (tanh.weight_s, tanh.backward_s) == (0.0, 1.0)  # nothing to update
     assert profile_layers(layers, torch.randint(0, 64, (4, 8)), repeats=1, warmup=0).layers[1].weight_s is None

@@ -108,34 +108,34 @@ def test_gradients_match_one_device(shape: str, schedules: tuple[str, ...]) -> N
         assert sum(last) == pytest.approx(ref_loss, rel=1e-5)
 
 
-def reduced(rank: int, world_size: int, dtype: torch.dtype, alone_bytes: int) -> dict:
+def reduced(rank: int, world_size: int, dtype: torch.dtype, in_place_bytes: int) -> dict:
     """One step of a GradientReducer: on rank r every used gradient is (r + 1) times rank 0's."""
     torch.manual_seed(0)
     shapes = {"big": (16, 16), "small": (3,), "some": (4,), "none": (2,)}
     params = {name: nn.Parameter(torch.randn(*shape).to(dtype)) for name, shape in shapes.items()}
-    reducer = GradientReducer(params.values(), None, alone_bytes=alone_bytes, first_bucket_bytes=8)
+    reducer = GradientReducer(params.values(), None, in_place_bytes=in_place_bytes, first_bucket_bytes=8)
     scale = rank + 1.0
     loss = scale * (params["big"].sum() + params["small"].pow(2).sum())
     if rank == 0:  # the others have no gradient for it; "none" has none anywhere
         loss = loss + params["some"].sum()
-    reducer.arm(carry=lambda: torch.tensor([scale, -2 * scale], dtype=torch.float64))
+    reducer.arm(extra=lambda: torch.tensor([scale, -2 * scale], dtype=torch.float64))
     loss.backward()
-    carried = reducer.finish()
+    extra_sum = reducer.finish()
     reducer.remove()
     names = {id(p): n for n, p in params.items()}
     return {
         "grads": {n: None if p.grad is None else p.grad.double() for n, p in params.items()},
         "params": {n: p.detach().double() for n, p in params.items()},
-        "carried": carried,
-        "buckets": [([names[id(p)] for p in b], alone) for b, alone in zip(reducer.buckets, reducer.alone)],
+        "extra_sum": extra_sum,
+        "buckets": [([names[id(p)] for p in b], in_place) for b, in_place in zip(reducer.buckets, reducer.in_place)],
     }
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("alone_bytes", [1, 64, 2**20])
-def test_gradient_reducer_sums_in_place_and_carries_values(dtype: torch.dtype, alone_bytes: int) -> None:
+@pytest.mark.parametrize("in_place_bytes", [1, 64, 2**20])
+def test_gradient_reducer_sums_in_place_and_sums_extra_values(dtype: torch.dtype, in_place_bytes: int) -> None:
     world = 3
-    results = run_ranks(reduced, world, dtype, alone_bytes)
+    results = run_ranks(reduced, world, dtype, in_place_bytes)
     total = sum(r + 1.0 for r in range(world))
     for result in results:
         grads, params = result["grads"], result["params"]
@@ -145,20 +145,20 @@ def test_gradient_reducer_sums_in_place_and_carries_values(dtype: torch.dtype, a
         torch.testing.assert_close(grads["some"], torch.ones(4, dtype=torch.float64), **tol)
         assert grads["none"] is None  # as on one device: no replica produced a gradient
         # The loss-like values come back exactly, in float64, whatever the gradients' dtype.
-        assert result["carried"].dtype == torch.float64
-        assert result["carried"].tolist() == [total, -2 * total]
+        assert result["extra_sum"].dtype == torch.float64
+        assert result["extra_sum"].tolist() == [total, -2 * total]
         buckets = result["buckets"]
         assert sorted(n for names, _ in buckets for n in names) == ["big", "none", "small", "some"]
-        assert buckets[-1][1] is False  # the flags and carried values ride in a flat bucket
-        alone = {names[0] for names, is_alone in buckets if is_alone}
-        assert alone == {1: {"big", "small", "some", "none"}, 64: {"big"}, 2**20: set()}[alone_bytes]
+        assert buckets[-1][1] is False  # the flags and extra values end a flat bucket
+        in_place = {names[0] for names, is_in_place in buckets if is_in_place}
+        assert in_place == {1: {"big", "small", "some", "none"}, 64: {"big"}, 2**20: set()}[in_place_bytes]
 
 
-def carried_without_parameters(rank: int, world_size: int) -> list[float]:
+def extra_without_parameters(rank: int, world_size: int) -> list[float]:
     reducer = GradientReducer([], None)
-    reducer.arm(carry=lambda: torch.tensor([rank + 0.5], dtype=torch.float64))
+    reducer.arm(extra=lambda: torch.tensor([rank + 0.5], dtype=torch.float64))
     return reducer.finish().tolist()
 
 
-def test_gradient_reducer_without_parameters_still_sums_carried_values() -> None:
-    assert run_ranks(carried_without_parameters, 2) == [[2.0], [2.0]]
+def test_gradient_reducer_without_parameters_still_sums_extra_values() -> None:
+    assert run_ranks(extra_without_parameters, 2) == [[2.0], [2.0]]

@@ -155,8 +155,8 @@ class Pipeline:
         self.host_group = groups.host
         self.record: Callable[[str, int, list[torch.Tensor], bool], None] | None = None
         """Called with each message this rank sends (link, destination, tensors, tuple flag)."""
-        self.alone = False  # replaying (runtime._recorded): no connection to open
         """A gloo group over every rank for values the host reads, where the links' groups are NCCL's."""
+        self.alone = False  # replaying (runtime._recorded): no connection to open
         self._pairs: dict[tuple[int, bool], frozenset[tuple[str, int, int]]] = {}
         self._connected: set[tuple[str, int, int]] = set()
         # Gradients are summed while the step's last backward still runs: the stage's over its
@@ -305,7 +305,6 @@ class Pipeline:
         """Detach from the module: remove the gradient hooks."""
         for reducer in self.reducers:
             reducer.remove()
-        self.module.call = None
         if self.module.offload is not None:  # the stage's layers back in memory, the files removed
             self.module.offload.close()
 
@@ -367,12 +366,9 @@ class Pipeline:
         loss = None  # stays None on stages the user's step leaves through StageExit
         stored = StoredGrads() if m in step.split and step.train else None
         storing = self._linears.storing(stored)
-        self.module.call = call
-        try:
-            with self.timeline.span("forward", m), hooks, storing, step.forward_context(), suppress(StageExit):
-                loss = step.forward(m, step.rows[m])
-        finally:
-            self.module.call = None
+        span = self.timeline.span("forward", m)
+        with self.module.calling(call), span, hooks, storing, step.forward_context(), suppress(StageExit):
+            loss = step.forward(m, step.rows[m])
         call.check_called()
         if self.is_last and step.train and loss is None:
             raise RuntimeError("training_step returned no loss; dapple needs a loss from every micro-batch")

@@ -62,7 +62,7 @@ def begin(recovery: Recovery, trainer: Any, plan: Plan, group: Any) -> None:
         if not _restarted():
             shutil.rmtree(logs, ignore_errors=True)
         recovery.logbook = Logbook(plan, rank, logs)
-        trainer.strategy._pipeline.record = recovery.logbook.record
+        trainer.strategy._pipeline.record_sends(recovery.logbook.record)
     if not recovery.active or not _restarted():
         return
     checkpoint = recover(identity, plan, group, trainer.strategy)

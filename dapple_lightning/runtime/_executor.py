@@ -1,13 +1,14 @@
 """Executes one rank's lowered program (see :func:`dapple_lightning.schedule.lower`) for one global batch.
 
 Each op of the program has a handler in a dispatch table: ``F``/``B`` run a micro-batch's
-forward (the user's code, asked of the :class:`~dapple_lightning.runtime.UserStep` the run
-is given, through the :class:`~dapple_lightning.runtime.StageCall` hand-off) or backward, ``RECV_*`` wait for a piece of a micro-batch's input or gradient, ``SEND_*`` send
-one, and ``REDUCE`` starts summing the stage's gradients as the last backward finishes them.
-The order of messages is the program's, which the simulator has checked; the executor only
-posts each receive ahead of need (see :class:`_Inbox`), which never reorders a pair's messages.
-Before a program's first messages, every pair it uses (on any rank) is opened in one order
-common to all ranks (see :func:`~dapple_lightning.runtime._comm.connect_pairs`).
+forward (the user's code, asked of the :class:`~dapple_lightning.runtime.UserStep` the run is
+given, through the :class:`~dapple_lightning.runtime.StageCall` hand-off) or backward,
+``RECV_*`` wait for a piece of a micro-batch's input or gradient, ``SEND_*`` send one, and
+``REDUCE`` starts summing the stage's gradients as the last backward finishes them. The order
+of messages is the program's, which the simulator has checked; the executor only posts each
+receive ahead of need (see :class:`_Inbox`), which never reorders a pair's messages. Before a
+program's first messages, every pair it uses (on any rank) is opened in one order common to all
+ranks (see :func:`~dapple_lightning.runtime._comm.connect_pairs`).
 
 Gradients accumulate in ``.grad`` over the micro-batches; :class:`GradientReducer` sums them
 once per step, bucket by bucket while the step's last backward runs: a stage's over its

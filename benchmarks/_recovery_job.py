@@ -174,7 +174,7 @@ class Alternate(Callback):
         recovery, on = trainer.strategy._recovery, alternate_on(trainer.global_step)
         recovery.active = on
         if recovery.logbook is not None:  # recovery="log": the copies of what is sent too
-            trainer.strategy._pipeline.record = recovery.logbook.record if on else None
+            trainer.strategy._pipeline.record_sends(recovery.logbook.record if on else None)
 
 
 class TimedCheckpoint(ModelCheckpoint):

@@ -169,8 +169,9 @@ def test_the_code_between_containers_runs_on_what_the_stage_received():
     model, reference = VGG(), VGG()
     cut = Cut.apply(model, find_chain(model, CHAIN), CONVS_THEN_CLASSIFIER, rank=2)  # the classifier
     received = torch.randn(5, 16, 4, 4)  # what the features' last layer made on another rank
-    call = cut.stage.call = StageCall(1, first=False, last=True, blocks=LAYERS, received=[received])
-    got = model(torch.randn(5, 3, SIZE, SIZE))  # the images themselves only pass placeholders
+    call = StageCall(1, first=False, last=True, blocks=LAYERS, received=[received])
+    with cut.stage.calling(call):
+        got = model(torch.randn(5, 3, SIZE, SIZE))  # the images themselves only pass placeholders
     want = reference.classifier(torch.flatten(reference.avgpool(received), 1))
     torch.testing.assert_close(got, want)
     assert call.inputs[0] is received and call.next_block == LAYERS
@@ -181,9 +182,9 @@ def test_the_code_between_containers_runs_on_what_the_stage_received():
 def test_a_stage_leaves_after_its_last_layer_even_in_the_first_container():
     model = VGG()
     cut = Cut.apply(model, find_chain(model, CHAIN), ACROSS, rank=0)
-    call = cut.stage.call = StageCall(0, first=True, last=False, blocks=LAYERS)
+    call = StageCall(0, first=True, last=False, blocks=LAYERS)
     x = torch.randn(2, 3, SIZE, SIZE)
-    with pytest.raises(StageExit):
+    with cut.stage.calling(call), pytest.raises(StageExit):
         model(x)
     assert call.inputs[0] is x and call.outputs[0].shape == (2, 16, 8, 8) and call.next_block == 4
 
@@ -192,9 +193,9 @@ def test_containers_run_in_another_order_than_named_are_refused_by_path():
     model = ClassifierFirst()
     cut = Cut.apply(model, find_chain(model, CHAIN), CONVS_THEN_CLASSIFIER, rank=2)
     call = StageCall(1, first=False, last=True, blocks=LAYERS, received=[torch.randn(2, 64)], names=cut.stage.names)
-    cut.stage.call = call
-    with pytest.raises(
-        RuntimeError, match=r"layer 'classifier\.0' was called before layer 'features\.0'.*in the order"
+    with (
+        cut.stage.calling(call),
+        pytest.raises(RuntimeError, match=r"layer 'classifier\.0' was called before layer 'features\.0'.*in the order"),
     ):
         model(torch.randn(2, 3, SIZE, SIZE))
 

@@ -137,8 +137,9 @@ def test_the_decoder_layers_are_the_container_and_a_stage_runs_on_what_it_receiv
     name, container = find_container(model, "model.layers")  # the Hugging Face model itself
     cut = Cut.apply(model, Chain.of(name, container), ONE_ONE, rank=1)
     x, received = torch.randint(0, VOCAB, (2, T)), torch.randn(2, T, 32)
-    call = cut.stage.call = StageCall(1, first=False, last=True, blocks=LAYERS, received=[received])
-    got = model(input_ids=x, labels=x).loss
+    call = StageCall(1, first=False, last=True, blocks=LAYERS, received=[received])
+    with cut.stage.calling(call):
+        got = model(input_ids=x, labels=x).loss
 
     inner = reference.model
     positions = torch.arange(T)[None]
@@ -159,9 +160,9 @@ def test_a_middle_stage_sends_only_the_hidden_states_and_keeps_the_cache_and_rot
     side_inputs = []
     container[1].register_forward_pre_hook(lambda _, args, kwargs: side_inputs.append(kwargs), with_kwargs=True)
     received = torch.randn(2, T, 32)
-    call = cut.stage.call = StageCall(1, first=False, last=False, blocks=LAYERS, received=[received])
+    call = StageCall(1, first=False, last=False, blocks=LAYERS, received=[received])
     x = torch.randint(0, VOCAB, (2, T))
-    with pytest.raises(StageExit):
+    with cut.stage.calling(call), pytest.raises(StageExit):
         model(input_ids=x, labels=x)
     (kwargs,) = side_inputs
     assert isinstance(kwargs["cache"], transformers.DynamicCache)  # use_cache is on, as the config says

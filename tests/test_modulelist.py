@@ -217,8 +217,7 @@ def test_the_stage_runs_its_blocks_on_what_it_received_and_leaves_after_its_last
     cut = cut_for(model, THREE, rank=1)
     received = torch.randn(2, T, D)
     call = StageCall(1, first=False, last=False, blocks=BLOCKS, received=[received])
-    cut.stage.call = call
-    with pytest.raises(StageExit):
+    with cut.stage.calling(call), pytest.raises(StageExit):
         model(idx)
     mask = torch.ones(T, T, dtype=torch.bool).tril()
     want = reference.blocks[2](reference.blocks[1](received, mask), mask)
@@ -236,18 +235,22 @@ def test_the_stage_runs_its_blocks_on_what_it_received_and_leaves_after_its_last
 def test_blocks_called_twice_or_out_of_order_are_refused(model_cls, message):
     model = model_cls()
     cut = cut_for(model, THREE, rank=2)  # the last stage sees every call
-    cut.stage.call = StageCall(2, first=False, last=True, blocks=BLOCKS, received=[torch.randn(2, T, D)])
-    with pytest.raises(RuntimeError, match=message + ".*every block of the pipelined ModuleList once"):
+    call = StageCall(2, first=False, last=True, blocks=BLOCKS, received=[torch.randn(2, T, D)])
+    with (
+        cut.stage.calling(call),
+        pytest.raises(RuntimeError, match=message + ".*every block of the pipelined ModuleList once"),
+    ):
         model(torch.randint(0, VOCAB, (2, T)))
 
 
 def test_a_step_that_skips_blocks_is_refused_once_it_is_over():
     model = TinyGPT()
     cut = cut_for(model, THREE, rank=2)
-    call = cut.stage.call = StageCall(2, first=False, last=True, blocks=BLOCKS, received=[torch.randn(2, T, D)])
+    call = StageCall(2, first=False, last=True, blocks=BLOCKS, received=[torch.randn(2, T, D)])
     mask = torch.ones(T, T, dtype=torch.bool).tril()
-    for block in model.blocks[:3]:
-        block(torch.randn(2, T, D), mask)
+    with cut.stage.calling(call):
+        for block in model.blocks[:3]:
+            block(torch.randn(2, T, D), mask)
     with pytest.raises(RuntimeError, match="called 3 of the 4 blocks of the pipelined ModuleList"):
         call.check_called()
 
@@ -266,9 +269,9 @@ def test_activation_checkpointing_around_a_block_is_refused_in_backward():
     model = CheckpointsBlocks()
     cut = cut_for(model, THREE, rank=2)
     received = torch.randn(2, T, D, requires_grad=True)
-    cut.stage.call = StageCall(2, first=False, last=True, blocks=BLOCKS, received=[received])
-    loss = model(torch.randint(0, VOCAB, (2, T))).sum()
-    cut.stage.call = None  # as the executor leaves it before the backward
+    with cut.stage.calling(StageCall(2, first=False, last=True, blocks=BLOCKS, received=[received])):
+        loss = model(torch.randint(0, VOCAB, (2, T))).sum()
+    # Out of the call, as the executor leaves the stage before the backward.
     with pytest.raises(RuntimeError, match="block 3 of the pipelined ModuleList was recomputed during backward"):
         loss.backward()
 

@@ -22,6 +22,7 @@ from dapple_lightning.runtime import Pipeline, p2p_groups, stage_group
 from dapple_lightning.surgery import partition
 
 from distributed import run_ranks
+from user_steps import LossStep
 
 BATCH = 12
 PLANS = {
@@ -88,7 +89,7 @@ def first_messages(rank: int, world_size: int, plan: Plan) -> list[tuple[str, in
     undo = _recording(names, log, rank)
     try:
         for _ in range(2):
-            pipe.run(BATCH, forward)
+            pipe.run(BATCH, LossStep(forward))
     finally:
         undo()
     return log

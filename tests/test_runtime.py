@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from dapple_lightning.plan import Plan
@@ -13,6 +14,7 @@ from dapple_lightning.runtime import GradientReducer, Pipeline, p2p_groups, stag
 from dapple_lightning.surgery import partition
 
 from distributed import run_ranks
+from user_steps import LossStep
 
 BATCH = 12
 
@@ -65,9 +67,12 @@ def pipelined(rank: int, world_size: int, plan: Plan, *also: str) -> list[tuple[
             out = stage(x[rows.start : rows.stop])
             return nn.functional.mse_loss(out, y[rows.start : rows.stop]) * (len(rows) / BATCH)
 
-        stats = pipe.run(BATCH, forward)
+        step = LossStep(forward)
+        stats = pipe.run(BATCH, step)
         loss = float(sum(stats.losses)) if stats.losses else float("nan")
-        results.append((loss, {n: p.grad.clone() for n, p in stage.named_parameters()}, stats.peak_live_microbatches))
+        summed = None if stats.replica_sum is None else (stats.replica_sum.tolist(), step.shared)
+        grads = {n: p.grad.clone() for n, p in stage.named_parameters()}
+        results.append((loss, grads, stats.peak_live_microbatches, summed))
     return results
 
 
@@ -99,43 +104,49 @@ def test_gradients_match_one_device(shape: str, schedules: tuple[str, ...]) -> N
     held = {"gpipe": 3, "zb-h1": min(plan.num_stages, 3), "zb-h2": deep, "zb-tail": deep}
     for index, schedule in enumerate(schedules):
         for rank, per_schedule in enumerate(results):
-            _, grads, peak = per_schedule[index]
+            _, grads, peak, summed = per_schedule[index]
             for name, grad in grads.items():
                 torch.testing.assert_close(grad, ref_grads[name], rtol=1e-5, atol=1e-6)
             assert peak == held.get(schedule, min(plan.num_stages - plan.stage_of(rank), 3)), schedule
+            # The last stage's replicas sum what the step shares, once per step, with their gradients.
+            if plan.stage_of(rank) == plan.num_stages - 1 and plan.stages[-1].replicas > 1:
+                assert summed is not None and summed[1] == 1
+                assert summed[0] == [pytest.approx(ref_loss, rel=1e-5)]
+            else:
+                assert summed is None
         # Each last-stage replica holds the loss of its own rows; the replicas sum to the whole.
         last = [results[r][index][0] for r in plan.stage_ranks(plan.num_stages - 1)]
         assert sum(last) == pytest.approx(ref_loss, rel=1e-5)
 
 
-def reduced(rank: int, world_size: int, dtype: torch.dtype, alone_bytes: int) -> dict:
+def reduced(rank: int, world_size: int, dtype: torch.dtype, in_place_bytes: int) -> dict:
     """One step of a GradientReducer: on rank r every used gradient is (r + 1) times rank 0's."""
     torch.manual_seed(0)
     shapes = {"big": (16, 16), "small": (3,), "some": (4,), "none": (2,)}
     params = {name: nn.Parameter(torch.randn(*shape).to(dtype)) for name, shape in shapes.items()}
-    reducer = GradientReducer(params.values(), None, alone_bytes=alone_bytes, first_bucket_bytes=8)
+    reducer = GradientReducer(params.values(), None, in_place_bytes=in_place_bytes, first_bucket_bytes=8)
     scale = rank + 1.0
     loss = scale * (params["big"].sum() + params["small"].pow(2).sum())
     if rank == 0:  # the others have no gradient for it; "none" has none anywhere
         loss = loss + params["some"].sum()
-    reducer.arm(carry=lambda: torch.tensor([scale, -2 * scale], dtype=torch.float64))
+    reducer.arm(extra=lambda: torch.tensor([scale, -2 * scale], dtype=torch.float64))
     loss.backward()
-    carried = reducer.finish()
+    extra_sum = reducer.finish()
     reducer.remove()
     names = {id(p): n for n, p in params.items()}
     return {
         "grads": {n: None if p.grad is None else p.grad.double() for n, p in params.items()},
         "params": {n: p.detach().double() for n, p in params.items()},
-        "carried": carried,
-        "buckets": [([names[id(p)] for p in b], alone) for b, alone in zip(reducer.buckets, reducer.alone)],
+        "extra_sum": extra_sum,
+        "buckets": [([names[id(p)] for p in b], in_place) for b, in_place in zip(reducer.buckets, reducer.in_place)],
     }
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("alone_bytes", [1, 64, 2**20])
-def test_gradient_reducer_sums_in_place_and_carries_values(dtype: torch.dtype, alone_bytes: int) -> None:
+@pytest.mark.parametrize("in_place_bytes", [1, 64, 2**20])
+def test_gradient_reducer_sums_in_place_and_sums_extra_values(dtype: torch.dtype, in_place_bytes: int) -> None:
     world = 3
-    results = run_ranks(reduced, world, dtype, alone_bytes)
+    results = run_ranks(reduced, world, dtype, in_place_bytes)
     total = sum(r + 1.0 for r in range(world))
     for result in results:
         grads, params = result["grads"], result["params"]
@@ -145,20 +156,73 @@ def test_gradient_reducer_sums_in_place_and_carries_values(dtype: torch.dtype, a
         torch.testing.assert_close(grads["some"], torch.ones(4, dtype=torch.float64), **tol)
         assert grads["none"] is None  # as on one device: no replica produced a gradient
         # The loss-like values come back exactly, in float64, whatever the gradients' dtype.
-        assert result["carried"].dtype == torch.float64
-        assert result["carried"].tolist() == [total, -2 * total]
+        assert result["extra_sum"].dtype == torch.float64
+        assert result["extra_sum"].tolist() == [total, -2 * total]
         buckets = result["buckets"]
         assert sorted(n for names, _ in buckets for n in names) == ["big", "none", "small", "some"]
-        assert buckets[-1][1] is False  # the flags and carried values ride in a flat bucket
-        alone = {names[0] for names, is_alone in buckets if is_alone}
-        assert alone == {1: {"big", "small", "some", "none"}, 64: {"big"}, 2**20: set()}[alone_bytes]
+        assert buckets[-1][1] is False  # the flags and extra values end a flat bucket
+        in_place = {names[0] for names, is_in_place in buckets if is_in_place}
+        assert in_place == {1: {"big", "small", "some", "none"}, 64: {"big"}, 2**20: set()}[in_place_bytes]
 
 
-def carried_without_parameters(rank: int, world_size: int) -> list[float]:
+def extra_without_parameters(rank: int, world_size: int) -> list[float]:
     reducer = GradientReducer([], None)
-    reducer.arm(carry=lambda: torch.tensor([rank + 0.5], dtype=torch.float64))
+    reducer.arm(extra=lambda: torch.tensor([rank + 0.5], dtype=torch.float64))
     return reducer.finish().tolist()
 
 
-def test_gradient_reducer_without_parameters_still_sums_carried_values() -> None:
-    assert run_ranks(carried_without_parameters, 2) == [[2.0], [2.0]]
+def test_gradient_reducer_without_parameters_still_sums_extra_values() -> None:
+    assert run_ranks(extra_without_parameters, 2) == [[2.0], [2.0]]
+
+
+def recorded_then_replayed(rank: int, world_size: int) -> dict:
+    """A step with every send recorded, then the same step run again by each rank alone on the record."""
+    plan = Plan(stages=[{"layers": [0, 3], "replicas": 1}, {"layers": [3, 7], "replicas": 1}], micro_batches=3)
+    stage = partition(make_model(), plan, rank)
+    pipe = Pipeline(plan, rank, stage, device=torch.device("cpu"), p2p_groups=p2p_groups())
+    x, y = make_batch()
+
+    def forward(m, rows):
+        out = stage(x[rows.start : rows.stop])
+        return nn.functional.mse_loss(out, y[rows.start : rows.stop]) * (len(rows) / BATCH)
+
+    sent: dict[tuple[str, int], list] = {}
+
+    def record(link: str, dst: int, tensors: list[torch.Tensor], as_tuple: bool) -> None:
+        sent.setdefault((link, dst), []).append(([t.detach().clone() for t in tensors], as_tuple))
+
+    pipe.record_sends(record)
+    pipe.run(BATCH, LossStep(forward))
+    pipe.record_sends(None)
+    first = {n: p.grad.clone() for n, p in stage.named_parameters()}
+    records: list = [None] * world_size
+    dist.all_gather_object(records, sent)
+    inbox = {
+        (link, src): messages
+        for src, record in enumerate(records)
+        for (link, dst), messages in record.items()
+        if dst == rank
+    }
+    for p in stage.parameters():
+        p.grad = None
+    dist.barrier()  # from here on no rank talks to another: each runs alone
+    with pipe.replay(inbox):
+        inside = pipe.replaying
+        stats = pipe.run(BATCH, LossStep(forward))
+    again = {n: p.grad.clone() for n, p in stage.named_parameters()}
+    return {
+        "same": first.keys() == again.keys() and all(torch.equal(first[n], again[n]) for n in first),
+        "replaying": (inside, pipe.replaying),
+        "messages": sum(len(m) for m in sent.values()),
+        "losses": len(stats.losses),
+    }
+
+
+def test_a_stage_replays_its_step_alone_on_the_record_of_its_receives() -> None:
+    results = run_ranks(recorded_then_replayed, 2)
+    for rank, result in enumerate(results):
+        assert result["same"], rank
+        assert result["replaying"] == (True, False)
+        # Three activations go down, three gradients up; the replay's sends were not recorded.
+        assert result["messages"] == 3
+    assert [r["losses"] for r in results] == [0, 3]

@@ -11,6 +11,7 @@ from dapple_lightning.runtime import Pipeline, Timeline, _timeline, p2p_groups, 
 from dapple_lightning.surgery import partition
 
 from distributed import run_ranks
+from user_steps import LossStep
 
 
 class DeviceClock:
@@ -102,7 +103,7 @@ def timed_steps(rank: int, world_size: int, steps: int) -> tuple[list[tuple[str,
         return nn.functional.mse_loss(stage(x[rows.start : rows.stop]), y[rows.start : rows.stop]) / 2
 
     for _ in range(steps):
-        pipe.run(4, forward)
+        pipe.run(4, LossStep(forward))
     return [(e.name, e.step, e.end - e.start) for e in pipe.timeline.events], clock.waits
 
 

@@ -1,7 +1,11 @@
 """The runtime: one rank's share of a plan, executed step by step.
 
 - :class:`Pipeline` runs the rank's lowered program (see :func:`dapple_lightning.schedule.lower`)
-  from a dispatch table: forwards, backwards, sends, receives and the gradient sum;
+  from a dispatch table: forwards, backwards, sends, receives and the gradient sum; all it asks
+  of the step it runs is one :class:`UserStep` (the user's code per micro-batch, the context
+  around it, the values the last stage's replicas sum), and it reports :class:`StepStats`;
+  :meth:`Pipeline.record_sends` and :meth:`Pipeline.replay` record a rank's traffic and run a
+  lost stage's steps again on that record, alone;
 - :class:`StageModule` stands in for the user's container and takes one :class:`StageCall`
   per micro-batch from the executor (the hand-off between the user's step and the pipeline);
   :func:`stand_in_layers` spreads that hand-off over the layers the user's code calls one by one
@@ -25,11 +29,12 @@ No Lightning and no Optuna here.
 from dapple_lightning.runtime._batchnorm import agree_buffers, synchronize_batch_norms
 from dapple_lightning.runtime._blocks import Placeholder, stand_in_blocks, stand_in_layers
 from dapple_lightning.runtime._comm import Link, P2PGroups, Pending, Signature, p2p_groups, share, stage_group
-from dapple_lightning.runtime._executor import Pipeline, StepStats
+from dapple_lightning.runtime._contract import StepStats, UserStep
+from dapple_lightning.runtime._executor import Pipeline, Recorder
 from dapple_lightning.runtime._linear_split import LinearStore, StoredGrads, backward_stored, storable_linears
 from dapple_lightning.runtime._offload import Offloader
 from dapple_lightning.runtime._offload_records import Residency
-from dapple_lightning.runtime._recorded import Message, replaying
+from dapple_lightning.runtime._recorded import Message
 from dapple_lightning.runtime._reducer import GradientReducer
 from dapple_lightning.runtime._split_backward import WeightWork, backward_input, backward_weight
 from dapple_lightning.runtime._stage import StageCall, StageExit, StageModule
@@ -47,6 +52,7 @@ __all__ = [
     "Pending",
     "Pipeline",
     "Placeholder",
+    "Recorder",
     "Residency",
     "Signature",
     "StageCall",
@@ -55,6 +61,7 @@ __all__ = [
     "StepStats",
     "StoredGrads",
     "Timeline",
+    "UserStep",
     "WeightWork",
     "agree_buffers",
     "backward_input",
@@ -62,7 +69,6 @@ __all__ = [
     "backward_weight",
     "bubble_fractions",
     "p2p_groups",
-    "replaying",
     "share",
     "stage_group",
     "stand_in_blocks",

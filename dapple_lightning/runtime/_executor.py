@@ -1,27 +1,30 @@
 """Executes one rank's lowered program (see :func:`dapple_lightning.schedule.lower`) for one global batch.
 
 Each op of the program has a handler in a dispatch table: ``F``/``B`` run a micro-batch's
-forward (the user's step, through the :class:`~dapple_lightning.runtime.StageCall` hand-off)
-or backward, ``RECV_*`` wait for a piece of a micro-batch's input or gradient, ``SEND_*`` send
-one, and ``REDUCE`` starts summing the stage's gradients as the last backward finishes them.
-The order of messages is the program's, which the simulator has checked; the executor only
-posts each receive ahead of need (see :class:`_Inbox`), which never reorders a pair's messages.
-Before a program's first messages, every pair it uses (on any rank) is opened in one order
-common to all ranks (see :func:`~dapple_lightning.runtime._comm.connect_pairs`).
+forward (the user's code, asked of the :class:`~dapple_lightning.runtime.UserStep` the run is
+given, through the :class:`~dapple_lightning.runtime.StageCall` hand-off) or backward,
+``RECV_*`` wait for a piece of a micro-batch's input or gradient, ``SEND_*`` send one, and
+``REDUCE`` starts summing the stage's gradients as the last backward finishes them. The order
+of messages is the program's, which the simulator has checked; the executor only posts each
+receive ahead of need (see :class:`_Inbox`), which never reorders a pair's messages. Before a
+program's first messages, every pair it uses (on any rank) is opened in one order common to all
+ranks (see :func:`~dapple_lightning.runtime._comm.connect_pairs`).
 
 Gradients accumulate in ``.grad`` over the micro-batches; :class:`GradientReducer` sums them
 once per step, bucket by bucket while the step's last backward runs: a stage's over its
-replicas, the parameters outside the Sequential over every rank. The last stage's loss rides
-along with its gradients.
+replicas, the parameters outside the Sequential over every rank. The last stage's replicas sum
+their :meth:`~dapple_lightning.runtime.UserStep.replica_share` along with their gradients.
+
+For recovery, a pipeline can show a callback every message it sends (:meth:`Pipeline.record_sends`)
+and run steps again on a record of its receives, alone (:meth:`Pipeline.replay`).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
-from contextlib import nullcontext, suppress
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,16 +33,19 @@ from torch import nn
 from dapple_lightning.plan import Plan
 from dapple_lightning.rows import Rows, even_split
 from dapple_lightning.runtime._comm import Incoming, Link, P2PGroups, Pending, concat_pieces, connect_pairs
+from dapple_lightning.runtime._contract import StepStats, UserStep
 from dapple_lightning.runtime._linear_split import LinearStore, StoredGrads, backward_stored, storable_linears
+from dapple_lightning.runtime._recorded import Message, RecordedLink, recorded_links
 from dapple_lightning.runtime._reducer import GradientReducer
 from dapple_lightning.runtime._split_backward import WeightWork, backward_input, backward_weight
 from dapple_lightning.runtime._stage import StageCall, StageExit, StageModule, count_saved
 from dapple_lightning.runtime._timeline import Timeline
 from dapple_lightning.schedule import Op, lower
 
-__all__ = ["Pipeline", "StepStats"]
+__all__ = ["Pipeline", "Recorder"]
 
-Forward = Callable[[int, Rows], torch.Tensor | None]
+Recorder = Callable[[str, int, list[torch.Tensor], bool], None]
+"""Called with each message a rank sends: its link (``"F"`` or ``"B"``), destination, tensors, tuple flag."""
 _PASSES = ("F", "B", "W")
 """Ops after which the timeline samples the memory in use."""
 
@@ -60,24 +66,11 @@ class _InFlight:
 
 
 @dataclass
-class StepStats:
-    """What a step measured on this rank."""
-
-    peak_live_microbatches: int = 0
-    peak_live_bytes: int = 0
-    losses: list[torch.Tensor] = field(default_factory=list)
-    carried: torch.Tensor | None = None
-    """The sum over the stage's replicas of what ``Pipeline.run(carry=...)`` gave (float64)."""
-
-
-@dataclass
 class _Step:
     """The state of one step's program while it runs."""
 
     rows: list[Rows]
-    forward: Forward
-    forward_context: Callable[[], Any]
-    carry: Callable[[], torch.Tensor] | None
+    user: UserStep
     train: bool
     inbox: _Inbox
     split: frozenset[int] = frozenset()
@@ -148,15 +141,14 @@ class Pipeline:
         self.stats = StepStats()
         groups = P2PGroups(*p2p_groups)
         # Activations go downstream on one link, gradients upstream on the other.
-        self.links = {
+        self._links: dict[str, Link | RecordedLink] = {
             "F": Link(device, groups.activations, groups.activation_headers),
             "B": Link(device, groups.gradients, groups.gradient_headers),
         }
         self.host_group = groups.host
-        self.record: Callable[[str, int, list[torch.Tensor], bool], None] | None = None
-        """Called with each message this rank sends (link, destination, tensors, tuple flag)."""
-        self.alone = False  # replaying (runtime._recorded): no connection to open
         """A gloo group over every rank for values the host reads, where the links' groups are NCCL's."""
+        self._recorder: Recorder | None = None
+        self._replaying = False
         self._pairs: dict[tuple[int, bool], frozenset[tuple[str, int, int]]] = {}
         self._connected: set[tuple[str, int, int]] = set()
         # Gradients are summed while the step's last backward still runs: the stage's over its
@@ -217,28 +209,15 @@ class Pipeline:
             )
         return self._programs[key]
 
-    def run(
-        self,
-        batch_rows: int,
-        forward: Forward,
-        *,
-        train: bool = True,
-        forward_context: Callable[[], Any] = nullcontext,
-        carry: Callable[[], torch.Tensor] | None = None,
-    ) -> StepStats:
+    def run(self, batch_rows: int, user: UserStep, *, train: bool = True) -> StepStats:
         """Run this rank's program for a global batch of ``batch_rows`` rows.
 
         Args:
             batch_rows: rows of the global batch (same on every rank).
-            forward: ``forward(m, rows)`` runs the user's step on this rank's ``rows`` of
-                micro-batch ``m``; the step must call the :class:`StageModule` exactly once.
-                On the last stage, when training, it returns the loss to back-propagate
-                (already scaled by the micro-batch's share of the global batch).
+            user: what the program asks of the step: the user's code per micro-batch, the context
+                around it, and on a last stage with replicas the values summed over them (see
+                :class:`~dapple_lightning.runtime.UserStep`).
             train: run the schedule's backwards (otherwise forwards only, in order).
-            forward_context: entered around each forward (e.g. autocast); backwards run outside.
-            carry: when training on a last stage with replicas, called once after the step's last
-                forward; the 1-D tensor it returns is summed over the stage's replicas along with
-                the gradients (no collective of its own) into ``stats.carried``.
         """
         if train and self._requires_grad() != self._trainable:
             # Layers were frozen or unfrozen (e.g. by BaseFinetuning): every replica sees the same
@@ -249,10 +228,10 @@ class Pipeline:
                 p.grad = None
         rows = self.rows(batch_rows)
         program = self.program(batch_rows, train=train)
-        if not self.alone and (fresh := self._pairs[(batch_rows, train)] - self._connected):
-            connect_pairs(fresh, self.links, self.rank)  # before any of the step's messages
+        if not self._replaying and (fresh := self._pairs[(batch_rows, train)] - self._connected):
+            connect_pairs(fresh, self._links, self.rank)  # before any of the step's messages
             self._connected |= fresh
-        step = _Step(rows, forward, forward_context, carry, train, _Inbox(program, self.links))
+        step = _Step(rows, user, train, _Inbox(program, self._links))
         step.split = frozenset(op.micro_batch for op in program if op.kind == "W")
         self.stats = StepStats()
         offload = self.module.offload
@@ -281,6 +260,30 @@ class Pipeline:
         self.timeline.end_step()
         return self.stats
 
+    def record_sends(self, recorder: Recorder | None) -> None:
+        """From now on, show ``recorder`` every message this rank sends (``None``: stop)."""
+        self._recorder = recorder
+
+    @property
+    def replaying(self) -> bool:
+        """Whether the steps run now are a :meth:`replay`."""
+        return self._replaying
+
+    @contextmanager
+    def replay(self, inbox: Mapping[tuple[str, int], Sequence[Message]]) -> Iterator[None]:
+        """Run the steps in this block alone, on ``inbox`` (messages by link ``"F"``/``"B"`` and source
+        rank, in the order they were sent): receives are served from it, sends go nowhere, no connection
+        is opened and no collective runs. A stage with replicas or shared parameters (whose gradients
+        are summed with other ranks) cannot run alone."""
+        if self.reducers:
+            raise RuntimeError("dapple replay: only a stage without replicas or shared parameters can run alone")
+        links, self._links = self._links, recorded_links(self.device, inbox, kinds=tuple(self._links))
+        self._replaying = True
+        try:
+            yield
+        finally:
+            self._links, self._replaying = links, False
+
     def _build_reducers(self) -> None:
         """Reducers for the parameters that are trainable now (frozen ones get no gradient)."""
         for reducer in self.reducers:
@@ -305,7 +308,6 @@ class Pipeline:
         """Detach from the module: remove the gradient hooks."""
         for reducer in self.reducers:
             reducer.remove()
-        self.module.call = None
         if self.module.offload is not None:  # the stage's layers back in memory, the files removed
             self.module.offload.close()
 
@@ -342,13 +344,13 @@ class Pipeline:
             tensors, as_tuple, pending = step.input_grads[op.micro_batch], False, step.gradient_sends
         piece = [t[op.rows.start : op.rows.stop] for t in tensors]
         with self.timeline.span("send", op.micro_batch):
-            self.links[op.kind[-1]].send(piece, op.peer, len(op.rows), pending, as_tuple=as_tuple)
-        if self.record is not None:
-            self.record(op.kind[-1], op.peer, piece, as_tuple)
+            self._links[op.kind[-1]].send(piece, op.peer, len(op.rows), pending, as_tuple=as_tuple)
+        if self._recorder is not None:
+            self._recorder(op.kind[-1], op.peer, piece, as_tuple)
 
     def _reduce(self, step: _Step, op: Op) -> None:
         for reducer in self.reducers:
-            reducer.arm(step.carry if reducer is self.stage_reducer and self.is_last else None)
+            reducer.arm(step.user.replica_share if reducer is self.stage_reducer and self.is_last else None)
 
     def _forward(self, step: _Step, op: Op) -> None:
         m = op.micro_batch
@@ -367,12 +369,9 @@ class Pipeline:
         loss = None  # stays None on stages the user's step leaves through StageExit
         stored = StoredGrads() if m in step.split and step.train else None
         storing = self._linears.storing(stored)
-        self.module.call = call
-        try:
-            with self.timeline.span("forward", m), hooks, storing, step.forward_context(), suppress(StageExit):
-                loss = step.forward(m, step.rows[m])
-        finally:
-            self.module.call = None
+        span = self.timeline.span("forward", m)
+        with self.module.calling(call), span, hooks, storing, step.user.context(), suppress(StageExit):
+            loss = step.user.run(m, step.rows[m])
         call.check_called()
         if self.is_last and step.train and loss is None:
             raise RuntimeError("training_step returned no loss; dapple needs a loss from every micro-batch")
@@ -455,9 +454,9 @@ class Pipeline:
     def _sync_gradients(self) -> None:
         with self.timeline.span("allreduce"):
             for reducer in self.reducers:
-                carried = reducer.finish()
+                summed = reducer.finish()
                 if reducer is self.stage_reducer:
-                    self.stats.carried = carried
+                    self.stats.replica_sum = summed
 
 
 class _Inbox:
@@ -468,7 +467,7 @@ class _Inbox:
     is kept.
     """
 
-    def __init__(self, program: Sequence[Op], links: dict[str, Link]) -> None:
+    def __init__(self, program: Sequence[Op], links: Mapping[str, Link | RecordedLink]) -> None:
         self.links = links
         self.queues: dict[tuple[str, int], deque[Op]] = {}
         for op in program:

@@ -2,8 +2,8 @@
 
 The user's own step function calls the container once per micro-batch; after surgery it calls
 a :class:`StageModule` holding only this rank's layers. During a pipelined step the executor
-gives the module a :class:`StageCall` for each micro-batch, and that object is the whole
-hand-off between the two:
+runs each micro-batch inside :meth:`StageModule.calling` with a :class:`StageCall`, and that
+object is the whole hand-off between the two:
 
 * on the first stage the call runs the local layers on the argument the step passes;
 * on later stages it ignores that argument and runs them on what the executor ``received``;
@@ -19,7 +19,8 @@ checked against the order (:meth:`StageCall.block`); see :mod:`~dapple_lightning
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -197,7 +198,7 @@ class StageModule(nn.Sequential):
 
     Children keep their indices in the original Sequential as names (``"6"``, ``"7"``, ...),
     so ``state_dict`` keys equal those of the unpartitioned model. Outside a pipelined step
-    (``call`` is ``None``) it behaves like that slice of the Sequential.
+    (:attr:`call` is ``None``) it behaves like that slice of the Sequential.
     """
 
     def __init__(
@@ -213,12 +214,11 @@ class StageModule(nn.Sequential):
         if recompute:
             _check_recomputable(self, blocks)
         self.recompute = recompute
-        self.offload = None if offload is None else _offloader(self, blocks, offload)
-        """With ``offload: W`` (or ``"auto"``): keeps the layers on disk, ``W`` of them in memory (:class:`Offloader`)."""
         """Run each layer under non-reentrant ``torch.utils.checkpoint`` while autograd records:
         a micro-batch keeps only the layers' inputs, and its backward runs each layer again."""
-        # A plain attribute, not a submodule: the executor sets it around each micro-batch.
-        self.call: StageCall | None = None
+        self.offload = None if offload is None else _offloader(self, blocks, offload)
+        """With ``offload: W`` (or ``"auto"``): keeps the layers on disk, ``W`` of them in memory (:class:`Offloader`)."""
+        self._call: StageCall | None = None
         self.blocks = blocks
         """``None`` when the module stands in for one Sequential. When the user's code calls the
         layers one by one (a ModuleList's blocks, a chain of containers), how many layers the plan
@@ -231,6 +231,20 @@ class StageModule(nn.Sequential):
         containers share (tied weights): every rank holds them, and their gradients are summed
         over every rank rather than over the stage's replicas."""
 
+    @property
+    def call(self) -> StageCall | None:
+        """The micro-batch passing through now, inside :meth:`calling`; ``None`` elsewhere."""
+        return self._call
+
+    @contextmanager
+    def calling(self, call: StageCall) -> Iterator[StageCall]:
+        """Inside this block (one micro-batch of a pipelined step), calls of the module go through ``call``."""
+        self._call = call
+        try:
+            yield call
+        finally:
+            self._call = None
+
     def forward(self, input: Any) -> Any:
         if torch._C._current_graph_task_id() != -1:  # called by autograd: a checkpoint recomputes
             raise RuntimeError(
@@ -239,9 +253,9 @@ class StageModule(nn.Sequential):
                 "runs and back-propagates its layers itself. Checkpoint inside the layers instead (wrap each "
                 "block's forward, or use transformers' gradient_checkpointing_enable())"
             )
-        if self.call is None:
+        if self._call is None:
             return self._layers(input)
-        return self.call.run(self._layers, input)
+        return self._call.run(self._layers, input)
 
     def _layers(self, input: Any) -> Any:
         if self.offload is not None:
@@ -272,7 +286,7 @@ class StageModule(nn.Sequential):
         if self.offload is not None:  # a copy holds the values, in memory (the files stay this module's)
             self.offload.materialize()
         state = super().__getstate__()
-        state["call"] = None  # a step's tensors are not the module's state
+        state["_call"] = None  # a step's tensors are not the module's state
         state["offload"] = None
         return state
 

@@ -13,7 +13,7 @@ a save that a failure interrupted).
 After torchrun's restart, :func:`replay_lost_stages` (from :func:`._resume.recover`, collective):
 when a stage has no rank that kept the recovered step and one rank, its replacement loads its
 part of the last checkpoint, receives the log from each neighbour, and runs the steps since the
-checkpoint again alone (:func:`dapple_lightning.runtime.replaying`), with the optimizer and its
+checkpoint again alone (:meth:`dapple_lightning.runtime.Pipeline.replay`), with the optimizer and its
 per-step LR schedules; the other stages keep the step they kept and do not roll back. Refused,
 with the job then starting as the script says: gradient clipping (its norm spans every stage),
 schedulers stepped per epoch or on a metric, a checkpoint or log step missing.
@@ -32,7 +32,7 @@ import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import move_data_to_device
 
 from dapple_lightning.plan import Plan
-from dapple_lightning.runtime import Message, replaying
+from dapple_lightning.runtime import Message
 from dapple_lightning.strategy._parts import FitParts
 from dapple_lightning.strategy._recovery import private_directory
 
@@ -175,7 +175,7 @@ def _replay(parts: FitParts, trainer: Any, path: str, start: int, step: int, log
         for sender, entry in zip(logs, entries, strict=True):
             for (link, _), messages in entry["messages"].items():
                 inbox[(link, sender)] = messages
-        with replaying(pipeline, inbox):
+        with pipeline.replay(inbox):
             steps.dataloader_idx = 0
             steps.train(pipeline, (batch, batch_idx), {}, parts.train_step_context)
         for optimizer in parts.optimizers:

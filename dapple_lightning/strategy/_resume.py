@@ -65,7 +65,7 @@ def begin(recovery: Recovery, trainer: Any, plan: Plan, group: Any, parts: FitPa
         if not _restarted():
             shutil.rmtree(logs, ignore_errors=True)
         recovery.logbook = Logbook(plan, rank, logs)
-        parts.pipeline.record = recovery.logbook.record
+        parts.pipeline.record_sends(recovery.logbook.record)
     if not recovery.active or not _restarted():
         return
     checkpoint = recover(identity, plan, group, recovery, parts)

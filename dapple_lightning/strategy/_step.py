@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -130,44 +131,15 @@ class MicroBatches:
     ) -> tuple[float, Logged]:
         """Run the user's ``hook`` over one global batch on ``pipeline``; the global loss and logged values."""
         module = self.module
-        batch, rest = args[0], args[1:]
-        total = batch_size_of(batch)
-        step_fn = getattr(module, hook)
         last = pipeline.plan.stages[-1]
+        total = batch_size_of(args[0])
         capture = _LogCapture(total, last.replicas, pipeline.replica if pipeline.is_last else 0, self.device)
-        loss_sum: Tensor | None = None  # float64, on the device
-
-        def forward(m: int, rows: Rows) -> Tensor | None:
-            nonlocal loss_sum
-            weight = len(rows) / total
-            capture.begin(m, weight)
-            try:
-                out = step_fn(self._on_device(slice_batch(batch, rows)), *rest, **kwargs)
-            finally:  # also when the step ends at this stage's exit
-                if pipeline.is_first:
-                    _check_input_rows(pipeline.module.call, m, rows, total)
-            if not train:
-                if outputs is not None:
-                    outputs.append((rows, out))
-                return None
-            loss = out.get("loss") if isinstance(out, Mapping) else out
-            if not isinstance(loss, Tensor):
-                raise RuntimeError(
-                    f"training_step returned {type(out).__name__}; with dapple it must return the loss tensor "
-                    "(or a dict with 'loss') for every micro-batch"
-                )
-            part = _as_float64(loss, self.device) * weight
-            loss_sum = part if loss_sum is None else loss_sum + part
-            return loss * weight
-
-        def carry() -> Tensor:  # this replica's share, summed along with the gradients
-            return capture.flatten(loss_sum)
-
+        step = _HookStep(self, pipeline, getattr(module, hook), args, kwargs, capture, train, context, outputs)
         with shadowed_log(module, capture.log):
-            stats = pipeline.run(total, forward, train=train, forward_context=context, carry=carry)
-        if pipeline.alone:  # a replay (runtime._recorded): its loss and logs were shared when it first ran
+            stats = pipeline.run(total, step, train=train)
+        if pipeline.replaying:  # its loss and logs were shared when the step first ran
             return 0.0, {}
-        return self._combine(pipeline, loss_sum, capture, stats.carried)
+        return self._combine(pipeline, step.loss_sum, capture, stats.replica_sum)
 
     def _combine(
         self, pipeline: Pipeline, loss: Tensor | None, capture: _LogCapture, summed: Tensor | None
@@ -201,6 +173,60 @@ class MicroBatches:
     def log(self, values: Logged) -> None:
         for name, (value, kwargs) in values.items():
             self.module.log(name, torch.tensor(value, dtype=torch.float32), **kwargs)
+
+
+class _HookStep:
+    """One global batch of a LightningModule hook, as the pipeline asks for it (a
+    :class:`~dapple_lightning.runtime.UserStep`): the hook per micro-batch, on the micro-batch's rows
+    moved to the device, with what it logs captured."""
+
+    def __init__(
+        self,
+        steps: MicroBatches,
+        pipeline: Pipeline,
+        hook: Callable,
+        args: tuple,
+        kwargs: dict,
+        capture: _LogCapture,
+        train: bool,
+        context: Callable,
+        outputs: list[tuple[Rows, Any]] | None,
+    ) -> None:
+        self.steps, self.pipeline, self.hook, self.capture = steps, pipeline, hook, capture
+        self.batch, self.rest, self.kwargs = args[0], args[1:], kwargs
+        self.total = capture.batch_rows
+        self.train, self._context, self.outputs = train, context, outputs
+        self.loss_sum: Tensor | None = None
+        """This replica's share of the batch's loss so far, in float64 on the device."""
+
+    def run(self, micro_batch: int, rows: Rows) -> Tensor | None:
+        weight = len(rows) / self.total
+        self.capture.begin(micro_batch, weight)
+        try:
+            out = self.hook(self.steps._on_device(slice_batch(self.batch, rows)), *self.rest, **self.kwargs)
+        finally:  # also when the step ends at this stage's exit
+            if self.pipeline.is_first:
+                _check_input_rows(self.pipeline.module.call, micro_batch, rows, self.total)
+        if not self.train:
+            if self.outputs is not None:
+                self.outputs.append((rows, out))
+            return None
+        loss = out.get("loss") if isinstance(out, Mapping) else out
+        if not isinstance(loss, Tensor):
+            raise RuntimeError(
+                f"training_step returned {type(out).__name__}; with dapple it must return the loss tensor "
+                "(or a dict with 'loss') for every micro-batch"
+            )
+        part = _as_float64(loss, self.steps.device) * weight
+        self.loss_sum = part if self.loss_sum is None else self.loss_sum + part
+        return loss * weight
+
+    def context(self) -> AbstractContextManager[Any]:
+        return self._context()
+
+    def replica_share(self) -> Tensor:
+        """The loss and the logged values of this replica's rows, summed over the last stage's replicas."""
+        return self.capture.flatten(self.loss_sum)
 
 
 _REDUCTIONS: dict[Any, str] = {

@@ -136,14 +136,14 @@ def trials_of_blocks(rank: int, world_size: int) -> dict:
 
     from dapple_lightning.autoplan import optimizer_factory
     from dapple_lightning.strategy._auto import AutoSetting, Trials
-    from dapple_lightning.strategy._pipelines import Pipelines
+    from dapple_lightning.strategy._pipelines import PipelineBuilder
     from dapple_lightning.strategy._resident import parameter_bytes
-    from dapple_lightning.strategy._step import MicroBatches
+    from dapple_lightning.strategy._step import PipelinedSteps
 
     model, device = TinyGPT(), torch.device("cpu")
     blocks = model.blocks
-    pipelines = Pipelines(model, rank, device, timedelta(seconds=60))
-    setting = AutoSetting(model, rank, device, 1, pipelines, MicroBatches(model, device), contextlib.nullcontext)
+    pipelines = PipelineBuilder(model, rank, device, timedelta(seconds=60))
+    setting = AutoSetting(model, rank, device, 1, pipelines, PipelinedSteps(model, device), contextlib.nullcontext)
     pipe = Plan(stages=[{"layers": [0, 2], "replicas": 1}, {"layers": [2, 4], "replicas": 1}], micro_batches=2)
     dp = Plan.data_parallel(BLOCKS, world_size)
     before = {k: v.clone() for k, v in model.state_dict().items()}

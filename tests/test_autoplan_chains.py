@@ -132,14 +132,14 @@ AT_BOUNDARY = Plan(
 def trials_of_chain(rank: int, world_size: int) -> dict:
     """Run a 2-stage plan cut at the container boundary and data parallelism in turns, as plan='auto' does."""
     from dapple_lightning.strategy._auto import AutoSetting, Trials
-    from dapple_lightning.strategy._pipelines import Pipelines
-    from dapple_lightning.strategy._step import MicroBatches
+    from dapple_lightning.strategy._pipelines import PipelineBuilder
+    from dapple_lightning.strategy._step import PipelinedSteps
 
     model, device = VGG(), torch.device("cpu")
     chain = find_chain(model, CHAIN)
     hooked = hooks(chain)
-    pipelines = Pipelines(model, rank, device, timedelta(seconds=60))
-    setting = AutoSetting(model, rank, device, 1, pipelines, MicroBatches(model, device), contextlib.nullcontext)
+    pipelines = PipelineBuilder(model, rank, device, timedelta(seconds=60))
+    setting = AutoSetting(model, rank, device, 1, pipelines, PipelinedSteps(model, device), contextlib.nullcontext)
     dp = Plan.data_parallel(LAYERS, world_size)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with unchanged(model):

@@ -3,7 +3,7 @@
 On a GPU, reading a tensor on the host (``.item()``, ``.tolist()``, ``float(t)``, ``.cpu()``,
 ``.numpy()``, ``bool(t)``) waits for the device to finish everything queued so far. Here every
 such call on a tensor is counted while real gloo processes run whole training steps through the
-strategy's :class:`~dapple_lightning.strategy._step.MicroBatches` (the loss and what the step
+strategy's :class:`~dapple_lightning.strategy._step.PipelinedSteps` (the loss and what the step
 logs) and the runtime's :class:`~dapple_lightning.runtime.Pipeline`. The only tensors exempt are
 the integer ones the runtime's messages are made of, which live in host memory by design: the
 point-to-point headers (``int64``) and :func:`~dapple_lightning.runtime.share`'s size and
@@ -22,7 +22,7 @@ from torch import nn
 
 from dapple_lightning.plan import Plan
 from dapple_lightning.runtime import P2PGroups, Pipeline, p2p_groups, stage_group
-from dapple_lightning.strategy._step import MicroBatches
+from dapple_lightning.strategy._step import PipelinedSteps
 from dapple_lightning.surgery import partition
 
 from distributed import run_ranks
@@ -97,7 +97,7 @@ def train(rank: int, world_size: int, plan: Plan, host_groups: bool) -> tuple[li
     pipeline = Pipeline(
         plan, rank, model.layers, device=torch.device("cpu"), stage_group=stage_group(plan, rank), p2p_groups=groups
     )
-    steps = MicroBatches(model, torch.device("cpu"))
+    steps = PipelinedSteps(model, torch.device("cpu"))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     reads, losses = [], []
     for batch in batches():

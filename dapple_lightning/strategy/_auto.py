@@ -29,10 +29,10 @@ from dapple_lightning.planner import SETTLE_STEPS, Measured
 from dapple_lightning.runtime import Pipeline, StageModule, Timeline, stand_in_layers
 from dapple_lightning.strategy._auto_blocks import BlockChain, put_in_place
 from dapple_lightning.strategy._lightning import training_loader
-from dapple_lightning.strategy._pipelines import Pipelines
+from dapple_lightning.strategy._pipelines import PipelineBuilder
 from dapple_lightning.strategy._refusals import offload_refusal
 from dapple_lightning.strategy._resident import Resident, parameter_bytes
-from dapple_lightning.strategy._step import MicroBatches
+from dapple_lightning.strategy._step import PipelinedSteps
 from dapple_lightning.surgery import Chain, capture_input, partition, set_submodule, split_ties, unchanged
 
 __all__ = ["AutoSetting", "Trials", "choose_automatically", "draw_global_batch"]
@@ -47,8 +47,8 @@ class AutoSetting:
     rank: int
     device: torch.device
     nodes: int
-    pipelines: Pipelines
-    steps: MicroBatches
+    pipelines: PipelineBuilder
+    steps: PipelinedSteps
     context: Callable
     """The precision plugin's training-step context."""
     memory_limit: float | None = None

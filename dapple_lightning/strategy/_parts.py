@@ -11,7 +11,7 @@ from torch.optim import Optimizer
 
 from dapple_lightning.runtime import Pipeline
 from dapple_lightning.strategy._checkpoint import Checkpoints
-from dapple_lightning.strategy._step import MicroBatches
+from dapple_lightning.strategy._step import PipelinedSteps
 from dapple_lightning.surgery import Cut
 
 __all__ = ["FitParts"]
@@ -25,7 +25,7 @@ class FitParts:
     """The user's LightningModule, cut to this rank's stage."""
     pipeline: Pipeline
     """This rank's pipeline (its stage, links and schedule)."""
-    steps: MicroBatches
+    steps: PipelinedSteps
     """Runs the user's step over a global batch's micro-batches."""
     checkpoints: Checkpoints
     """Saves and loads this rank's part in the single-device layout."""

@@ -23,13 +23,13 @@ from dapple_lightning.runtime import (
 )
 from dapple_lightning.strategy._lightning import distributed_is_initialized
 
-__all__ = ["BUCKET_BYTES", "Buffers", "Pipelines", "Staged", "broadcast_module"]
+__all__ = ["BUCKET_BYTES", "Buffers", "PipelineBuilder", "Staged", "broadcast_module"]
 
 BUCKET_BYTES = 64 * 2**20
 """The most bytes of the module that :func:`broadcast_module` holds on the device at once."""
 
 
-class Pipelines:
+class PipelineBuilder:
     """Builds this rank's :class:`Pipeline` of a plan, keeping the process groups it creates:
     one pair of point-to-point groups for every plan (groups are costly), and each plan's stage
     group, so that a plan measured by ``plan="auto"`` and then chosen trains on the same one."""

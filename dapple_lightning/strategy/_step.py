@@ -2,10 +2,10 @@
 
 Lightning runs, per optimizer step, ``training_step``, then ``zero_grad``, then the strategy's
 ``backward``, then the optimizer step. A pipeline schedule runs its backwards inside
-``training_step``, so the ``zero_grad`` that follows would erase them. :meth:`MicroBatches.train`
+``training_step``, so the ``zero_grad`` that follows would erase them. :meth:`PipelinedSteps.train`
 therefore sets aside the gradients already present (with ``accumulate_grad_batches`` they still
 count), runs the schedule, moves its fresh gradients aside and puts the earlier ones back;
-:meth:`MicroBatches.add_fresh_gradients`, called from the strategy's ``backward``, adds them.
+:meth:`PipelinedSteps.add_fresh_gradients`, called from the strategy's ``backward``, adds them.
 
 Per micro-batch the user's step runs once, on the slice that :mod:`dapple_lightning.microbatch`
 cuts; its loss is scaled by the micro-batch's share of the global batch, and what it logs is
@@ -36,7 +36,7 @@ from dapple_lightning.runtime import Pending, Pipeline, StageCall, StageModule, 
 from dapple_lightning.strategy._checkpoint import keep_local
 from dapple_lightning.strategy._lightning import Patches, shadowed_log, transfer_batch
 
-__all__ = ["MicroBatches", "clip_grad_norm_over_stages", "local_optimizers", "to_cpu"]
+__all__ = ["PipelinedSteps", "clip_grad_norm_over_stages", "local_optimizers", "to_cpu"]
 
 Logged = dict[str, tuple[float, dict]]
 """Logged values by name: the global batch's value and the ``self.log`` keyword arguments."""
@@ -72,8 +72,10 @@ def local_optimizers(patches: Patches, optimizers: list[Optimizer], module: nn.M
         patches.set(optimizer, "step", step)
 
 
-class MicroBatches:
-    """Runs the user's step hooks over the micro-batches of a global batch, through a pipeline."""
+class PipelinedSteps:
+    """The user's step hooks (training, validation, predict) run on one global batch through a pipeline,
+    one micro-batch at a time, and combined into what one device's call gives: the loss, the logged
+    values, the outputs, and the gradients set aside for Lightning's own backward."""
 
     def __init__(self, module: Any, device: torch.device) -> None:
         self.module, self.device = module, device
@@ -182,7 +184,7 @@ class _HookStep:
 
     def __init__(
         self,
-        steps: MicroBatches,
+        steps: PipelinedSteps,
         pipeline: Pipeline,
         hook: Callable,
         args: tuple,

@@ -1,7 +1,7 @@
 """``DappleStrategy``: DAPPLE pipeline + data parallel training as a Lightning strategy.
 
 Lifecycle glue only: it builds the process groups, asks model surgery for the rank's stage
-(:mod:`~dapple_lightning.surgery`), hands each step to :class:`~._step.MicroBatches` (which runs
+(:mod:`~dapple_lightning.surgery`), hands each step to :class:`~._step.PipelinedSteps` (which runs
 the rank's :class:`~dapple_lightning.runtime.Pipeline`), and keeps Lightning's contracts for
 collectives (as DDP's, with barriers on a gloo host group), checkpoints (each rank saves and
 loads only what it holds, in the single-device layout: :mod:`._checkpoint`; a state recovered
@@ -66,12 +66,12 @@ from dapple_lightning.strategy._lightning import (
 from dapple_lightning.strategy._materialize import STAYS_CUT, materialize, meta_context, on_meta, unmoved_on_meta
 from dapple_lightning.strategy._memory import parse_memory, warn_if_over_budget, write_trace
 from dapple_lightning.strategy._parts import FitParts
-from dapple_lightning.strategy._pipelines import Buffers, Pipelines, broadcast_module
+from dapple_lightning.strategy._pipelines import Buffers, PipelineBuilder, broadcast_module
 from dapple_lightning.strategy._recovery import Recovery, RecoveryMode, is_active
 from dapple_lightning.strategy._refusals import check_before_start
 from dapple_lightning.strategy._resume import RECOVERED, begin, kept_plan, load_optimizers
 from dapple_lightning.strategy._rng import RngStates, share_rng_states
-from dapple_lightning.strategy._step import MicroBatches, clip_grad_norm_over_stages, local_optimizers
+from dapple_lightning.strategy._step import PipelinedSteps, clip_grad_norm_over_stages, local_optimizers
 from dapple_lightning.strategy._summary import summarize_whole
 from dapple_lightning.surgery import Chain, Cut
 
@@ -169,7 +169,7 @@ class DappleStrategy(ParallelStrategy):
         self._cut: Cut | None = None
         self._pipeline: Pipeline | None = None
         self._buffers: Buffers | None = None
-        self._steps: MicroBatches | None = None
+        self._steps: PipelinedSteps | None = None
         self._checkpoints = Checkpoints(state_dict_type, async_save, timeout)
         self._same_batch = SameBatch()
         self._full_state_keys: list[str] = []
@@ -288,8 +288,8 @@ class DappleStrategy(ParallelStrategy):
         self._shuffle_seed = int(seed)
         self._full_state_keys = list(module.state_dict().keys())
         fitting = trainer.state.fn == TrainerFn.FITTING
-        pipelines = Pipelines(module, self.global_rank, self.root_device, self._timeout)
-        self._steps = MicroBatches(module, self.root_device)
+        pipelines = PipelineBuilder(module, self.global_rank, self.root_device, self._timeout)
+        self._steps = PipelinedSteps(module, self.root_device)
         self.plan = self._resolve_plan(trainer, chain, pipelines)
         pipelines.keep_only(self.plan)
         self._cut = Cut.apply(module, chain, self.plan, rank := self.global_rank)
@@ -337,7 +337,7 @@ class DappleStrategy(ParallelStrategy):
             load_checkpoint=self.load_checkpoint,
         )
 
-    def _resolve_plan(self, trainer: Trainer, chain: Chain, pipelines: Pipelines) -> Plan:
+    def _resolve_plan(self, trainer: Trainer, chain: Chain, pipelines: PipelineBuilder) -> Plan:
         if isinstance(self._plan_spec, Plan):
             with silenced_log(self.lightning_module):  # the user's step runs outside Lightning's loops
                 warn_if_over_budget(self.lightning_module, chain, self._plan_spec, trainer, self._memory_limit)

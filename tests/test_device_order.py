@@ -274,7 +274,15 @@ NCCL_TEXTS = [
     "NCCL error in: ../torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:1970, remote process exited or there was "
     "a network error, NCCL version 2.21.5\nncclRemoteError: A call failed possibly due to a network error or a "
     "remote process exiting prematurely.\nLast error:\nsocketProgressOpt: Connection closed by remote peer",
+]
+NCCL_OWN_ERRORS = [
+    # errors of the rank itself that NCCL reports in its own words: not a lost peer
     "NCCL error in: ProcessGroupNCCL.cpp:3356, unhandled system error (run with NCCL_DEBUG=INFO for details)",
+    "NCCL error in: ProcessGroupNCCL.cpp:1970, invalid usage (run with NCCL_DEBUG=WARN for details), NCCL version "
+    "2.21.5\nncclInvalidUsage: This usually reflects invalid usage of NCCL library.\nLast error:\nDuplicate GPU "
+    "detected : rank 1 and rank 0 both on CUDA device 1000",
+    "NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled cuda error (run with NCCL_DEBUG=INFO for details)\n"
+    "ncclUnhandledCudaError: Call to CUDA function failed.\nLast error:\nCuda failure 'out of memory'",
 ]
 GLOO_TEXTS = [
     "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:44215",
@@ -289,9 +297,12 @@ def test_a_lost_peer_is_named_for_nccl_and_gloo_errors(text):
     strategy.on_exception(error)
     message = str(error)
     assert "dapple: rank 0 lost a peer" in message and "DappleStrategy(timeout=120 s)" in message
+    assert message.startswith(text), "the original error comes first, the note after it"
 
 
-@pytest.mark.parametrize("text", ["CUDA out of memory. Tried to allocate 2.00 GiB", "mat1 and mat2 shapes cannot"])
+@pytest.mark.parametrize(
+    "text", ["CUDA out of memory. Tried to allocate 2.00 GiB", "mat1 and mat2 shapes cannot", *NCCL_OWN_ERRORS]
+)
 def test_an_error_of_the_rank_itself_is_not_called_a_lost_peer(text):
     from dapple_lightning.strategy._failures import PEER_LOST
 
@@ -318,9 +329,24 @@ def test_nccl_raises_on_failure_unless_the_user_chose(monkeypatch):
     assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ
     prepare_backend("nccl")
     assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     prepare_backend("nccl")
     assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+
+
+def test_under_torchrun_nccl_raises_although_the_agent_exports_1(monkeypatch):
+    """torchrun's agent gives every worker TORCH_NCCL_ASYNC_ERROR_HANDLING=1 unless its own environment
+    names a value: there 1 is the launcher's default, not the user's choice. Another value is kept."""
+    from dapple_lightning.strategy._failures import prepare_backend
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    prepare_backend("nccl")
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+    prepare_backend("nccl")
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
 
 
 def stage_on_cuda(rank: int, world_size: int) -> tuple[str, int]:

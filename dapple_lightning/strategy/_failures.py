@@ -24,10 +24,12 @@ The timeout is then the watchdog's limit for any one collective, so a wait that 
 from __future__ import annotations
 
 import os
+import re
 from datetime import timedelta
 
 import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from dapple_lightning.strategy._lightning import init_dist_connection
 
@@ -39,6 +41,7 @@ __all__ = [
     "attempt_store",
     "connect",
     "host_group",
+    "note_lost_peer",
     "peer_lost_message",
     "prepare_backend",
 ]
@@ -53,8 +56,10 @@ PEER_LOST = (
     r"(?s).*("
     # gloo
     r"Connection closed by peer|Connection reset by peer|Broken pipe|Timed out"
-    # NCCL: the watchdog's timeout, an aborted communicator, NCCL's own errors and its socket transport
-    r"|Watchdog caught collective operation timeout|NCCL communicator was aborted|NCCL error"
+    # NCCL: the watchdog's timeout, a communicator it aborted, and a peer's exit seen by the transport.
+    # Not NCCL's other errors (invalid usage such as two ranks on one GPU, out of memory in
+    # communicator setup, a system error): those are this rank's own, and read as they are.
+    r"|Watchdog caught collective operation timeout|NCCL communicator was aborted"
     r"|Some NCCL operations have failed or timed out|Connection closed by remote peer"
     r"|remote process exited or there was a network error"
     r").*"
@@ -76,9 +81,22 @@ def as_timeout(value: timedelta | float) -> timedelta:
 
 
 def prepare_backend(backend: str) -> None:
-    """Before the process group exists: with NCCL, failed collectives raise (see the module docstring)."""
-    if backend == "nccl":
-        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", ASYNC_ERROR_HANDLING)
+    """Before the process group exists: with NCCL, failed collectives raise (see the module docstring).
+
+    A value the user set is kept, except torchrun's: its agent exports ``1`` to every worker unless
+    its own environment names another value, so under torchrun ``1`` is the launcher's default, which
+    would tear the process down where recovery and the failure messages need an exception.
+    """
+    if backend != "nccl":
+        return
+    variable = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+    if os.environ.get(variable) == "1" and "TORCHELASTIC_RUN_ID" in os.environ:
+        rank_zero_info(
+            f"dapple: {variable}=1 (torchrun's default for its workers) replaced by {ASYNC_ERROR_HANDLING}, so "
+            "that a failed NCCL collective raises in Python instead of ending the process"
+        )
+        os.environ[variable] = ASYNC_ERROR_HANDLING
+    os.environ.setdefault(variable, ASYNC_ERROR_HANDLING)
 
 
 def connect(env: ClusterEnvironment, backend: str, timeout: timedelta, world_size: int) -> None:
@@ -109,6 +127,15 @@ def host_group(backend: str, timeout: timedelta) -> dist.ProcessGroup | None:
     if backend == "gloo":
         return None
     return dist.new_group(backend="gloo", timeout=max(timeout, HOST_WAIT))
+
+
+def note_lost_peer(exception: BaseException, rank: int, timeout: timedelta) -> None:
+    """Where ``exception`` says a peer failed (:data:`PEER_LOST`), its message gains a note saying so; the
+    original text stays first, so a local error that happens to match is still read as it is."""
+    note = peer_lost_message(rank, timeout)
+    exception.args = tuple(
+        f"{arg}\n{note}" if isinstance(arg, str) and re.match(PEER_LOST, arg) else arg for arg in exception.args
+    )
 
 
 def peer_lost_message(rank: int, timeout: timedelta) -> str:

@@ -104,7 +104,6 @@ from lightning.pytorch.strategies.launchers.multiprocessing import (
 )
 from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.exceptions import _augment_message as augment_message
 from typing_extensions import override
 
 __all__ = [
@@ -117,7 +116,6 @@ __all__ = [
     "SpawnLauncher",
     "after_closure",
     "all_gather_if_available",
-    "augment_message",
     "batches_that_stepped",
     "callbacks_state",
     "collect_rng_states",

@@ -46,7 +46,7 @@ from dapple_lightning.runtime import Pipeline, StepStats, Timeline
 from dapple_lightning.strategy._auto import AutoSetting, choose_automatically, draw_global_batch
 from dapple_lightning.strategy._batch import SameBatch, same_order
 from dapple_lightning.strategy._checkpoint import Checkpoints, group_names
-from dapple_lightning.strategy._failures import PEER_LOST, as_timeout, connect, host_group, peer_lost_message
+from dapple_lightning.strategy._failures import as_timeout, connect, host_group, note_lost_peer
 from dapple_lightning.strategy._finetuning import adapt_finetuning
 from dapple_lightning.strategy._heartbeat import SILENT, watch_peers
 from dapple_lightning.strategy._lightning import (
@@ -55,7 +55,6 @@ from dapple_lightning.strategy._lightning import (
     ScriptLauncher,
     SpawnLauncher,
     all_gather_if_available,
-    augment_message,
     default_backend_for,
     destroy_dist_connection,
     distributed_is_initialized,
@@ -533,7 +532,7 @@ class DappleStrategy(ParallelStrategy):
         self._failed = True
         self._heartbeat.report_failure(type(exception).__name__)
         self._recovery.on_failure()
-        augment_message(exception, pattern=PEER_LOST, new_message=peer_lost_message(self.global_rank, self._timeout))
+        note_lost_peer(exception, self.global_rank, self._timeout)
 
     @override
     def teardown(self) -> None:

@@ -360,3 +360,45 @@ def stage_on_cuda(rank: int, world_size: int) -> tuple[str, int]:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_staging_on_cuda_leaves_the_module_on_the_cpu():
     assert all(device == "cpu" and buckets > 0 for device, buckets in run_ranks(stage_on_cuda, 2))
+
+
+# --------------------------------------------------------------------- refused before any process group
+
+CUDA = torch.device("cuda", 0)  # a device object only: nothing here runs on it
+
+
+@pytest.mark.parametrize(
+    ("plan", "world_size"),
+    [({"micro_batches": 2, "stages": [{"layers": [0, 4]}, {"layers": [4, 7]}]}, 2), ("auto", 2)],
+    ids=["two-stages", "auto"],
+)
+def test_gloo_on_cuda_refuses_plans_that_send_between_stages(plan, world_size):
+    from dapple_lightning.strategy._refusals import check_before_start
+
+    from models import MLP
+
+    plan = plan if plan == "auto" else Plan.coerce(plan)
+    with pytest.raises(ValueError, match=r"gloo has no send or receive for CUDA tensors.*'nccl'"):
+        check_before_start(MLP(), "32-true", None, plan, world_size, backend="gloo", device=CUDA)
+    # the same plan is fine under NCCL on CUDA, and under gloo on the CPU
+    check_before_start(MLP(), "32-true", None, plan, world_size, backend="nccl", device=CUDA)
+    check_before_start(MLP(), "32-true", None, plan, world_size, backend="gloo", device=torch.device("cpu"))
+
+
+def test_gloo_on_cuda_runs_a_one_stage_plan():
+    from dapple_lightning.strategy._refusals import check_before_start
+
+    from models import MLP
+
+    chain = check_before_start(MLP(), "32-true", None, Plan.data_parallel(7, 2), 2, backend="gloo", device=CUDA)
+    assert len(chain) == 7
+
+
+def test_offload_on_a_gpu_is_refused_at_setup():
+    from dapple_lightning.strategy._refusals import check_before_start
+
+    from models import MLP
+
+    plan = Plan.coerce({"micro_batches": 2, "stages": [{"layers": [0, 4], "offload": 1}, {"layers": [4, 7]}]})
+    with pytest.raises(ValueError, match=r"offloads stages \[0\], and the device is cuda.*accelerator='cpu'"):
+        check_before_start(MLP(), "32-true", None, plan, 2, backend="nccl", device=CUDA)

@@ -15,9 +15,16 @@ SUPPORTED_PRECISION = frozenset({"32-true", "32", "64-true", "64", "bf16-mixed",
 
 
 def check_before_start(
-    module: Any, precision: str, sequential_name: str | Sequence[str] | None, plan: Plan | str, world_size: int
+    module: Any,
+    precision: str,
+    sequential_name: str | Sequence[str] | None,
+    plan: Plan | str,
+    world_size: int,
+    *,
+    backend: str = "gloo",
+    device: Any = None,
 ) -> Chain:
-    """The containers to pipeline, once the module and an explicit plan pass.
+    """The containers to pipeline, once the module, an explicit plan and the devices pass.
 
     The containers are those named (one path, or a list in the order forward runs them), or the
     module's only one; with several and none named, the message lists them for ``sequential=``.
@@ -38,7 +45,17 @@ def check_before_start(
             "plan='auto' profiles the whole model on every rank, and this one was built on the meta device "
             "(to be materialised stage by stage): give DappleStrategy an explicit plan"
         )
+    device_type = getattr(device, "type", "cpu")
+    if (problem := _gloo_on_cuda_refusal(backend, device_type, plan, world_size)) is not None:
+        raise ValueError(problem)
     if isinstance(plan, Plan) and any(stage.offload is not None for stage in plan.stages):
+        if device_type != "cpu":
+            raise ValueError(
+                f"the plan offloads stages {[i for i, st in enumerate(plan.stages) if st.offload is not None]}, and "
+                f"the device is {device_type}: offload keeps layers on local disk with the CPU as the device, and "
+                "has no pinned-memory tier for GPUs yet; leave offload out of the plan (recompute, or more stages, "
+                "lower a stage's memory) or train on accelerator='cpu'"
+            )
         _check_offload(module.trainer)
     chain = find_chain(module, sequential_name)
     if (problem := _encoder_decoder_refusal(module, chain, plan, world_size)) is not None:
@@ -46,6 +63,24 @@ def check_before_start(
     if isinstance(plan, Plan):  # plan="auto" profiles the chain's layers and makes a plan that fits them
         plan.check(num_layers=len(chain), world_size=world_size)
     return chain
+
+
+def _gloo_on_cuda_refusal(backend: str, device_type: str, plan: Plan | str, world_size: int) -> str | None:
+    """gloo reduces CUDA tensors (staging them through the host) but has no CUDA send or receive, which
+    the messages between stages are: with gloo on GPUs only one-stage plans run."""
+    if backend != "gloo" or device_type != "cuda":
+        return None
+    if isinstance(plan, Plan) and plan.num_stages > 1:
+        given = f"a plan of {plan.num_stages} stages"
+    elif not isinstance(plan, Plan) and world_size > 1:
+        given = "plan='auto', which may choose several stages,"
+    else:
+        return None
+    return (
+        f"process_group_backend='gloo' on CUDA devices with {given} would send activations between stages, and "
+        "gloo has no send or receive for CUDA tensors: use process_group_backend='nccl' (one GPU per rank), "
+        f"or a one-stage plan (Plan.data_parallel(num_layers, {world_size})), which only all-reduces"
+    )
 
 
 def _encoder_decoder_refusal(module: Any, chain: Chain, plan: Plan | str, world_size: int) -> str | None:

@@ -232,9 +232,9 @@ class DappleStrategy(ParallelStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         self.set_world_ranks()
-        self._validate()  # refuse bad input before any collective
         backend = self._process_group_backend or default_backend_for(self.root_device)
         self._process_group_backend = backend
+        self._validate()  # refuse bad input before any collective
         assert self.cluster_environment is not None
         connect(self.cluster_environment, backend, self._timeout, self.world_size)
         if self._host_group is None:
@@ -267,7 +267,15 @@ class DappleStrategy(ParallelStrategy):
     def _validate(self) -> Chain:
         """Check the module and an explicit plan; raises before any process group exists."""
         module, precision = self.lightning_module, str(getattr(self.precision_plugin, "precision", "32-true"))
-        return check_before_start(module, precision, self._sequential_name, self._plan_spec, self.world_size)
+        return check_before_start(
+            module,
+            precision,
+            self._sequential_name,
+            self._plan_spec,
+            self.world_size,
+            backend=self._process_group_backend or default_backend_for(self.root_device),
+            device=self.root_device,
+        )
 
     @override
     def setup(self, trainer: Trainer) -> None:

@@ -1,7 +1,7 @@
 """The layout's rules, read from the source: small modules and functions, one-way doors between rooms.
 
 A room is a top-level module or subpackage of ``dapple_lightning`` (``plan``, ``schedule``,
-``runtime``, ``planner``, ``strategy``, ``search``, ...). Rooms import each other without
+``runtime``, ``planner``, ``strategy``, ``trials``, ``search``, ...). Rooms import each other without
 cycles and only through public names; benchmarks and examples use public names too.
 """
 
@@ -130,6 +130,7 @@ def test_rooms_import_each_other_without_cycles() -> None:
 
 LAYERS = [
     ["search"],
+    ["trials"],
     ["strategy"],
     ["autoplan"],
     ["surgery"],

@@ -21,7 +21,7 @@ from pathlib import Path
 
 
 def hold(count: int, ids_file: Path, release: Path) -> None:
-    from dapple_lightning.search._devices import lease_devices
+    from dapple_lightning.trials._devices import lease_devices
 
     with lease_devices(count, note="(device_runs.py hold)") as ids:
         part = ids_file.with_suffix(".part")

@@ -204,6 +204,19 @@ def test_no_class_declares_attributes_that_other_classes_set() -> None:
     assert not found, "attributes declared for another class to set (a split class):\n" + "\n".join(found)
 
 
+def test_only_the_search_imports_optuna_and_hydra() -> None:
+    """The search is Optuna and Hydra; the trials below it, and every other room, are processes and
+    training, and import neither (the trial processes never load them)."""
+    found = [
+        f"{path.relative_to(ROOT)}:{line} imports {module}"
+        for path in _sources(PACKAGE)
+        if _room(_module_name(path)) != "search"
+        for line, module, _ in _imports(path)
+        if module.split(".")[0] in ("optuna", "hydra")
+    ]
+    assert not found, "Optuna or Hydra imported outside dapple_lightning/search:\n" + "\n".join(found)
+
+
 def test_only_the_lightning_adapter_imports_private_lightning_names() -> None:
     found = []
     for path in _sources(PACKAGE):

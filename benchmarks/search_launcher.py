@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from dapple_lightning.plan import Plan
-from dapple_lightning.search import TrialConfig, run_trial
+from dapple_lightning.trials import TrialConfig, run_trial
 
 WORKER = "dapple_lightning.trials._worker"
 LAUNCHERS = ("search fork", "search exec", "torchrun", "elastic fork")

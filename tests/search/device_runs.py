@@ -33,7 +33,7 @@ def hold(count: int, ids_file: Path, release: Path) -> None:
 
 def trial(devices_file: str, hold_file: str, result_file: Path) -> None:
     from dapple_lightning.plan import Plan
-    from dapple_lightning.search import TrialConfig, run_trial
+    from dapple_lightning.trials import TrialConfig, run_trial
 
     kwargs = {"devices_file": devices_file} | ({} if hold_file == "-" else {"hold_until": hold_file})
     config = TrialConfig(

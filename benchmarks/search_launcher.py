@@ -2,7 +2,7 @@
 
 A trial is the search's smallest unit of work: the tiny MLP of ``dapple_lightning.search.testing``
 on 2 ranks, 1 warm-up and 2 timed steps, trained by the search's own rank program (``python -m
-dapple_lightning.search._worker SPEC``, which reads the variables every launcher sets). Four ways
+dapple_lightning.trials._worker SPEC``, which reads the variables every launcher sets). Four ways
 to start its ranks, run interleaved (the order rotates every repeat), medians reported:
 
 - ``search fork``: the search's default on Linux (``TrialConfig(launcher="fork")``): a template
@@ -12,7 +12,7 @@ to start its ranks, run interleaved (the order rotates every repeat), medians re
 - ``search exec``: the same leader started as a fresh interpreter, and fresh interpreters for the
   ranks (``launcher="exec"``);
 - ``torchrun``: ``python -m torch.distributed.run --standalone --nproc-per-node 2 --max-restarts 0
-  --monitor-interval 0.1 -m dapple_lightning.search._worker SPEC`` in a new session;
+  --monitor-interval 0.1 -m dapple_lightning.trials._worker SPEC`` in a new session;
 - ``elastic fork``: ``torch.distributed.launcher.api.elastic_launch`` with ``start_method="fork"``,
   called in a child forked from a process that imported torch and Lightning (the template's trick,
   with PyTorch's agent in place of the search's leader).
@@ -42,9 +42,9 @@ from pathlib import Path
 from typing import Any
 
 from dapple_lightning.plan import Plan
-from dapple_lightning.search import TrialConfig, run_trial
+from dapple_lightning.trials import TrialConfig, run_trial
 
-WORKER = "dapple_lightning.search._worker"
+WORKER = "dapple_lightning.trials._worker"
 LAUNCHERS = ("search fork", "search exec", "torchrun", "elastic fork")
 
 

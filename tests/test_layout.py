@@ -1,7 +1,7 @@
 """The layout's rules, read from the source: small modules and functions, one-way doors between rooms.
 
 A room is a top-level module or subpackage of ``dapple_lightning`` (``plan``, ``schedule``,
-``runtime``, ``planner``, ``strategy``, ``search``, ...). Rooms import each other without
+``runtime``, ``planner``, ``strategy``, ``trials``, ``search``, ...). Rooms import each other without
 cycles and only through public names; benchmarks and examples use public names too.
 """
 
@@ -130,6 +130,7 @@ def test_rooms_import_each_other_without_cycles() -> None:
 
 LAYERS = [
     ["search"],
+    ["trials"],
     ["strategy"],
     ["autoplan"],
     ["surgery"],
@@ -201,6 +202,19 @@ def test_no_class_declares_attributes_that_other_classes_set() -> None:
                 if isinstance(item, ast.AnnAssign) and item.value is None
             ]
     assert not found, "attributes declared for another class to set (a split class):\n" + "\n".join(found)
+
+
+def test_only_the_search_imports_optuna_and_hydra() -> None:
+    """The search is Optuna and Hydra; the trials below it, and every other room, are processes and
+    training, and import neither (the trial processes never load them)."""
+    found = [
+        f"{path.relative_to(ROOT)}:{line} imports {module}"
+        for path in _sources(PACKAGE)
+        if _room(_module_name(path)) != "search"
+        for line, module, _ in _imports(path)
+        if module.split(".")[0] in ("optuna", "hydra")
+    ]
+    assert not found, "Optuna or Hydra imported outside dapple_lightning/search:\n" + "\n".join(found)
 
 
 def test_only_the_lightning_adapter_imports_private_lightning_names() -> None:

@@ -14,14 +14,17 @@ opens it), the planner's picks are measured first, and a later run trains with t
 or from the shell: ``python -m dapple_lightning.search run|best|trials|plot`` (see ``_cli``), or
 as a Hydra sweep (``hydra/sweeper=dapple``, see ``_hydra``).
 
-The search depends on the strategy, never the reverse: a config's ``plan: optuna://...`` is
-turned into a plan by :func:`resolve_plan_spec` before a strategy is built.
+The search depends on the trials and the strategy, never the reverse: a config's
+``plan: optuna://...`` is turned into a plan by :func:`resolve_plan_spec` before a strategy is
+built. This package is Optuna and Hydra; the processes that measure a plan are
+``dapple_lightning.trials``'s (:class:`TrialConfig`, :func:`run_trial`, :func:`probe_model`,
+:class:`Fingerprint`, re-exported here).
 
 Pieces, one module each:
 
 - what to search: :class:`PlanSpace` (``_space``, valid plans only, define-by-run);
-- one measurement: :class:`TrialConfig`, :func:`run_trial` (``_trial``; its processes in
-  ``_launch``, ``_zygote``, ``_leader`` on PyTorch's elastic agent, ``_worker``), :func:`probe_model` (``_probe``);
+- what a study's measurements are valid for: :class:`Fingerprint` (``dapple_lightning.trials``),
+  compared with :func:`check_fingerprint` whenever a study is resumed or read;
 - the study: :func:`optimize` (``_loop``, the one loop), its bookkeeping (``_bookkeeping``:
   :class:`RepeatGuard`, :func:`interrupted_trials`, ...), the confirmation round that ends it
   (``_confirm``: the contenders measured again, interleaved), the planner's seeds
@@ -34,8 +37,9 @@ Pieces, one module each:
 - what leaves the search: URLs with their passwords masked (``_redact``), files replaced whole
   (``_files``).
 
-Names that need Optuna load on first use, so the trial processes, which import this package, do
-not pay for Optuna.
+The study's modules (the loop, the sweeper, the results) load on first use. The trial processes
+import ``dapple_lightning.trials``, not this package (unless the model's factory lives here, as
+``dapple_lightning.search.testing``'s do).
 """
 
 from __future__ import annotations
@@ -43,7 +47,6 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from dapple_lightning.search._fingerprint import Fingerprint, FingerprintMismatch, check_fingerprint
 from dapple_lightning.search._seed import SeedPlan, baseline_plans, compute_units, local_cluster, planner_seeds
 from dapple_lightning.search._space import (
     DEFAULT_MAX_PLANS,
@@ -54,7 +57,17 @@ from dapple_lightning.search._space import (
     params_from_plan,
     plan_from_params,
 )
-from dapple_lightning.search._trial import TrialConfig, TrialResult, group_alive, run_trial
+from dapple_lightning.trials import (
+    Fingerprint,
+    FingerprintMismatch,
+    ModelInfo,
+    TrialConfig,
+    TrialResult,
+    check_fingerprint,
+    group_alive,
+    probe_model,
+    run_trial,
+)
 
 _LAZY = {
     "DEFAULT_STORAGE": "_config",
@@ -89,8 +102,6 @@ _LAZY = {
     "SweepSettings": "_hydra",
     "plan_override": "_hydra",
     "run_sweep": "_hydra",
-    "ModelInfo": "_probe",
-    "probe_model": "_probe",
 }
 
 __all__ = [

@@ -23,8 +23,6 @@ waited for and its result taken, not measured a second time (:func:`draw_plan`).
 
 from __future__ import annotations
 
-import os
-import socket
 import threading
 import time
 import warnings
@@ -36,9 +34,9 @@ import sqlalchemy
 from optuna.trial import FrozenTrial, TrialState
 
 from dapple_lightning.plan import Plan
-from dapple_lightning.search._launch import proc_stat
 from dapple_lightning.search._redact import cause, storage_error
 from dapple_lightning.search._space import PlanSpace, describe_plan
+from dapple_lightning.trials import runner_dead, runner_info
 
 __all__ = [
     "CONFIRMS",
@@ -79,36 +77,6 @@ def _retry_attrs(number: int, attrs: Mapping[str, Any]) -> dict[str, Any]:
     """The attributes of the queued retry of interrupted trial ``number`` (whose attributes were ``attrs``)."""
     kept = {k: attrs[k] for k in _CONFIRMATION_ATTRS if k in attrs}
     return {"source": "retry", "retry_of": number, **kept}
-
-
-# ------------------------------------------------------------------------------ runner identity
-
-
-def _start_time(pid: int) -> str | None:
-    """The process's start time in clock ticks since boot (Linux), to tell a reused pid apart."""
-    fields = proc_stat(pid)
-    return None if fields is None else fields[19]
-
-
-def runner_info() -> dict[str, Any]:
-    """Who runs a trial: stored in its ``runner`` attribute to find trials orphaned by a dead search."""
-    return {"host": socket.gethostname(), "pid": os.getpid(), "start": _start_time(os.getpid())}
-
-
-def _runner_dead(runner: Any) -> bool:
-    """Whether the search process that owns a RUNNING trial is certainly gone (same host only)."""
-    if not isinstance(runner, Mapping) or runner.get("host") != socket.gethostname():
-        return False
-    pid = runner.get("pid")
-    if not isinstance(pid, int):
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return runner.get("start") is not None and _start_time(pid) != runner.get("start")
 
 
 # ------------------------------------------------------------------------------- what counts
@@ -199,7 +167,7 @@ def recover_stale_trials(study: optuna.Study) -> list[int]:
     dead = [
         t
         for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-        if _runner_dead(t.user_attrs.get("runner"))
+        if runner_dead(t.user_attrs.get("runner"))
     ]
     reason = "its search process died"
     return ended + [t.number for t in dead if mark_interrupted(study, t.number, t.params, reason, t.user_attrs)]

@@ -22,8 +22,8 @@ from optuna.trial import FrozenTrial, TrialState
 
 from dapple_lightning.plan import Plan
 from dapple_lightning.planner import MeasuredPlan, PlanChoice, choose_measured
-from dapple_lightning.search._fingerprint import Fingerprint
 from dapple_lightning.search._space import describe_plan, plan_from_params
+from dapple_lightning.trials import Fingerprint
 
 __all__ = [
     "Choice",

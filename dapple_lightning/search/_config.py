@@ -9,7 +9,7 @@ from dapple_lightning.plan import SCHEDULES
 from dapple_lightning.planner import parse_memory
 from dapple_lightning.search._redact import redact
 from dapple_lightning.search._space import DEFAULT_MAX_PLANS
-from dapple_lightning.search._trial import TrialConfig
+from dapple_lightning.trials import TrialConfig
 
 __all__ = ["DEFAULT_HEARTBEAT_S", "DEFAULT_STORAGE", "SearchConfig"]
 

@@ -51,8 +51,9 @@ import optuna
 import sqlalchemy
 from optuna.trial import TrialState
 
-from dapple_lightning.search._bookkeeping import CONFIRMS, explored_count, runner_info
+from dapple_lightning.search._bookkeeping import CONFIRMS, explored_count
 from dapple_lightning.search._choice import PlanResult, plan_results
+from dapple_lightning.trials import runner_info
 
 __all__ = ["MAX_CONTENDERS", "claim", "contenders", "pending", "plan_round", "round_key", "take_queued"]
 

@@ -42,12 +42,12 @@ from dapple_lightning.search._bookkeeping import (
 )
 from dapple_lightning.search._choice import choose_plan, throughput_study
 from dapple_lightning.search._confirm import pending, plan_round, round_key, take_queued
-from dapple_lightning.search._fingerprint import Fingerprint, check_fingerprint
 from dapple_lightning.search._redact import cause, redact, storage_error
 from dapple_lightning.search._report import clip
 from dapple_lightning.search._results import best_trial
 from dapple_lightning.search._seed import BASELINES, baseline_plans
 from dapple_lightning.search._space import PlanSpace, describe_plan
+from dapple_lightning.trials import Fingerprint, check_fingerprint
 
 __all__ = [
     "Drawn",

@@ -27,9 +27,9 @@ from dapple_lightning.search._choice import (
     trial_plan,
 )
 from dapple_lightning.search._config import DEFAULT_STORAGE
-from dapple_lightning.search._fingerprint import Fingerprint, check_fingerprint
 from dapple_lightning.search._redact import cause, redact, storage_error
 from dapple_lightning.search._space import describe_plan
+from dapple_lightning.trials import Fingerprint, check_fingerprint
 
 if TYPE_CHECKING:
     from dapple_lightning.strategy import DappleStrategy

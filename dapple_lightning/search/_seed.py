@@ -21,7 +21,7 @@ import optuna
 
 from dapple_lightning.plan import SCHEDULES, ZERO_BUBBLE, Plan
 from dapple_lightning.search._space import PlanSpace, describe_plan
-from dapple_lightning.search._trial import TrialConfig
+from dapple_lightning.trials import TrialConfig
 
 __all__ = [
     "BASELINES",

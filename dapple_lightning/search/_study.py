@@ -58,11 +58,10 @@ from dapple_lightning.search._loop import (
     open_study,
     optimize,
 )
-from dapple_lightning.search._probe import ModelInfo, probe_model
 from dapple_lightning.search._redact import redact
 from dapple_lightning.search._seed import compute_units, enqueue_planner_seeds, memory_refusal
 from dapple_lightning.search._space import PlanSpace
-from dapple_lightning.search._trial import TrialResult, run_trial
+from dapple_lightning.trials import ModelInfo, TrialResult, probe_model, run_trial
 
 __all__ = ["PlanSearch", "run_search"]
 

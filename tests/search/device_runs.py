@@ -21,7 +21,7 @@ from pathlib import Path
 
 
 def hold(count: int, ids_file: Path, release: Path) -> None:
-    from dapple_lightning.search._devices import lease_devices
+    from dapple_lightning.trials._devices import lease_devices
 
     with lease_devices(count, note="(device_runs.py hold)") as ids:
         part = ids_file.with_suffix(".part")
@@ -33,7 +33,7 @@ def hold(count: int, ids_file: Path, release: Path) -> None:
 
 def trial(devices_file: str, hold_file: str, result_file: Path) -> None:
     from dapple_lightning.plan import Plan
-    from dapple_lightning.search import TrialConfig, run_trial
+    from dapple_lightning.trials import TrialConfig, run_trial
 
     kwargs = {"devices_file": devices_file} | ({} if hold_file == "-" else {"hold_until": hold_file})
     config = TrialConfig(

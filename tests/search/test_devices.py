@@ -20,8 +20,8 @@ import pytest
 from search_runs import HERE, env, poll
 
 from dapple_lightning.plan import Plan
-from dapple_lightning.search import TrialConfig, run_trial
-from dapple_lightning.search._devices import host_devices, lease_devices
+from dapple_lightning.trials import TrialConfig, run_trial
+from dapple_lightning.trials._devices import host_devices, lease_devices
 
 MLP = "dapple_lightning.search.testing:mlp"
 

@@ -15,7 +15,7 @@ from dapple_lightning.search import (
     params_from_plan,
     resolve_plan_spec,
 )
-from dapple_lightning.search._trial import classify_failure
+from dapple_lightning.trials import classify_failure
 
 FP = Fingerprint(num_layers=6, architecture="abc", world_size=2, device="cpu", global_batch=8)
 PLANS = [Plan.data_parallel(6, 2, 2), Plan.straight(6, 2, micro_batches=4), Plan.straight(6, 2, micro_batches=2)]
@@ -185,7 +185,7 @@ def test_a_rank_that_vanished_behind_a_lost_peer_is_the_cause(tmp_path, sup, err
     import json
 
     from dapple_lightning.search import TrialConfig
-    from dapple_lightning.search._trial import _collect
+    from dapple_lightning.trials._trial import _collect
 
     (tmp_path / "supervisor.json").write_text(json.dumps({**sup, "exit_code": 1}))
     for rank, text in errors.items():

@@ -47,10 +47,10 @@ from statistics import median
 from typing import Any, Literal
 
 from dapple_lightning.plan import Plan
-from dapple_lightning.search._child import INFEASIBLE, parse_event
-from dapple_lightning.search._devices import host_devices, lease_devices
-from dapple_lightning.search._factory import check_factory_spec
-from dapple_lightning.search._launch import Handle, default_launcher, group_alive, launch
+from dapple_lightning.trials._child import INFEASIBLE, parse_event
+from dapple_lightning.trials._devices import host_devices, lease_devices
+from dapple_lightning.trials._factory import check_factory_spec
+from dapple_lightning.trials._launch import Handle, default_launcher, group_alive, launch
 
 # group_alive is re-exported: tests and callers check that a trial's processes are gone.
 __all__ = ["FailKind", "TrialConfig", "TrialResult", "classify_failure", "group_alive", "run_trial"]

@@ -8,7 +8,7 @@ the rank variables, no restarts, a dead rank ends the others at its next look, e
 
 - ``fork``: the trial template (``_zygote``), which imported torch, Lightning and dapple_lightning
   once, forks the leader, and the agent forks each rank from it, so no rank pays for those imports;
-- ``exec``: the search starts the leader as ``python -m dapple_lightning.search._leader SPEC.json``
+- ``exec``: the search starts the leader as ``python -m dapple_lightning.trials._leader SPEC.json``
   and the agent spawns fresh interpreters for the ranks (nothing shared at all).
 
 Why not ``torchrun`` itself: it starts every rank in a session of its own (outside the trial's
@@ -32,7 +32,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from dapple_lightning.search._child import INFEASIBLE, start_parent_watchdog
+from dapple_lightning.trials._child import INFEASIBLE, start_parent_watchdog
 
 __all__ = ["lead"]
 
@@ -49,7 +49,7 @@ def _rank(spec_path: str) -> None:
     if rank != 0:
         os.dup2(os.open(out / f"rank{rank}.out", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 1)
     os.dup2(os.open(out / f"rank{rank}.err", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 2)
-    from dapple_lightning.search._worker import main
+    from dapple_lightning.trials._worker import main
 
     try:
         code = main(spec_path)

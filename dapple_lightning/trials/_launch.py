@@ -153,7 +153,7 @@ class _Template:
     def __init__(self, python: str, env: dict[str, str]) -> None:
         self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 (closed in close())
         self.proc = subprocess.Popen(
-            [python, "-m", "dapple_lightning.search._zygote"],
+            [python, "-m", "dapple_lightning.trials._zygote"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._stderr,
@@ -253,9 +253,9 @@ def launch(kind: Kind, spec_path: Path, *, launcher: str, python: str) -> Handle
     out = spec_path.parent
     if launcher == "exec":
         if kind == "trial":
-            command = [python, "-m", "dapple_lightning.search._leader", str(spec_path)]
+            command = [python, "-m", "dapple_lightning.trials._leader", str(spec_path)]
         else:
-            command = [python, "-m", "dapple_lightning.search._probe", str(spec_path)]
+            command = [python, "-m", "dapple_lightning.trials._probe", str(spec_path)]
         proc = subprocess.Popen(
             command,
             stdin=subprocess.DEVNULL,

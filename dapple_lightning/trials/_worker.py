@@ -1,6 +1,6 @@
 """One rank of a trial: trains the candidate plan for a few steps and records what it measured.
 
-Run by the trial's supervisor (``_supervisor.py``) as ``python -m dapple_lightning.search._worker
+Run by the trial's supervisor (``_supervisor.py``) as ``python -m dapple_lightning.trials._worker
 SPEC.json``, once per rank, with the variables ``torchrun`` would set (``RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR``, ...): Lightning sees an externally launched cluster and starts no processes of
 its own. Rank 0 prints one event line per optimizer step (see ``_child.emit``), so the search can
@@ -23,7 +23,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from dapple_lightning.search._child import INFEASIBLE, emit, start_parent_watchdog
+from dapple_lightning.trials._child import INFEASIBLE, emit, start_parent_watchdog
 
 __all__ = ["main"]
 
@@ -116,8 +116,8 @@ def main(spec_path: str) -> int:
     from lightning.pytorch import Trainer, seed_everything
 
     from dapple_lightning.plan import Plan
-    from dapple_lightning.search._factory import call_factory
     from dapple_lightning.strategy import DappleStrategy
+    from dapple_lightning.trials._factory import call_factory
 
     torch.set_num_threads(int(spec["threads"]))
     seed_everything(int(spec["seed"]), verbose=False)

@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dapple_lightning.search._child import start_parent_watchdog
-from dapple_lightning.search._fingerprint import Fingerprint
-from dapple_lightning.search._launch import launch
-from dapple_lightning.search._trial import TrialConfig, _tail
+from dapple_lightning.trials._child import start_parent_watchdog
+from dapple_lightning.trials._fingerprint import Fingerprint
+from dapple_lightning.trials._launch import launch
+from dapple_lightning.trials._trial import TrialConfig, _tail
 
 __all__ = ["ModelInfo", "probe_model"]
 
@@ -165,8 +165,8 @@ def main(spec_path: str) -> int:
     from lightning.pytorch import seed_everything
 
     from dapple_lightning.microbatch import batch_size_of
-    from dapple_lightning.search._factory import call_factory
     from dapple_lightning.surgery import find_sequential
+    from dapple_lightning.trials._factory import call_factory
 
     torch.set_num_threads(int(spec["threads"]))
     os.environ.setdefault("OMP_NUM_THREADS", str(spec["threads"]))

@@ -40,10 +40,10 @@ def _leader(kind: str, spec_path: str, events_path: str, ready_w: int) -> int:
     os.write(ready_w, b"1")
     os.close(ready_w)
     if kind == "probe":
-        from dapple_lightning.search._probe import main as probe
+        from dapple_lightning.trials._probe import main as probe
 
         return probe(spec_path)
-    from dapple_lightning.search._leader import lead
+    from dapple_lightning.trials._leader import lead
 
     return lead(spec_path, fork=True)
 
@@ -53,11 +53,6 @@ def main() -> int:
     import lightning.pytorch  # noqa: F401
     import torch
     import torch.distributed.launcher.api  # noqa: F401
-
-    import dapple_lightning.search._leader
-    import dapple_lightning.search._probe
-    import dapple_lightning.search._worker
-    import dapple_lightning.strategy  # noqa: F401
 
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # leaders are reaped by the kernel
     control = sys.stdout

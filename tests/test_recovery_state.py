@@ -107,3 +107,75 @@ def test_the_log_keeps_only_steps_a_replay_can_start_from(tmp_path) -> None:
     assert sorted(int(p.stem[4:]) for p in (tmp_path / "log").glob("step*.pt")) == [53, 54]
     (entry,) = book.read(range(53, 54), 1)
     torch.testing.assert_close(entry["messages"][("F", 1)][0][0][0], torch.full((2,), 53.0))
+
+
+# --------------------------------------------------------------------- the vote certifies finished work
+
+
+class _Ballot:
+    """The store's vote as the main thread sees it, recording when it is cast."""
+
+    def __init__(self, events: list[str]) -> None:
+        self.events = events
+
+    def cast(self, step: int) -> bool:
+        self.events.append(f"cast {step}")
+        return True
+
+    def abort(self, step: int) -> bool:
+        self.events.append(f"abort {step}")
+        return False
+
+    def forget(self, step: int) -> None:
+        pass
+
+
+def test_the_vote_is_cast_only_after_the_device_finished_the_steps_work(monkeypatch) -> None:
+    """Under NCCL a reduction's ``wait()`` returns before its work is done; the vote must come after a
+    host wait on the device (:func:`device_work_done`), else a peer's death could leave partial sums
+    in a committed step. Here the device's work completes late, when the host wait asks for it."""
+    from types import SimpleNamespace
+
+    from dapple_lightning.strategy import _recovery
+
+    events: list[str] = []
+    queued = ["all-reduce of the step's gradients", "the clipping norm's all-reduce"]
+
+    def device_work_done(device: torch.device) -> None:
+        events.extend(f"finished {work}" for work in queued)  # the late completion
+        queued.clear()
+
+    monkeypatch.setattr(_recovery, "device_work_done", device_work_done)
+    recovery = _recovery.Recovery(True)
+    recovery.active = True
+    recovery._trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cuda", 0)))
+    recovery._identity = {"world": 2}
+    recovery._snapshot = SimpleNamespace(step=3)
+    recovery._ballot = _Ballot(events)
+    recovery._vote()
+    assert events == [
+        *(f"finished {w}" for w in ["all-reduce of the step's gradients", "the clipping norm's all-reduce"]),
+        "cast 3",
+    ]
+
+
+def test_waiting_for_the_device_is_free_on_the_cpu() -> None:
+    from dapple_lightning.strategy._recovery import device_work_done
+
+    device_work_done(torch.device("cpu"))  # gloo's wait() already finished the work: nothing to record
+
+
+def test_waiting_for_the_device_waits_for_queued_kernels() -> None:
+    import pytest
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from dapple_lightning.strategy._recovery import device_work_done
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda._sleep(200_000_000)  # a kernel that spins for a while on the current stream
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(device))
+    assert not done.query(), "the kernel should still run when the host goes on"
+    device_work_done(device)
+    assert done.query()

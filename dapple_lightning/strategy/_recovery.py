@@ -312,6 +312,7 @@ class Recovery:
         with self._lock:
             self._phase = "window"  # a write from now on waits for the end of the update
         step = self._snapshot.step
+        device_work_done(self._trainer.strategy.root_device)  # what the vote certifies has happened
         self._pending = step  # from here a loss the heartbeat sees aborts this step's vote
         try:
             # A loss seen before the step was published was missed by on_peer_lost's abort.
@@ -419,6 +420,22 @@ class Recovery:
             self._writing = False
         if self._stop_after_write:  # torchrun is stopping the attempt: the failure path would only delay it
             _end(self.rank, "torchrun stopped this attempt")
+
+
+def device_work_done(device: torch.device) -> None:
+    """Return once ``device`` has finished the work queued on it so far.
+
+    The vote certifies that this step's gradient sums (and the clipping's norm) are complete. On a
+    GPU, NCCL's ``work.wait()`` only makes the current stream wait for the collective: the host goes
+    on while it runs. Voting then, a rank could commit a step whose all-reduce a peer's death leaves
+    half done, and keep weights updated from partial sums. An event recorded after that work and
+    waited for on the host closes the gap (one host wait per step). On the CPU the collectives
+    have already finished when their ``wait()`` returns, and there is nothing to wait for.
+    """
+    if device.type == "cuda":
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(device))
+        done.synchronize()
 
 
 def _vote_store(trainer: Any, fit: int, timeout_s: float) -> Any:

@@ -217,6 +217,7 @@ class Mixed(nn.Module):
         self.strided = nn.Parameter((torch.randn(4, 3, generator=g) + shift).t())
         self.register_buffer("counts", torch.arange(11, dtype=torch.int64) + int(shift))
         self.register_buffer("wide", torch.randn(6, dtype=torch.float64, generator=g) + shift)
+        self.register_buffer("short", torch.arange(7, dtype=torch.int16) * 300 + int(shift))  # NCCL has no int16
 
 
 def stage_mixed(rank: int, world_size: int, bucket_bytes: int) -> dict:
@@ -224,10 +225,12 @@ def stage_mixed(rank: int, world_size: int, bucket_bytes: int) -> dict:
 
     module = Mixed(shift=float(rank))
     sizes: list[int] = []
+    dtypes: set[str] = set()
     original = dist.broadcast
 
     def recording(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         sizes.append(tensor.numel() * tensor.element_size())
+        dtypes.add(str(tensor.dtype))
         return original(tensor, *args, **kwargs)
 
     dist.broadcast = recording
@@ -237,6 +240,7 @@ def stage_mixed(rank: int, world_size: int, bucket_bytes: int) -> dict:
         dist.broadcast = original
     return {
         "sizes": sizes,
+        "dtypes": sorted(dtypes),
         "staged": (str(staged.device), staged.buckets, staged.largest_bytes),
         "state": {k: v.tolist() for k, v in module.state_dict().items()},
         "strided_still_strided": not module.strided.is_contiguous(),
@@ -247,7 +251,7 @@ def test_initial_weights_travel_in_buckets_no_larger_than_asked():
     bucket = 64
     results = run_ranks(stage_mixed, 3, bucket)
     want = Mixed(shift=0.0).state_dict()
-    per_dtype = {torch.float32: 0, torch.int64: 0, torch.float64: 0}
+    per_dtype = {torch.float32: 0, torch.int64: 0, torch.float64: 0, torch.int16: 0}
     for t in want.values():
         per_dtype[t.dtype] += t.numel() * t.element_size()
     expected = sum(-(-nbytes // bucket) for nbytes in per_dtype.values())
@@ -255,8 +259,34 @@ def test_initial_weights_travel_in_buckets_no_larger_than_asked():
         assert max(r["sizes"]) <= bucket and sum(r["sizes"]) == sum(per_dtype.values()), r["sizes"]
         assert r["staged"] == ("cpu", expected, bucket) and len(r["sizes"]) == expected
         assert r["strided_still_strided"]
+        assert "torch.int16" not in r["dtypes"], "16-bit integers travel as bytes (NCCL has none)"
         for key, value in want.items():
             assert torch.equal(torch.tensor(r["state"][key], dtype=value.dtype), value), f"rank {rank}: {key}"
+
+
+def agree_short_buffers(rank: int, world_size: int) -> dict:
+    from dapple_lightning.runtime import agree_buffers
+
+    buffers = [torch.arange(5, dtype=torch.int16) * 1000 + rank, torch.full((3,), 0.5 + rank)]
+    dtypes: list[str] = []
+    original = dist.broadcast
+
+    def recording(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        dtypes.append(str(tensor.dtype))
+        return original(tensor, *args, **kwargs)
+
+    dist.broadcast = recording
+    try:
+        agree_buffers(buffers, 1, None)
+    finally:
+        dist.broadcast = original
+    return {"dtypes": dtypes, "buffers": [b.tolist() for b in buffers]}
+
+
+def test_buffers_of_16_bit_integers_agree_as_bytes():
+    for r in run_ranks(agree_short_buffers, 2):
+        assert "torch.int16" not in r["dtypes"] and len(r["dtypes"]) == 2, r["dtypes"]
+        assert r["buffers"] == [[1, 1001, 2001, 3001, 4001], [1.5, 1.5, 1.5]]
 
 
 # --------------------------------------------------------------------- failure texts

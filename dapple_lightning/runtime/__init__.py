@@ -28,7 +28,16 @@ No Lightning and no Optuna here.
 
 from dapple_lightning.runtime._batchnorm import agree_buffers, synchronize_batch_norms
 from dapple_lightning.runtime._blocks import Placeholder, stand_in_blocks, stand_in_layers
-from dapple_lightning.runtime._comm import Link, P2PGroups, Pending, Signature, p2p_groups, share, stage_group
+from dapple_lightning.runtime._comm import (
+    Link,
+    P2PGroups,
+    Pending,
+    Signature,
+    broadcast,
+    p2p_groups,
+    share,
+    stage_group,
+)
 from dapple_lightning.runtime._contract import StepStats, UserStep
 from dapple_lightning.runtime._executor import Pipeline, Recorder
 from dapple_lightning.runtime._linear_split import LinearStore, StoredGrads, backward_stored, storable_linears
@@ -67,6 +76,7 @@ __all__ = [
     "backward_input",
     "backward_stored",
     "backward_weight",
+    "broadcast",
     "bubble_fractions",
     "p2p_groups",
     "share",

@@ -22,6 +22,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from dapple_lightning.runtime._comm import broadcast
+
 __all__ = ["agree_buffers", "synchronize_batch_norms"]
 
 
@@ -104,7 +106,7 @@ def agree_buffers(buffers: list[Tensor], src: int, group: dist.ProcessGroup | No
         by_dtype.setdefault(buffer.dtype, []).append(buffer)
     for same in by_dtype.values():
         flat = torch.cat([b.detach().reshape(-1) for b in same])
-        dist.broadcast(flat, src, group=group)
+        broadcast(flat, src, group)
         offset = 0
         with torch.no_grad():
             for buffer in same:

@@ -52,6 +52,7 @@ __all__ = [
     "P2PGroups",
     "Pending",
     "Signature",
+    "broadcast",
     "concat_pieces",
     "connect_pairs",
     "p2p_groups",
@@ -75,14 +76,21 @@ _DTYPES = (
     torch.complex64,
 )
 _CODE = {d: i for i, d in enumerate(_DTYPES)}
-# NCCL's send and receive know no 16-bit integers or complex numbers (gloo does): on such a link
-# those tensors travel as their bytes, through a uint8 view of the same storage.
+# NCCL knows no 16-bit integers, and its send and receive no complex numbers (gloo knows both):
+# such tensors travel as their bytes, through a uint8 view of the same storage.
 _AS_BYTES = (torch.int16, torch.complex64)
 AS_EXPECTED, NEW_SIGNATURE = 0, 1
 # [status, is_tuple, count, (dtype, ndim, dim_0 .. dim_{MAX_DIMS-1}) * MAX_TENSORS]
 _HEADER = 3 + MAX_TENSORS * (2 + MAX_DIMS)
 HEADER_SIZE = _HEADER
 _HOST = torch.device("cpu")
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> None:
+    """``dist.broadcast`` of a contiguous ``tensor`` of any dtype: the dtypes NCCL lacks travel as their
+    bytes (the same bits arrive), on every backend, so that what runs on gloo here runs on NCCL."""
+    wire = tensor.view(-1).view(torch.uint8) if tensor.dtype in _AS_BYTES else tensor
+    dist.broadcast(wire, src, group=group)
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ from torch.optim import Optimizer
 
 from dapple_lightning.checkpoint import by_name, to_local, to_single_device
 from dapple_lightning.plan import Plan
+from dapple_lightning.runtime import broadcast
 from dapple_lightning.strategy import _sharded
 from dapple_lightning.strategy._failures import HOST_WAIT
 from dapple_lightning.strategy._stream import StreamingFile, write_atomically
@@ -143,7 +144,7 @@ class Checkpoints:
                 if src == self.rank
                 else torch.empty(value.shape, dtype=value.dtype, device=self.device)
             )
-            dist.broadcast(tensor, src)
+            broadcast(tensor, src)
             # Others' entries to the CPU, one at a time: the whole model never sits on this rank's device.
             whole[key] = tensor if src == self.rank else tensor.cpu()
         return whole

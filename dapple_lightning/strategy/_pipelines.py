@@ -17,6 +17,7 @@ from dapple_lightning.runtime import (
     StageModule,
     Timeline,
     agree_buffers,
+    broadcast,
     p2p_groups,
     stage_group,
     synchronize_batch_norms,
@@ -190,7 +191,7 @@ class _Bucket:
 
     def broadcast(self) -> int:
         """Send rank 0's bucket, copy it back where its values came from; its bytes."""
-        dist.broadcast(self.staging[: self.filled], 0)
+        broadcast(self.staging[: self.filled], 0)
         at = 0
         for flat, start, length in self.pieces:
             if self.receives:

@@ -347,6 +347,8 @@ class Checkpoints:
         if type(checkpoint_io) is TorchCheckpointIO and isinstance(path, Path):
             # Memory-mapped: each rank reads only the records of the tensors it keeps.
             return torch.load(path, map_location="cpu", mmap=True, weights_only=bool(weights_only))
+        if weights_only is None:  # as Lightning 2.4 calls it: its CheckpointIO takes no weights_only
+            return checkpoint_io.load_checkpoint(path)
         return checkpoint_io.load_checkpoint(path, weights_only=weights_only)
 
     def load_model(self, checkpoint: Mapping[str, Any], strict: bool) -> None:

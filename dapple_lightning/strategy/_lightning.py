@@ -51,9 +51,9 @@ classes (:mod:`._snapshot` walks them), ``call._call_callbacks_state_dict``,
 ``LightningModule._apply_batch_transfer_handler`` and ``fit_loop._data_source``; :mod:`._summary`
 overrides the private ``_forward_example_input`` and ``_get_summary_data`` of Lightning's summary.
 
-Checked against Lightning 2.6.6 only (the version installed here; pyproject allows ``lightning>=2.4``):
-another version may move any of these, which ``tests/test_lightning_adapter.py`` and the tests that
-fit through the strategy would show.
+Checked against Lightning 2.4.0 and 2.6.6, the ends of the range pyproject allows (the whole suite
+runs on both): another version may move any of these, which ``tests/test_lightning_adapter.py`` and
+the tests that fit through the strategy would show.
 """
 
 from __future__ import annotations

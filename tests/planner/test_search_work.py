@@ -9,7 +9,9 @@ Wall-clock times stay in ``benchmarks/``.
 
 from __future__ import annotations
 
-import random
+import importlib.util
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -27,23 +29,17 @@ TOLERANCE = 1.5
 """Most a count may move, as a factor, before the record must be updated."""
 
 
-def synthetic(layers: int, seed: int) -> ModelProfile:
-    """``benchmarks/planner_speed.py``'s transformer-like profile: embedding, blocks, head."""
-    rng = random.Random(seed)
-    out = [LayerProfile("embedding", 0.4e-3, 1.5e-3, 25_000_000, 120_000_000)]
-    for i in range(layers - 2):
-        f = 3e-3 * rng.uniform(0.75, 1.25)
-        out.append(
-            LayerProfile(
-                f"block{i}",
-                f,
-                2 * f * rng.uniform(0.9, 1.1),
-                int(25e6 * rng.uniform(0.75, 1.25)),
-                int(8e6 * rng.uniform(0.75, 1.25)),
-            )
-        )
-    out.append(LayerProfile("head", 0.5e-3, 1e-3, 100_000, 4_000_000))
-    return ModelProfile(tuple(out), profile_batch_size=32, device="synthetic")
+def _benchmark_module(name: str) -> ModuleType:
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+synthetic = _benchmark_module("planner_speed").synthetic
+"""``benchmarks/planner_speed.py``'s transformer-like profiles: the counts are of the benchmark's own cases."""
 
 
 def paper(file: str, batch: int) -> ModelProfile:

@@ -206,7 +206,7 @@ def versions(check: Check) -> dict:
         return _result("pass", "versions read; no CUDA in the dry mode", **numbers)
     numbers.update(
         cuda=torch.version.cuda,
-        nccl=".".join(map(str, torch.cuda.nccl.version())),
+        nccl=".".join(map(str, nccl)) if isinstance(nccl := torch.cuda.nccl.version(), tuple) else str(nccl),
         device=torch.cuda.get_device_name(0),
         device_count=torch.cuda.device_count(),
     )

@@ -12,8 +12,8 @@ gradients and, in the same pass, every other weight's (layer norms, embeddings, 
 linear calls that are not an eligible layer's forward, such as ``nn.MultiheadAttention``'s
 projections), kept in the store; the graph is freed there. ``W`` computes each stored weight's
 gradient as one matmul (and the bias' as a sum) when it is taken (:class:`WeightGrads`) and
-accumulates it from the parameter itself (:func:`~._split_backward.backward_weight`), one weight
-at a time, so that ``W`` holds one layer's gradient beyond ``.grad``, not the stage's; ``.grad``
+accumulates it from the parameter itself (:func:`~._split_backward.backward_weight`), a layer
+(weight and bias) at a time, so that ``W`` holds one layer's gradient beyond ``.grad``, not the stage's; ``.grad``
 accumulates and the post-accumulate hooks (the gradient reducer's) fire once per parameter per
 ``W``, as in a plain backward.
 
@@ -79,6 +79,7 @@ class WeightGrads(MutableMapping):
         # Newest first: B stored them from the stage's last layer down, so the last stored are
         # the likeliest still in cache.
         self._calls: dict[torch.Tensor, list[tuple[bool, torch.Tensor, torch.Tensor]]] = {}
+        self._layers = list(dict.fromkeys(params for params, _, _ in reversed(entries)))
         for (weight, bias), x, g in reversed(entries):
             self._calls.setdefault(weight, []).append((False, x, g))
             if bias is not None:
@@ -104,6 +105,12 @@ class WeightGrads(MutableMapping):
             grad = part if grad is None else grad + part
         assert grad is not None
         return grad
+
+    def by_layer(self) -> list[list[torch.Tensor]]:
+        """The parameters still here, a stored layer's weight and bias together, the others alone."""
+        grouped = [[p for p in layer if p is not None and p in self] for layer in self._layers]
+        alone = {id(p) for layer in grouped for p in layer}
+        return [layer for layer in grouped if layer] + [[p] for p in self if id(p) not in alone]
 
     def __getitem__(self, p: torch.Tensor) -> torch.Tensor:
         made, given = self._made(p), self._given.get(p)

@@ -218,9 +218,10 @@ def backward_weight(work: WeightWork, stored: MutableMapping[torch.Tensor, torch
 
     ``stored`` maps weights to gradients computed outside the graph (the linear layers' store,
     :mod:`._linear_split`): each is accumulated in the same engine call as the weight's other
-    gradient where it has one here, so that its ``.grad`` hooks fire once per ``W``; the others one
-    weight at a time (a :class:`~._linear_split.WeightGrads` makes each gradient as it is taken, so
-    one layer's is alive at once). ``stored`` is emptied.
+    gradient where it has one here, so that its ``.grad`` hooks fire once per ``W``; the others a
+    layer at a time where ``stored`` says its layers (``by_layer()``, as
+    :class:`~._linear_split.WeightGrads`, which makes each gradient as it is taken, does), else one
+    weight at a time, so that one layer's gradients are alive at once. ``stored`` is emptied.
     """
     stored = {} if stored is None else stored
     for group in work.groups:
@@ -249,12 +250,13 @@ def backward_weight(work: WeightWork, stored: MutableMapping[torch.Tensor, torch
         extra = [w for w in work.fallback if w in stored]
         outputs, grads = [*work.outputs, *extra], [*work.grads, *(stored.pop(w) for w in extra)]
         torch.autograd.backward(outputs, grads, retain_graph=True, inputs=work.fallback)
-    # Weights with no other gradient here: their accumulators seeded directly, one at a time, so
-    # that one weight's gradient is made and added at once (not the stage's).
-    for weight in list(stored):
+    # Weights with no other gradient here: their accumulators seeded directly, a layer at a time (a
+    # weight and its bias), so that one layer's gradient is made and added at once, not the stage's.
+    by_layer = getattr(stored, "by_layer", None)
+    for weights in by_layer() if by_layer is not None else [[w] for w in list(stored)]:
         edges, seeds = [], []
-        _add_stored(edges, seeds, [weight], stored)
-        _accumulate(edges, seeds, [weight])
+        _add_stored(edges, seeds, weights, stored)
+        _accumulate(edges, seeds, weights)
     work.groups, work.outputs, work.grads = [], [], []
 
 

@@ -63,15 +63,17 @@ def test_sync_batchnorm_with_one_micro_batch_matches_one_device(tmp_path):
     assert_same(got, fit(BatchNormMLP, tmp_path / "single", val=True))
 
 
-def _normalised_on_two_ranks(rank: int, world_size: int, wide: bool, dtype: torch.dtype) -> dict[str, float]:
+def _normalised_on_two_ranks(
+    rank: int, world_size: int, wide: bool, dtype: torch.dtype, device: str = "cpu"
+) -> dict[str, float]:
     """Worst differences of ``_SyncNorm`` (each rank holding half the rows) from torch's batch norm of
     the whole batch on one process: the output, the input's gradient and the summed weight gradients."""
     from dapple_lightning.runtime._batchnorm import _SyncNorm
 
     g = torch.Generator().manual_seed(0)
-    whole = (torch.randn(12, 4, 5, generator=g) * 3 + 10).to(dtype)  # an offset: the variance's cancellation
-    seed = torch.randn(12, 4, 5, generator=g).to(dtype)
-    weight, bias = torch.randn(4, generator=g), torch.randn(4, generator=g)
+    whole = (torch.randn(12, 4, 5, generator=g) * 3 + 10).to(device, dtype)  # an offset: the variance's cancellation
+    seed = torch.randn(12, 4, 5, generator=g).to(device, dtype)
+    weight, bias = torch.randn(4, generator=g).to(device), torch.randn(4, generator=g).to(device)
 
     def run(x, w, b, sync):
         x, w, b = (t.detach().clone().requires_grad_() for t in (x, w, b))
@@ -101,3 +103,31 @@ def _normalised_on_two_ranks(rank: int, world_size: int, wide: bool, dtype: torc
 def test_both_sync_norms_match_one_process_batch_norm(wide, dtype, limit):
     for worst in run_ranks(_normalised_on_two_ranks, 2, wide, dtype):
         assert max(worst.values()) <= limit, worst
+
+
+def _widened_on(rank: int, world_size: int, device: str) -> list[int]:
+    """The sizes of the tensors a synchronised batch norm's step makes float64 on ``device``."""
+    from dapple_lightning.runtime import synchronize_batch_norms
+
+    norm = nn.BatchNorm1d(4).to(device)
+    synchronize_batch_norms(norm, None)
+    seen: list[int] = []
+    original = torch.Tensor.double
+    torch.Tensor.double = lambda t: seen.append(t.numel()) or original(t)
+    try:
+        norm(torch.randn(8, 4, 5, device=device, requires_grad=True)).sum().backward()
+    finally:
+        torch.Tensor.double = original
+    return seen
+
+
+def test_sync_batch_norm_widens_the_activations_on_the_cpu_only():
+    assert all(max(sizes) == 8 * 4 * 5 for sizes in run_ranks(_widened_on, 2, "cpu"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_sync_batch_norm_on_cuda_takes_float32_statistics_and_matches_one_process():
+    # per-channel numbers only (the backward's sums, 2 x 4), no activation in float64
+    assert all(max(sizes, default=0) <= 8 for sizes in run_ranks(_widened_on, 2, "cuda"))
+    for worst in run_ranks(_normalised_on_two_ranks, 2, False, torch.float32, "cuda"):
+        assert max(worst.values()) <= 1e-5, worst

@@ -55,6 +55,7 @@ from dapple_lightning.planner import (
     map_tensors,
     measure_and_choose,
     measure_cluster,
+    message_sizes,
     profile_layers,
     refine,
     refine_allreduce,
@@ -415,7 +416,8 @@ def choose_plan(
         big = (rows, *step_outside(rows))
         profile = _with_step_outside(profile, big, (small, *step_outside(small)) if small else None)
     profile = _averaged(profile, device)
-    cluster = _within(measure_cluster(device, nodes=nodes), memory_limit)
+    sizes = message_sizes(profile, global_batch)  # the links timed at what plans of this model send
+    cluster = _within(measure_cluster(device, nodes=nodes, sizes=sizes), memory_limit)
     options = dict(optimizer_factor=optimizer_factor, margin=margin, objective=objective, memory_margin=memory_margin)
     close, dp_step, lever = _shortlist_on_rank_zero(
         profile, cluster, global_batch, offload_refused=offload_refused, **options

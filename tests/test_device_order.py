@@ -432,3 +432,18 @@ def test_offload_on_a_gpu_is_refused_at_setup():
     plan = Plan.coerce({"micro_batches": 2, "stages": [{"layers": [0, 4], "offload": 1}, {"layers": [4, 7]}]})
     with pytest.raises(ValueError, match=r"offloads stages \[0\], and the device is cuda.*accelerator='cpu'"):
         check_before_start(MLP(), "32-true", None, plan, 2, backend="nccl", device=CUDA)
+
+
+def test_two_nccl_ranks_on_one_gpu_are_refused_at_setup():
+    from dapple_lightning.strategy._refusals import check_before_start
+
+    from models import MLP
+
+    plan = Plan.data_parallel(7, 2)
+    shared = [CUDA, CUDA]
+    with pytest.raises(ValueError, match=r"local ranks \[0, 1\] would all run on cuda:0.*Plan\.data_parallel\(7, 2\)"):
+        check_before_start(MLP(), "32-true", None, plan, 2, backend="nccl", device=CUDA, node_devices=shared)
+    # gloo shares a GPU between ranks (a one-stage plan), and NCCL runs on GPUs of their own
+    check_before_start(MLP(), "32-true", None, plan, 2, backend="gloo", device=CUDA, node_devices=shared)
+    own = [CUDA, torch.device("cuda", 1)]
+    check_before_start(MLP(), "32-true", None, plan, 2, backend="nccl", device=CUDA, node_devices=own)

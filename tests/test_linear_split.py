@@ -4,6 +4,9 @@ layers; W accumulates into ``.grad`` and fires each parameter's hook once."""
 
 from __future__ import annotations
 
+import itertools
+import weakref
+
 import pytest
 import torch
 from torch import nn
@@ -117,3 +120,57 @@ def test_stored_gradients_of_weights_in_no_group_accumulate_once(monkeypatch, en
     _split_backward.backward_weight(_split_backward.WeightWork(groups=[]), {weight: torch.full((3,), 5.0)})
     torch.testing.assert_close(weight.grad, torch.full((3,), 7.0))
     assert fired == [1]
+
+
+def _stored_stage(widths: list[int]):
+    """A chain of linear layers, one micro-batch through B, ``.grad`` already set (W adds into it)."""
+    torch.manual_seed(0)
+    stage = nn.Sequential(*(nn.Linear(a, b) for a, b in itertools.pairwise(widths)))
+    for p in stage.parameters():
+        p.grad = torch.zeros_like(p)
+    store, layers = StoredGrads(), LinearStore(storable_linears(stage))
+    x = torch.randn(32, widths[0], requires_grad=True)
+    with layers.storing(store):
+        out = stage(x)
+    with layers.storing(store):
+        backward_stored([out], [torch.ones_like(out)], [x], list(stage.parameters()), store)
+    return stage, store
+
+
+def _w_peak(stage: nn.Module, grads) -> int:
+    from dapple_lightning.planner import live_bytes
+
+    with live_bytes() as tracked:
+        backward_weight(WeightWork([]), grads() if callable(grads) else grads)
+    return tracked.peak
+
+
+def test_w_holds_one_layer_gradient_at_a_time_not_the_stage() -> None:
+    widths = [64, 128, 128, 128, 64]
+    layer_bytes = [sum(p.numel() * p.element_size() for p in m.parameters()) for m in _stored_stage(widths)[0]]
+    stage, store = _stored_stage(widths)
+    peak = _w_peak(stage, store.take)
+    assert 0 < peak <= max(layer_bytes) < sum(layer_bytes), (peak, layer_bytes)
+    # The same gradients made all at once before W (a dict) peak at the stage's: the tracker sees it.
+    stage, store = _stored_stage(widths)
+    whole = _w_peak(stage, lambda: dict(store.take()))
+    assert whole >= sum(layer_bytes) - max(layer_bytes), (whole, layer_bytes)
+
+
+def test_weight_grads_equal_the_summed_entries_and_release_them_when_taken() -> None:
+    _, store = _stored_stage([8, 16, 4])
+    want, output_grads = {}, []
+    for (weight, bias), x, g in store.entries:
+        want[weight] = g.t().mm(x).detach()  # (x has a graph, which would keep g)
+        want[bias] = g.sum(0)
+        output_grads.append(weakref.ref(g))
+    del x, g  # the loop's last entry: only the store holds its tensors now
+    grads = store.take()
+    assert store.entries == [] and len(grads) == 4 and set(grads) == set(want)
+    first = next(iter(grads))  # the last layer's weight: its entry stays until its bias is taken too
+    torch.testing.assert_close(grads.pop(first), want[first])
+    assert all(ref() is not None for ref in output_grads)
+    for p in list(grads):
+        torch.testing.assert_close(grads.pop(p), want[p])
+    assert len(grads) == 0 and not grads
+    assert all(ref() is None for ref in output_grads), "every entry released once its layer is taken"

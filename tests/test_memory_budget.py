@@ -129,3 +129,46 @@ def test_the_other_ranks_wait_past_the_timeout_while_rank_0_prices_a_given_plan(
     kwargs = {"memory_limit": "1GiB", "timeout": PRICING_TIMEOUT_S}
     metrics, _ = fit(SlowToProfile, tmp_path, plan=TWO_STAGES, strategy_kwargs=kwargs)
     assert len(metrics["train_loss"]) == 4  # both ranks trained past rank 0's pricing
+
+
+def test_a_given_plan_is_profiled_on_the_ranks_device_not_where_the_module_waits(monkeypatch):
+    from types import SimpleNamespace
+
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    from dapple_lightning.strategy import _memory
+
+    module = models.MLP()
+    batch = next(iter(models.loader()))
+    plan_device = torch.device("cuda", 0)  # a device object only: the profile itself is stubbed out here
+    seen = []
+    monkeypatch.setattr(_memory, "draw_batch", lambda loader: batch)
+    monkeypatch.setattr(_memory, "training_loader", lambda trainer: None)
+    monkeypatch.setattr(_memory, "move_data_to_device", lambda data, device: seen.append(("batch", device)) or data)
+    monkeypatch.setattr(_memory, "predicted_memory", lambda *args: seen.append(("profile", args[-1])) or (1.0, 1.0))
+    trainer = SimpleNamespace(
+        strategy=SimpleNamespace(root_device=plan_device), state=SimpleNamespace(fn=TrainerFn.FITTING), global_rank=0
+    )
+    _memory.warn_if_over_budget(module, find_chain(module), TWO_STAGES, trainer, 2.0)
+    assert seen == [("batch", plan_device), ("profile", plan_device)]
+    assert next(module.parameters()).device.type == "cpu"
+
+
+def test_a_profile_on_the_modules_own_device_is_the_same_as_before_and_leaves_it_there():
+    module = models.MLP()
+    x, y = next(iter(models.loader()))
+    chain = find_chain(module)
+    assert predicted_memory(module, chain, TWO_STAGES, (x, y), torch.device("cpu")) == predicted_memory(
+        module, chain, TWO_STAGES, (x, y)
+    )
+    assert all(p.device.type == "cpu" and p.grad is None for p in module.parameters())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_given_plan_is_profiled_on_the_gpu_a_window_at_a_time_and_the_module_goes_back():
+    module = models.MLP()
+    x, y = next(iter(models.loader()))
+    gpu = torch.device("cuda", 0)
+    peaks = predicted_memory(module, find_chain(module), TWO_STAGES, (x.to(gpu), y.to(gpu)), gpu)
+    assert all(p > 0 for p in peaks)
+    assert all(t.device.type == "cpu" for t in [*module.parameters(), *module.buffers()])

@@ -26,10 +26,13 @@ from dapple_lightning.planner._dp import (
 from dapple_lightning.planner._levers import OFFLOAD_CANDIDATES, offloaded_plan, shortlist_with_levers
 from dapple_lightning.planner._links import (
     MEMORY_MARGIN,
+    MESSAGE_SIZES,
     compute_units,
     cores,
     device_memory,
+    fit_link,
     measure_cluster,
+    message_sizes,
     node_ranks,
 )
 from dapple_lightning.planner._measure import SETTLE_STEPS, fixed_part, fresh_leaves, map_tensors, profile_layers
@@ -57,6 +60,7 @@ __all__ = [
     "AUTO_WINDOW_MOST",
     "GB",
     "MEMORY_MARGIN",
+    "MESSAGE_SIZES",
     "MIN_SPREAD",
     "OBJECTIVES",
     "OFFLOAD_CANDIDATES",
@@ -96,6 +100,7 @@ __all__ = [
     "device_clock",
     "device_memory",
     "estimate",
+    "fit_link",
     "fixed_part",
     "format_bytes",
     "fresh_leaves",
@@ -106,6 +111,7 @@ __all__ = [
     "measure_and_choose",
     "measure_cluster",
     "measure_in_turns",
+    "message_sizes",
     "micro_batch_candidates",
     "node_ranks",
     "offloaded_plan",

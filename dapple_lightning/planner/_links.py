@@ -6,6 +6,12 @@ network's speed and not NVLink's; the figures within a node therefore come from 
 only (a pair for point-to-point, a node's own group for the all-reduce), those across nodes from a
 pair on two nodes and from the world ring. Like :func:`profile_layers`, this imports torch only
 when called.
+
+Each link is timed at a few message sizes, those a plan of the profiled model sends
+(:func:`message_sizes`: activations at the cuts, for point-to-point; gradients, for the
+all-reduce), and fitted as ``latency + size / bandwidth`` (:func:`fit_link`), the cost model's own
+form: one size (a large one) makes a fast link (NVLink) look slower than it is, since its
+latency is then a large part of the time.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from dapple_lightning.planner._cluster import Cluster
@@ -21,15 +27,71 @@ from dapple_lightning.planner._cluster import Cluster
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["MEMORY_MARGIN", "compute_units", "cores", "device_memory", "measure_cluster", "node_ranks"]
+    from dapple_lightning.planner._profile import ModelProfile
+
+__all__ = [
+    "MEMORY_MARGIN",
+    "MESSAGE_SIZES",
+    "compute_units",
+    "cores",
+    "device_memory",
+    "fit_link",
+    "measure_cluster",
+    "message_sizes",
+    "node_ranks",
+]
 
 MEMORY_MARGIN = 0.1
 """Share of a GPU's total memory a plan leaves unused: what comes onto the device after planning
 (the stages' NCCL communicators and their buffers, kernels loaded on first use) and the caching
 allocator's fragmentation."""
 
-_MESSAGE = 8 * 2**20
-"""Bytes of the messages that measure bandwidth: large enough that latency is the smaller part."""
+MESSAGE_SIZES = (2**16, 2**20, 2**23)
+"""Message bytes that time a link when nothing says what a plan sends: 64 KiB, 1 MiB, 8 MiB."""
+_LARGEST = 2**26
+"""No timed message is larger (64 MiB): the fit carries the line further, and measuring stays short."""
+_SMALLEST = 2**12
+
+
+def message_sizes(profile: ModelProfile, global_batch: int, points: int = 3) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Sizes to time the links at, from what plans of ``profile`` send on ``global_batch`` samples:
+    for point-to-point, the activations at a cut, from the smallest cut of one sample's micro-batch
+    to the largest of the whole batch; for the all-reduce, the gradients, from the smallest layer's
+    to the whole model's. ``points`` sizes each, spaced evenly on a log scale between 4 KiB and
+    64 MiB; :data:`MESSAGE_SIZES` where the profile has no such sizes."""
+    per_sample = [c / profile.profile_batch_size for c in profile.cut_bytes[1:-1] if c > 0]
+    params = [layer.param_bytes for layer in profile.layers if layer.param_bytes > 0]
+    p2p = _spread(min(per_sample), max(per_sample) * global_batch, points) if per_sample else MESSAGE_SIZES
+    reduce = _spread(min(params), sum(params), points) if params else MESSAGE_SIZES
+    return p2p, reduce
+
+
+def _spread(low: float, high: float, points: int) -> tuple[int, ...]:
+    low = min(max(low, _SMALLEST), _LARGEST)
+    high = min(max(high, low), _LARGEST)
+    if points < 2 or high <= low * 1.5:  # a fit needs two sizes apart
+        low = max(_SMALLEST, min(low, high / 16))
+    steps = max(points - 1, 1)
+    return tuple(sorted({round(low * (high / low) ** (i / steps)) for i in range(steps + 1)}))
+
+
+def fit_link(sizes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
+    """``(latency, bytes per second)`` of the line ``seconds = latency + size / bandwidth`` through
+    the timings, least squares. A negative intercept (noise on a fast link) is fitted through
+    zero; a slope that is not positive (time that does not grow with size) gives the best rate
+    seen and no latency."""
+    if len(sizes) != len(seconds) or not sizes:
+        raise ValueError(f"fit_link needs as many timings as sizes, got {len(seconds)} for {len(sizes)}")
+    n = len(sizes)
+    mean_x, mean_t = sum(sizes) / n, sum(seconds) / n
+    spread = sum((x - mean_x) ** 2 for x in sizes)
+    slope = sum((x - mean_x) * (t - mean_t) for x, t in zip(sizes, seconds)) / spread if spread > 0 else 0.0
+    latency = mean_t - slope * mean_x
+    if slope > 0 and latency < 0:
+        latency, slope = 0.0, sum(x * t for x, t in zip(sizes, seconds)) / sum(x * x for x in sizes)
+    if slope <= 0:
+        return 0.0, max(x / max(t, 1e-9) for x, t in zip(sizes, seconds))
+    return latency, 1.0 / slope
 
 
 def node_ranks(world: int, nodes: int) -> list[list[int]]:
@@ -91,12 +153,6 @@ def _timed(fn: Callable[[], Any], repeats: int) -> float:
     return statistics.median(times)
 
 
-def _bandwidth(nbytes: int, seconds: float, latency: float) -> float:
-    """Bytes per second from one timed transfer; the latency is left out only while it is the smaller part."""
-    payload = seconds - latency if seconds > 2 * latency else seconds
-    return nbytes / max(payload, 1e-9)
-
-
 class _Meter:
     """Times messages from this rank; rank 0's times are the ones every rank plans from.
 
@@ -138,8 +194,8 @@ class _Meter:
         once()  # connects the pair
         return _timed(once, self.repeats) / 2
 
-    def ring(self, nbytes: int, group: Any, replicas: int, latency: float) -> float:
-        """Per-link bytes/s of a ring all-reduce of ``nbytes`` over ``group`` (``replicas`` ranks)."""
+    def ring(self, nbytes: int, group: Any) -> float:
+        """Seconds of an all-reduce of ``nbytes`` over ``group``."""
         import torch.distributed as dist
 
         buf = self._buffer(nbytes)
@@ -149,11 +205,26 @@ class _Meter:
             self._sync()
 
         once()
-        seconds = _timed(once, self.repeats)
-        return _bandwidth(int(2 * (replicas - 1) / replicas * nbytes), seconds, 2 * (replicas - 1) * latency)
+        return _timed(once, self.repeats)
+
+    def link(self, sizes: Sequence[int], peer: int) -> tuple[float, float]:
+        """``(latency, bytes/s)`` of point-to-point between rank 0 and ``peer``, fitted over ``sizes``."""
+        return fit_link(sizes, [self.ping(n, peer) for n in sizes])
+
+    def all_reduce(self, sizes: Sequence[int], group: Any, replicas: int) -> float:
+        """Per-link bytes/s of a ring all-reduce over ``group`` (``replicas`` ranks), fitted over
+        ``sizes``: each rank sends ``2 (r - 1) / r`` of the message, in ``2 (r - 1)`` steps."""
+        sent = [2 * (replicas - 1) / replicas * n for n in sizes]
+        return fit_link(sent, [self.ring(n, group) for n in sizes])[1]
 
 
-def measure_cluster(device: torch.device, *, nodes: int = 1, repeats: int = 9) -> Cluster:
+def measure_cluster(
+    device: torch.device,
+    *,
+    nodes: int = 1,
+    repeats: int = 9,
+    sizes: tuple[Sequence[int], Sequence[int]] = (MESSAGE_SIZES, MESSAGE_SIZES),
+) -> Cluster:
     """The links, memory and compute units of the current process group, ``nodes`` nodes of
     ranks numbered node-major (collective on every rank; every rank returns rank 0's figures).
 
@@ -162,7 +233,9 @@ def measure_cluster(device: torch.device, *, nodes: int = 1, repeats: int = 9) -
     point-to-point between rank 0 and the first rank of node 1, all-reduce over the world. A
     cluster of one rank per node has no link within a node, one node none across: the missing
     figures are the measured ones. The memory is the least any rank may use
-    (:func:`device_memory`).
+    (:func:`device_memory`). ``sizes`` are the point-to-point and the all-reduce message bytes each
+    link is timed at (:func:`message_sizes`), fitted as latency + size / bandwidth; the latency is
+    the fit's for rank 0's nearest peer.
     """
     import torch
     import torch.distributed as dist
@@ -177,7 +250,7 @@ def measure_cluster(device: torch.device, *, nodes: int = 1, repeats: int = 9) -
     # new_group is collective over the world: every rank creates every node's group, in node order.
     groups = [dist.new_group(ranks) for ranks in members] if per_node > 1 and nodes > 1 else []
     try:
-        figures = _measure_links(_Meter(device, repeats), nodes, per_node, groups)
+        figures = _measure_links(_Meter(device, repeats), nodes, per_node, groups, sizes)
     finally:
         for ranks, group in zip(members, groups):
             if dist.get_rank() in ranks:
@@ -200,19 +273,24 @@ def measure_cluster(device: torch.device, *, nodes: int = 1, repeats: int = 9) -
     )
 
 
-def _measure_links(meter: _Meter, nodes: int, per_node: int, groups: list[Any]) -> tuple[float, ...]:
+def _measure_links(
+    meter: _Meter, nodes: int, per_node: int, groups: list[Any], sizes: tuple[Sequence[int], Sequence[int]]
+) -> tuple[float, ...]:
     """``(latency, intra p2p, inter p2p, intra all-reduce, inter all-reduce)`` as rank 0 times them."""
+    p2p_sizes, reduce_sizes = sizes
     near = 1 if per_node > 1 else None  # rank 0's neighbour on its own node
     far = per_node if nodes > 1 else None  # the first rank of node 1
-    latency = meter.ping(8, near if near is not None else far)
-    intra_p2p = _bandwidth(_MESSAGE, meter.ping(_MESSAGE, near), latency) if near is not None else None
-    inter_p2p = _bandwidth(_MESSAGE, meter.ping(_MESSAGE, far), latency) if far is not None else None
+    intra = meter.link(p2p_sizes, near) if near is not None else None
+    inter = meter.link(p2p_sizes, far) if far is not None else None
+    latency = (intra or inter)[0]  # type: ignore[index]
+    intra_p2p = intra[1] if intra is not None else None
+    inter_p2p = inter[1] if inter is not None else None
     intra_ar = inter_ar = None
     if per_node > 1:
         own = groups[meter.rank // per_node] if groups else None  # one node: the world is the node
-        intra_ar = meter.ring(_MESSAGE, own, per_node, latency)
+        intra_ar = meter.all_reduce(reduce_sizes, own, per_node)
     if nodes > 1:
-        inter_ar = meter.ring(_MESSAGE, None, nodes * per_node, latency)
+        inter_ar = meter.all_reduce(reduce_sizes, None, nodes * per_node)
     intra_p2p = intra_p2p if intra_p2p is not None else inter_p2p
     inter_p2p = inter_p2p if inter_p2p is not None else intra_p2p
     intra_ar = intra_ar if intra_ar is not None else inter_ar

@@ -13,7 +13,12 @@ micro-batch lives from its forward to its ``W``, or to its ``B`` where it has no
 on every stage under ZB-H1, the first stage's DAPPLE depth, ``min(2S - 1, M)`` under ZB-H2, at
 most that under zb-tail, which ``memory_limit`` then prices (a plan that fits under ZB-H1 may not
 under ZB-H2). A micro-batch without a ``W`` in its stage's list runs its whole backward in its
-``B``. The phases stay DAPPLE's (its pivot, ``T_w`` and ``T_s``); ``T_e`` is the rest of the
+``B``. Between its ``B`` and its ``W`` a micro-batch holds, instead of its graph, the linear layers'
+weight-gradient store (each call's input, which its ``kept`` counts, and its output's gradient, about
+what the op after it saves) and the other weights' gradients: priced as its ``kept``, which it holds
+until its ``W``. On top, ``W`` makes the stored gradients one weight at a time
+(``runtime._linear_split.WeightGrads``): its transient is at most the stage's largest layer's
+parameter bytes, added to the stage's peak (:func:`weight_transient`). The phases stay DAPPLE's (its pivot, ``T_w`` and ``T_s``); ``T_e`` is the rest of the
 replayed step.
 """
 
@@ -29,7 +34,7 @@ from dapple_lightning.schedule import peak_in_flight, schedule
 if TYPE_CHECKING:
     from dapple_lightning.planner._cost import CostModel, Estimate
 
-__all__ = ["stage_weight", "zero_bubble"]
+__all__ = ["stage_weight", "weight_transient", "zero_bubble"]
 
 
 def stage_weight(model: CostModel, start: int, end: int, samples: int) -> float:
@@ -37,6 +42,12 @@ def stage_weight(model: CostModel, start: int, end: int, samples: int) -> float:
     the layers' ``weight_s`` (0 where not measured), scaled linearly from the profile batch."""
     total = sum(layer.weight_s or 0.0 for layer in model.profile.layers[start:end])
     return total * samples / model.profile.profile_batch_size
+
+
+def weight_transient(model: CostModel, start: int, end: int) -> float:
+    """Bytes ``W`` of layers ``[start, end)`` makes at once beyond what stays: one stored weight's
+    gradient, at most the largest layer's parameter bytes (a layer holds one or more weights)."""
+    return float(max((layer.param_bytes for layer in model.profile.layers[start:end]), default=0))
 
 
 def zero_bubble(model: CostModel, plan: Plan) -> Estimate:
@@ -54,6 +65,7 @@ def zero_bubble(model: CostModel, plan: Plan) -> Estimate:
     step = max(pipeline, base.shared_compute_s)
     memory = tuple(
         model.stage_memory(s.start, s.end, n, peak_in_flight(actions), s.replicas, m)
+        + weight_transient(model, s.start, s.end)
         for s, n, actions in zip(plan.stages, base.samples, lists)
     )
     return replace(

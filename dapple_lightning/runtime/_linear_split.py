@@ -11,8 +11,9 @@ output gradient)``. :func:`backward_stored` (``B``) then makes one engine pass f
 gradients and, in the same pass, every other weight's (layer norms, embeddings, tied weights,
 linear calls that are not an eligible layer's forward, such as ``nn.MultiheadAttention``'s
 projections), kept in the store; the graph is freed there. ``W`` computes each stored weight's
-gradient as one matmul (and the bias' as a sum) and accumulates everything with one engine call
-from the parameters themselves (:func:`~._split_backward.backward_weight`), so ``.grad``
+gradient as one matmul (and the bias' as a sum) when it is taken (:class:`WeightGrads`) and
+accumulates it from the parameter itself (:func:`~._split_backward.backward_weight`), a layer
+(weight and bias) at a time, so that ``W`` holds one layer's gradient beyond ``.grad``, not the stage's; ``.grad``
 accumulates and the post-accumulate hooks (the gradient reducer's) fire once per parameter per
 ``W``, as in a plain backward.
 
@@ -30,7 +31,7 @@ An instance attribute costs nothing on the other calls, where a ``TorchFunctionM
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, MutableMapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -41,7 +42,7 @@ from torch import nn
 
 from dapple_lightning.runtime._split_backward import keep_freed_memory
 
-__all__ = ["LinearStore", "StoredGrads", "backward_stored", "storable_linears"]
+__all__ = ["LinearStore", "StoredGrads", "WeightGrads", "backward_stored", "storable_linears"]
 
 
 @dataclass(eq=False)
@@ -55,27 +56,86 @@ class StoredGrads:
     ready: dict[torch.Tensor, torch.Tensor] = field(default_factory=dict)
     """Gradients of the other weights, computed in ``B``."""
 
-    def take(self) -> dict[nn.Parameter, torch.Tensor]:
-        """The parameters' gradients from the stored entries (summed per parameter, in the
-        parameters' dtype), emptying the store."""
-        stored: dict[torch.Tensor, torch.Tensor] = {}
+    def take(self) -> WeightGrads:
+        """The parameters' gradients from the stored entries, each computed when ``W`` takes it
+        (summed per parameter, in the parameters' dtype), emptying the store."""
+        grads = WeightGrads(self.entries, self.ready)
+        self.entries, self.ready = [], {}
+        return grads
+
+
+class WeightGrads(MutableMapping):
+    """One ``W``'s weight gradients by parameter, each made when it is taken (``pop``): a stored
+    layer's gradient is one matmul over its calls' entries, whose inputs and output gradients are
+    released once the layer's weight and bias are both taken. ``W`` taking one layer at a time thus
+    holds one layer's gradient, never the stage's. Gradients set here, and those ``B`` computed
+    (``ready``), are held as given."""
+
+    def __init__(
+        self,
+        entries: Sequence[tuple[tuple[nn.Parameter, nn.Parameter | None], torch.Tensor, torch.Tensor]] = (),
+        ready: dict[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
         # Newest first: B stored them from the stage's last layer down, so the last stored are
         # the likeliest still in cache.
-        for (weight, bias), x, g in reversed(self.entries):
-            g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
-            pairs = [(weight, g2.t().mm(x2))]
+        self._calls: dict[torch.Tensor, list[tuple[bool, torch.Tensor, torch.Tensor]]] = {}
+        self._layers = list(dict.fromkeys(params for params, _, _ in reversed(entries)))
+        for (weight, bias), x, g in reversed(entries):
+            self._calls.setdefault(weight, []).append((False, x, g))
             if bias is not None:
-                pairs.append((bias, g2.sum(0)))
-            for p, grad in pairs:
-                stored[p] = stored[p] + grad if p in stored else grad
+                self._calls.setdefault(bias, []).append((True, x, g))
+        self._given = dict(ready or {})
+
+    def _made(self, p: torch.Tensor) -> torch.Tensor | None:
+        calls = self._calls.get(p)
+        if calls is None:
+            return None
+        with torch.no_grad():  # a gradient, not a graph: nothing keeps the entries alive after it
+            grad = self._summed(calls)
         # A layer called twice under autocast sums its calls' gradients in the autocast dtype,
         # as autocast's one cached copy of the weight does, then converts.
-        grads, self.ready = self.ready, {}
-        for p, grad in stored.items():
-            grad = grad.to(p.dtype)
-            grads[p] = grads[p] + grad if p in grads else grad
-        self.entries = []
-        return grads
+        return grad.to(p.dtype)
+
+    @staticmethod
+    def _summed(calls: list[tuple[bool, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        grad = None
+        for is_bias, x, g in calls:
+            g2 = g.reshape(-1, g.shape[-1])
+            part = g2.sum(0) if is_bias else g2.t().mm(x.reshape(-1, x.shape[-1]))
+            grad = part if grad is None else grad + part
+        assert grad is not None
+        return grad
+
+    def by_layer(self) -> list[list[torch.Tensor]]:
+        """The parameters still here, a stored layer's weight and bias together, the others alone."""
+        grouped = [[p for p in layer if p is not None and p in self] for layer in self._layers]
+        alone = {id(p) for layer in grouped for p in layer}
+        return [layer for layer in grouped if layer] + [[p] for p in self if id(p) not in alone]
+
+    def __getitem__(self, p: torch.Tensor) -> torch.Tensor:
+        made, given = self._made(p), self._given.get(p)
+        if made is None and given is None:
+            raise KeyError(p)
+        return given if made is None else made if given is None else made + given
+
+    def __setitem__(self, p: torch.Tensor, grad: torch.Tensor) -> None:
+        self._calls.pop(p, None)
+        self._given[p] = grad
+
+    def __delitem__(self, p: torch.Tensor) -> None:
+        if p not in self:
+            raise KeyError(p)
+        self._calls.pop(p, None)
+        self._given.pop(p, None)
+
+    def __contains__(self, p: object) -> bool:
+        return p in self._calls or p in self._given
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter(dict.fromkeys([*self._calls, *self._given]))
+
+    def __len__(self) -> int:
+        return len(dict.fromkeys([*self._calls, *self._given]))
 
 
 class _StoredLinear(torch.autograd.Function):

@@ -28,7 +28,7 @@ from __future__ import annotations
 import ctypes
 import os
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -213,14 +213,17 @@ def _accumulate(edges: list[GradientEdge], seeds: list[torch.Tensor], weights: l
     )
 
 
-def backward_weight(work: WeightWork, stored: dict[torch.Tensor, torch.Tensor] | None = None) -> None:
+def backward_weight(work: WeightWork, stored: MutableMapping[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Accumulate the weights' gradients of a micro-batch whose :func:`backward_input` has run.
 
     ``stored`` maps weights to gradients computed outside the graph (the linear layers' store,
     :mod:`._linear_split`): each is accumulated in the same engine call as the weight's other
-    gradient where it has one here, so that its ``.grad`` hooks fire once per ``W``.
+    gradient where it has one here, so that its ``.grad`` hooks fire once per ``W``; the others a
+    layer at a time where ``stored`` says its layers (``by_layer()``, as
+    :class:`~._linear_split.WeightGrads`, which makes each gradient as it is taken, does), else one
+    weight at a time, so that one layer's gradients are alive at once. ``stored`` is emptied.
     """
-    stored = dict(stored or {})
+    stored = {} if stored is None else stored
     for group in work.groups:
         edges, seeds = [], []
         for node in group.nodes:
@@ -247,14 +250,17 @@ def backward_weight(work: WeightWork, stored: dict[torch.Tensor, torch.Tensor] |
         extra = [w for w in work.fallback if w in stored]
         outputs, grads = [*work.outputs, *extra], [*work.grads, *(stored.pop(w) for w in extra)]
         torch.autograd.backward(outputs, grads, retain_graph=True, inputs=work.fallback)
-    if stored:  # weights with no other gradient here: their accumulators seeded directly
-        edges, seeds, weights = [], [], list(stored)
-        _add_stored(edges, seeds, weights, stored)  # (empties stored)
+    # Weights with no other gradient here: their accumulators seeded directly, a layer at a time (a
+    # weight and its bias), so that one layer's gradient is made and added at once, not the stage's.
+    by_layer = getattr(stored, "by_layer", None)
+    for weights in by_layer() if by_layer is not None else [[w] for w in list(stored)]:
+        edges, seeds = [], []
+        _add_stored(edges, seeds, weights, stored)
         _accumulate(edges, seeds, weights)
     work.groups, work.outputs, work.grads = [], [], []
 
 
-def _add_stored(edges: list[GradientEdge], seeds: list, weights: list[torch.Tensor], stored: dict) -> None:
+def _add_stored(edges: list[GradientEdge], seeds: list, weights: list[torch.Tensor], stored: MutableMapping) -> None:
     """Seed the gradient accumulators of ``weights`` that have a stored gradient (taking it)."""
     for w in weights:
         if w in stored:

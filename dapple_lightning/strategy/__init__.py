@@ -9,10 +9,11 @@ the spawn launcher and every change to Lightning's and the user's objects (``_li
 from lightning.pytorch.strategies import StrategyRegistry
 
 from dapple_lightning.strategy._lightning import FORKSERVER_PRELOAD
+from dapple_lightning.strategy._refusals import check_before_start
 from dapple_lightning.strategy._sharded import consolidate_checkpoint
 from dapple_lightning.strategy._strategy import DappleStrategy
 
-__all__ = ["FORKSERVER_PRELOAD", "DappleStrategy", "consolidate_checkpoint"]
+__all__ = ["FORKSERVER_PRELOAD", "DappleStrategy", "check_before_start", "consolidate_checkpoint"]
 
 if "dapple" not in StrategyRegistry:
     StrategyRegistry.register(

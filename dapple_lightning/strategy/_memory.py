@@ -10,9 +10,13 @@ it). A plan given by hand is the user's call, so it is not refused: rank 0 profi
 once on a micro-batch of the first training batch (the meters of ``planner._memory``: saved
 bytes, peaks, the optimizer's real state), prices the plan with the cost model and warns, naming
 each stage over the budget with its numbers, while the other ranks wait in the launcher's store.
-A stage with ``offload`` is priced at its window, not its layers (``planner._stage_memory``). It
-runs where the module is when the strategy sets up (before the cut, so usually the CPU); it is a
-prediction, not a measurement of the device.
+A stage with ``offload`` is priced at its window, not its layers (``planner._stage_memory``). The
+profile runs on the plan's device (rank 0's, where its stage will run), not where the module waits
+before the cut (usually the CPU): kernels save different tensors on different devices (CPU attention
+keeps the whole score matrix). As for ``plan="auto"`` (``_resident.Resident``), the code outside the
+pipelined layers comes to the device and the layers a window at a time (at most a rank's share of
+an even split); everything goes back where it was after. It is a prediction, not a measurement of
+the run.
 
 **The trace.** :func:`write_trace` gathers every rank's timeline on rank 0 and writes the Chrome
 trace (``runtime.write_chrome_trace``).
@@ -25,21 +29,23 @@ from functools import partial
 from itertools import count
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from dapple_lightning.autoplan import draw_batch, optimizer_factory
+from dapple_lightning.autoplan import draw_batch, optimizer_factory, profile_in_windows
 from dapple_lightning.microbatch import Rows, batch_size_of, slice_batch
 from dapple_lightning.plan import Plan
-from dapple_lightning.planner import Cluster, estimate, over_budget, parse_memory, profile_layers, stage_memory_lines
+from dapple_lightning.planner import Cluster, estimate, over_budget, parse_memory, stage_memory_lines
 from dapple_lightning.runtime import Timeline, write_chrome_trace
 from dapple_lightning.strategy._auto_blocks import BlockChain
 from dapple_lightning.strategy._checkpoint import gather_on_zero
 from dapple_lightning.strategy._failures import HOST_WAIT
 from dapple_lightning.strategy._lightning import training_loader
+from dapple_lightning.strategy._resident import Resident, parameter_bytes
 from dapple_lightning.surgery import Chain, capture_input, set_submodule, unchanged
 
 __all__ = ["parse_memory", "predicted_memory", "warn_if_over_budget", "write_trace"]
@@ -47,12 +53,17 @@ __all__ = ["parse_memory", "predicted_memory", "warn_if_over_budget", "write_tra
 _checks = count()  # one store key per check in a process; the same sequence on every rank
 
 
-def predicted_memory(module: nn.Module, chain: Chain, plan: Plan, batch: Any) -> tuple[float, ...]:
-    """Predicted peak bytes per rank of each stage of ``plan`` for the global ``batch``, from a
-    profile of ``chain``'s layers on one micro-batch of it (the module left as it was)."""
+def predicted_memory(
+    module: nn.Module, chain: Chain, plan: Plan, batch: Any, device: torch.device | None = None
+) -> tuple[float, ...]:
+    """Predicted peak bytes per rank of each stage of ``plan`` for the global ``batch`` (on ``device``),
+    from a profile of ``chain``'s layers on one micro-batch of it on ``device`` (by default where
+    the module is); the module is left as it was, where it was."""
     rows = batch_size_of(batch)
     sample_rows = max(1, -(-rows // plan.micro_batches))
     sample = slice_batch(batch, Rows(0, sample_rows))
+    home = next(module.parameters()).device
+    device = home if device is None else device
 
     def step_on(n: int) -> Any:
         return module.training_step(slice_batch(sample, Rows(0, n)), 0)
@@ -61,17 +72,25 @@ def predicted_memory(module: nn.Module, chain: Chain, plan: Plan, batch: Any) ->
         optimizer = optimizer_factory(module)
     except Exception:  # the cost model's optimizer factor stands in for the real state
         optimizer = None
-    with unchanged(module):
-        if chain.called_whole:
-            path, container = chain.single()
-            layers = list(container)
-            sample_input = capture_input(
-                module, partial(set_submodule, module, path), container, lambda: step_on(sample_rows)
+    resident = Resident(module, chain, device, home)
+    window = None if device == home else max(1, parameter_bytes(resident.layers) // plan.world_size)
+    try:
+        with unchanged(module):
+            if chain.called_whole:
+                path, container = chain.single()
+                layers = list(container)
+                sample_input = capture_input(
+                    module, partial(set_submodule, module, path), container, lambda: step_on(sample_rows)
+                )
+            else:
+                with resident.one_at_a_time():
+                    blocks = BlockChain(module, chain, step_on, sample_rows)
+                layers, sample_input = blocks.layers, blocks.sample_input
+            profile = profile_in_windows(
+                layers, sample_input, hold=resident.hold, window_bytes=window, repeats=1, warmup=0, optimizer=optimizer
             )
-        else:
-            blocks = BlockChain(module, chain, step_on, sample_rows)
-            layers, sample_input = blocks.layers, blocks.sample_input
-        profile = profile_layers(layers, sample_input, repeats=1, warmup=0, optimizer=optimizer)
+    finally:
+        resident.send_home()
     # Only memory is read from the estimate: the links' figures do not matter.
     cluster = Cluster(1, plan.world_size, 1e9, 1e9, 1e9, 1e9, latency_s=0.0)
     return estimate(plan, profile, cluster, rows).memory_bytes
@@ -102,9 +121,9 @@ def _predict_and_warn(module: Any, chain: Chain, plan: Plan, trainer: Any, limit
     if any(p.is_meta for p in module.parameters()):
         rank_zero_info("dapple memory_limit: the model is on the meta device, so the plan's memory is not predicted")
         return
-    device = next(module.parameters()).device
+    device = trainer.strategy.root_device  # where rank 0's stage will run
     batch = move_data_to_device(draw_batch(training_loader(trainer)), device)
-    peaks = predicted_memory(module, chain, plan, batch)
+    peaks = predicted_memory(module, chain, plan, batch, device)
     problem = over_budget(plan, peaks, limit)
     if problem is not None:
         warnings.warn(f"dapple: {problem}", UserWarning, stacklevel=2)

@@ -9,7 +9,7 @@ from dapple_lightning.plan import Plan
 from dapple_lightning.strategy._materialize import on_meta
 from dapple_lightning.surgery import Chain, find_chain
 
-__all__ = ["SUPPORTED_PRECISION", "check_before_start", "offload_refusal"]
+__all__ = ["SUPPORTED_PRECISION", "check_before_start", "offload_refusal", "shared_gpu_refusal"]
 
 SUPPORTED_PRECISION = frozenset({"32-true", "32", "64-true", "64", "bf16-mixed", "bf16-true", "16-true"})
 
@@ -23,6 +23,7 @@ def check_before_start(
     *,
     backend: str = "gloo",
     device: Any = None,
+    node_devices: Sequence[Any] = (),
 ) -> Chain:
     """The containers to pipeline, once the module, an explicit plan and the devices pass.
 
@@ -46,6 +47,8 @@ def check_before_start(
             "(to be materialised stage by stage): give DappleStrategy an explicit plan"
         )
     device_type = getattr(device, "type", "cpu")
+    if (problem := shared_gpu_refusal(backend, node_devices, plan)) is not None:
+        raise ValueError(problem)
     if (problem := _gloo_on_cuda_refusal(backend, device_type, plan, world_size)) is not None:
         raise ValueError(problem)
     if isinstance(plan, Plan) and any(stage.offload is not None for stage in plan.stages):
@@ -63,6 +66,30 @@ def check_before_start(
     if isinstance(plan, Plan):  # plan="auto" profiles the chain's layers and makes a plan that fits them
         plan.check(num_layers=len(chain), world_size=world_size)
     return chain
+
+
+def shared_gpu_refusal(backend: str, node_devices: Sequence[Any], plan: Plan | str = "auto") -> str | None:
+    """Why NCCL cannot run on these devices of one node, or ``None``: NCCL refuses two ranks on one
+    GPU ("Duplicate GPU detected") when their first collective creates the communicator, after setup
+    has moved the model; the devices are known before any process group."""
+    if backend != "nccl":
+        return None
+    ranks: dict[Any, list[int]] = {}
+    for local_rank, device in enumerate(node_devices):
+        if getattr(device, "type", None) == "cuda":
+            ranks.setdefault(device, []).append(local_rank)
+    shared = {device: on for device, on in ranks.items() if len(on) > 1}
+    if not shared:
+        return None
+    device, on = next(iter(shared.items()))
+    layers = plan.num_layers if isinstance(plan, Plan) else "num_layers"
+    return (
+        f"local ranks {on} would all run on {device}, and NCCL refuses two ranks on one GPU (its communicator "
+        "fails with 'Duplicate GPU detected'): give every rank a GPU of its own (parallel_devices without "
+        "repeats, or devices= at most torch.cuda.device_count()), or share the GPU under "
+        "process_group_backend='gloo' with a one-stage plan "
+        f"(Plan.data_parallel({layers}, {len(node_devices)})), which only all-reduces"
+    )
 
 
 def _gloo_on_cuda_refusal(backend: str, device_type: str, plan: Plan | str, world_size: int) -> str | None:

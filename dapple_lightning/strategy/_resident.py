@@ -54,6 +54,7 @@ class Resident:
             for path, container in zip(chain.paths, chain.containers, strict=True):
                 set_submodule(module, path, container)
         self._outside = {id(t) for t in outside}
+        self._outside_tensors = outside
         _move(outside, device, set())
         self._held: set[int] = set(range(len(self.layers))) if device == self.home else set()
         self.peak_bytes = 0
@@ -102,6 +103,11 @@ class Resident:
     def release(self) -> None:
         """Every layer of the chain at home (the cut then moves the chosen stage's to the device)."""
         self.hold([])
+
+    def send_home(self) -> None:
+        """Everything at home, the code outside the chain too: the module where it was before."""
+        self.hold([])
+        _move(self._outside_tensors, self.home, set())
 
 
 def _tensors(module: nn.Module) -> list[Tensor]:

@@ -275,6 +275,7 @@ class DappleStrategy(ParallelStrategy):
             self.world_size,
             backend=self._process_group_backend or default_backend_for(self.root_device),
             device=self.root_device,
+            node_devices=self.parallel_devices or (),
         )
 
     @override

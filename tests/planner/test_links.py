@@ -9,7 +9,19 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dapple_lightning.planner import MEMORY_MARGIN, Cluster, compute_units, device_memory, measure_cluster, node_ranks
+from dapple_lightning.planner import (
+    MEMORY_MARGIN,
+    MESSAGE_SIZES,
+    Cluster,
+    LayerProfile,
+    ModelProfile,
+    compute_units,
+    device_memory,
+    fit_link,
+    measure_cluster,
+    message_sizes,
+    node_ranks,
+)
 
 from distributed import run_ranks
 
@@ -103,3 +115,63 @@ def test_gpu_budget_is_free_memory_less_the_margin():
     slack = 64 * 2**20  # other processes on the GPU may allocate between the two readings
     assert abs(budget - (free + torch.cuda.memory_reserved(device) - MEMORY_MARGIN * total)) < slack
     assert compute_units(device) is None
+
+
+def test_a_link_is_fitted_as_latency_plus_size_over_bandwidth():
+    sizes = [2**16, 2**20, 2**23]
+    latency, bandwidth = fit_link(sizes, [20e-6 + n / 300e9 for n in sizes])  # NVLink-like: 20 us, 300 GB/s
+    assert latency == pytest.approx(20e-6) and bandwidth == pytest.approx(300e9)
+
+
+def test_a_fit_below_zero_latency_goes_through_zero_and_a_flat_one_keeps_the_best_rate():
+    latency, bandwidth = fit_link([1e3, 1e6], [1e-6, 2e-3])  # the line would cross below zero
+    assert latency == 0.0 and bandwidth == pytest.approx((1e6**2 + 1e6) / (1e3 * 1e-6 + 1e6 * 2e-3))
+    latency, bandwidth = fit_link([1e3, 1e6], [1e-3, 1e-3])  # no slope: noise
+    assert latency == 0.0 and bandwidth == pytest.approx(1e9)
+    with pytest.raises(ValueError, match="as many timings as sizes"):
+        fit_link([1e3, 1e6], [1e-3])
+
+
+def test_message_sizes_span_what_plans_of_the_model_send():
+    layers = tuple(LayerProfile(f"l{i}", 1e-3, 2e-3, 2**20, 2**22 * (i + 1)) for i in range(4))
+    profile = ModelProfile(layers, 8, cut_bytes=(0, 2**20, 2**21, 2**20, 0))  # at 8 samples
+    p2p, reduce = message_sizes(profile, global_batch=64)
+    # activations: one sample's smallest cut (128 KiB) to the whole batch's largest (16 MiB)
+    assert p2p[0] == 2**17 and p2p[-1] == 2**24 and len(p2p) == 3
+    # gradients: the smallest layer's (4 MiB) to the model's (40 MiB)
+    assert reduce[0] == 2**22 and reduce[-1] == 40 * 2**20 and list(reduce) == sorted(reduce)
+    huge = ModelProfile(tuple(LayerProfile("l", 1.0, 1.0, 2**30, 2**34) for _ in range(2)), 1)
+    assert max(max(s) for s in message_sizes(huge, 1024)) == 2**26  # timed up to 64 MiB, the fit carries on
+    bare = ModelProfile(tuple(LayerProfile("l", 1.0, 1.0, 0, 0) for _ in range(2)), 1)
+    assert message_sizes(bare, 8) == (MESSAGE_SIZES, MESSAGE_SIZES)
+
+
+def _sent_sizes(rank: int, world: int, sizes) -> tuple[dict, list[int], list[int]]:
+    sent: list[int] = []
+    reduced: list[int] = []
+    send, all_reduce = dist.send, dist.all_reduce
+
+    def spy_send(tensor, *args, **kwargs):
+        sent.append(tensor.numel() * tensor.element_size())
+        return send(tensor, *args, **kwargs)
+
+    def spy_all_reduce(tensor, *args, **kwargs):
+        reduced.append(tensor.numel() * tensor.element_size())
+        return all_reduce(tensor, *args, **kwargs)
+
+    dist.send, dist.all_reduce = spy_send, spy_all_reduce
+    try:
+        cluster = measure_cluster(torch.device("cpu"), repeats=3, sizes=sizes)
+    finally:
+        dist.send, dist.all_reduce = send, all_reduce
+    return vars(cluster), sent, reduced
+
+
+def test_links_are_timed_at_the_sizes_given():
+    sizes = ((2**12, 2**16, 2**20), (2**14, 2**18))
+    results = run_ranks(_sent_sizes, 2, sizes)
+    cluster = Cluster(**results[0][0])
+    _, sent, reduced = results[0]
+    assert sorted(set(sent)) == list(sizes[0]), "point-to-point at each size (rank 0 sends, then receives)"
+    assert set(sizes[1]) <= set(reduced), "the all-reduce at each size"
+    assert cluster.latency_s >= 0 and cluster.intra_p2p_bw > 0 and cluster.intra_allreduce_bw > 0

@@ -10,7 +10,7 @@ import pytest
 from dapple_lightning.plan import Plan, Stage
 from dapple_lightning.planner import GB, Cluster, CostModel, LayerProfile, ModelProfile, shortlist, simulate_plan
 from dapple_lightning.planner._replay import replay
-from dapple_lightning.schedule import schedule
+from dapple_lightning.schedule import peak_in_flight, schedule
 
 
 def _starts(events, stage):
@@ -149,3 +149,14 @@ def test_zb_tail_is_priced_as_zb_h2_on_two_stages_and_holds_less_on_four():
     held = (zb2.memory_bytes[1] - dapple.memory_bytes[1]) / 4
     assert tail.memory_bytes[0] == zb2.memory_bytes[0] and tail.memory_bytes[3] == zb2.memory_bytes[3]
     assert tail.memory_bytes[1] == pytest.approx(dapple.memory_bytes[1] + 2 * held)
+
+
+def test_w_transient_of_the_largest_layer_is_priced_on_top_of_the_stage():
+    layers = tuple(LayerProfile(f"l{i}", 1e-3, 2e-3, 10**6, 1000 * (i + 1), weight_s=1e-3) for i in range(4))
+    model = CostModel(ModelProfile(layers, 4), Cluster.v100(1, 2, intra_p2p_bw=10**6 * GB), 32)
+    plan = Plan.straight(4, 2, 8, schedule="zb-h1")
+    est = model.estimate(plan)
+    lists = schedule("zb-h1", 2, 8)
+    for s, (stage, largest) in enumerate(zip(plan.stages, (2000, 4000))):
+        without = model.stage_memory(stage.start, stage.end, est.samples[s], peak_in_flight(lists[s]), 1, 8)
+        assert est.memory_bytes[s] == pytest.approx(without + largest)

@@ -27,6 +27,7 @@ from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import dataclass, field
 
 import torch
+import torch._functorch.config
 import torch.distributed as dist
 from torch import nn
 
@@ -162,7 +163,11 @@ class Pipeline:
         self._param_storages = {p.untyped_storage().data_ptr() for p in module.parameters()}
         # Stage 0's B is empty (its W is the whole backward): its layers gain nothing from the store.
         plain = self.is_first or module.offload is not None
-        self._linears = LinearStore([] if plain else storable_linears(module, self.shared_params))
+        linears = [] if plain else storable_linears(module, self.shared_params)
+        # A compiled block runs its linear layers in its own graph: routed through the store, each
+        # would break that graph in two. Their weight work is split like any other layer's.
+        compiled = {id(m) for block in module.modules() if _is_compiled(block) for m in block.modules()}
+        self._linears = LinearStore([layer for layer in linears if id(layer) not in compiled])
         self._programs: dict[tuple[int, bool], tuple[Op, ...]] = {}
         self._handlers: dict[str, Callable[[_Step, Op], None]] = {
             "F": self._forward,
@@ -238,11 +243,14 @@ class Pipeline:
         if offload is not None:
             offload.begin(self.module.shared)
         try:
-            for position, op in enumerate(program):
-                step.inbox.reach(position)
-                self._handlers[op.kind](step, op)
-                if self.timeline.enabled and op.kind in _PASSES:
-                    self.timeline.counter("memory", self._memory_in_use(step))
+            # A split backward keeps the graph for W: compiled blocks must not donate the buffers
+            # their backward reads (AOTAutograd's donated buffers need the graph freed at once).
+            with torch._functorch.config.patch(donated_buffer=False) if step.split else nullcontext():
+                for position, op in enumerate(program):
+                    step.inbox.reach(position)
+                    self._handlers[op.kind](step, op)
+                    if self.timeline.enabled and op.kind in _PASSES:
+                        self.timeline.counter("memory", self._memory_in_use(step))
             for outstanding in step.outstanding():
                 outstanding.wait()
         except BaseException:
@@ -458,6 +466,11 @@ class Pipeline:
                 summed = reducer.finish()
                 if reducer is self.stage_reducer:
                     self.stats.replica_sum = summed
+
+
+def _is_compiled(module: nn.Module) -> bool:
+    """Whether ``module`` runs compiled: ``module.compile()``, or the wrapper ``torch.compile(module)`` returns."""
+    return getattr(module, "_compiled_call_impl", None) is not None or hasattr(module, "_orig_mod")
 
 
 class _Inbox:

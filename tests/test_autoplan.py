@@ -243,3 +243,19 @@ def test_on_cuda_only_the_held_layers_and_the_code_outside_them_are_on_the_devic
         on_device = [i for i, layer in enumerate(layers) if any(p.is_cuda for p in layer.parameters())]
         assert on_device == [i for i in window if list(layers[i].parameters())]
         assert resident.held_bytes == parameter_bytes([layers[i] for i in window])
+
+
+def test_a_trials_step_count_follows_a_warm_step_not_the_one_that_creates_communicators() -> None:
+    """The first step of a plan creates its communicators (seconds on NCCL): timed, it would make a
+    fast plan's turn a step or two long. It runs untimed; the timed window holds a warm step only."""
+    from dapple_lightning.strategy._auto import step_seconds
+
+    now = [0.0]
+    durations = iter([30.0, 0.01])  # creating communicators, then a warm step
+
+    def step() -> None:
+        now[0] += next(durations)
+
+    assert step_seconds(step, lambda: now[0]) == pytest.approx(0.01)
+    with pytest.raises(StopIteration):
+        step()  # exactly the two steps ran

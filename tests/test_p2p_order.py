@@ -112,3 +112,126 @@ def test_every_pair_opens_in_one_global_order_before_schedule_traffic(shape: str
         order.prepare()
     except graphlib.CycleError as e:
         pytest.fail(f"ranks open pairs in conflicting orders {e.args[1]}: {logs}")
+
+
+class _CountingLink:
+    """A link whose receives arrive at once; it counts the receives posted and not yet taken."""
+
+    def __init__(self) -> None:
+        self.open = 0
+
+    def post(self, src: int, rows: int):
+        self.open += 1
+        link = self
+
+        class Arrived:
+            def wait(self):
+                link.open -= 1
+                return [], False
+
+        return Arrived()
+
+
+WINDOW_PLANS = {
+    "4x1": [((0, 1), 1), ((1, 2), 1), ((2, 3), 1), ((3, 5), 1)],
+    "2:1": [((0, 3), 2), ((3, 5), 1)],
+    "1:2": [((0, 3), 1), ((3, 5), 2)],
+}
+
+
+@pytest.mark.parametrize("schedule", ["dapple", "gpipe", "zb-h1"])
+@pytest.mark.parametrize("shape", sorted(WINDOW_PLANS))
+def test_receives_are_posted_one_action_ahead_never_at_the_step_start(shape: str, schedule: str) -> None:
+    from dapple_lightning.runtime._executor import _Inbox
+    from dapple_lightning.schedule import lower
+
+    stages = [{"layers": list(layers), "replicas": r} for layers, r in WINDOW_PLANS[shape]]
+    plan = Plan(stages=stages, micro_batches=4, schedule=schedule)
+    for rank, program in enumerate(lower(plan, 16)):
+        links = {"F": _CountingLink(), "B": _CountingLink()}
+        inbox = _Inbox(program, links)
+        for position, op in enumerate(program):
+            inbox.reach(position)
+            # Every posted receive feeds this action or the next one, not one further on.
+            for posted, _ in inbox.posted.values():
+                index = program.index(posted, position)
+                actions = sum(o.kind in _Inbox.ACTIONS for o in program[position:index])
+                assert actions <= 1, f"rank {rank}: {posted} posted at op {position} ({op}), {actions} actions early"
+            if op.kind.startswith("RECV"):
+                inbox.take(op)
+        assert not inbox.waiting and not inbox.posted
+        assert links["F"].open == links["B"].open == 0
+        # At most one action's receives and the next one's: one per peer replica and direction.
+        assert 1 <= inbox.most_posted <= 2 * max(s.replicas for s in plan.stages) or not any(
+            op.kind.startswith("RECV") for op in program
+        )
+    # The first of four stages waits through its warm-up forwards before its first gradient: that
+    # receive is posted while the last warm-up forward runs, not when the step starts.
+    if shape == "4x1":
+        first = lower(plan, 16)[0]
+        inbox = _Inbox(first, {"F": _CountingLink(), "B": _CountingLink()})
+        inbox.reach(0)
+        assert not inbox.posted
+
+
+def builder_groups(rank: int, world_size: int) -> list[tuple[str, int, int]]:
+    from datetime import timedelta
+
+    from dapple_lightning.runtime import Timeline
+    from dapple_lightning.strategy._pipelines import PipelineBuilder
+
+    plans = {
+        name: Plan(stages=[{"layers": list(layers), "replicas": r} for layers, r in stages], micro_batches=2)
+        for name, stages in {
+            "3|2": [((0, 3), 1), ((3, 5), 1)],
+            "2|3": [((0, 2), 1), ((2, 5), 1)],
+            "dp": [((0, 5), 2)],
+        }.items()
+    }
+    destroyed: list[dist.ProcessGroup] = []
+    original = dist.destroy_process_group
+
+    def counted(group=None):
+        destroyed.append(group)
+        original(group)
+
+    dist.destroy_process_group = counted
+    counts = []
+    try:
+        builder = PipelineBuilder(make_model(), rank, torch.device("cpu"), timedelta(seconds=60))
+        x, y = make_batch()
+
+        def trial(name: str) -> None:
+            stage = partition(make_model(), plans[name], rank)
+            pipe = builder.build(plans[name], stage, Timeline(rank, plans[name].stage_of(rank), enabled=False))
+
+            def forward(m, rows):
+                out = stage(x[rows.start : rows.stop])
+                return nn.functional.mse_loss(out, y[rows.start : rows.stop]) * (len(rows) / BATCH)
+
+            pipe.run(BATCH, LossStep(forward))
+            pipe.close()
+
+        for name in ("3|2", "dp"):
+            trial(name)
+        alive = len(builder.groups)
+        builder.keep_only(plans["3|2"])  # only the data-parallel plan's stage group goes
+        counts.append(("one other plan's stage group", alive, len(destroyed)))
+        trial("2|3")
+        destroyed.clear()
+        builder.keep_only(plans["2|3"])  # the pair groups carried 3|2 too: they go
+        counts.append(("pair groups another plan used", len(builder.groups), len(destroyed)))
+        trial("2|3")  # on new pair groups
+        counts.append(("new pair groups", len(builder.groups), 0))
+    finally:
+        dist.destroy_process_group = original
+    return counts
+
+
+def test_trial_plans_groups_are_destroyed_and_the_chosen_plan_gets_fresh_pair_groups() -> None:
+    for counts in run_ranks(builder_groups, 2):
+        assert counts == [
+            ("one other plan's stage group", 3, 1),  # two pair groups (gloo) and one stage group alive
+            ("pair groups another plan used", 0, 2),
+            ("new pair groups", 2, 0),
+        ], counts

@@ -179,3 +179,100 @@ def test_waiting_for_the_device_waits_for_queued_kernels() -> None:
     assert not done.query(), "the kernel should still run when the host goes on"
     device_work_done(device)
     assert done.query()
+
+
+# --------------------------------------------------------------------- where the state is kept
+
+
+class _Kept:
+    """A snapshot as :meth:`Recovery._write` reads it."""
+
+    step = 7
+
+    def unpack(self) -> dict:
+        return {"loops": {}}
+
+
+def _places(tmp_path, monkeypatch):
+    """The preferred place (as /dev/shm) and the disk fallback (the temporary directory), both under ``tmp_path``."""
+    import tempfile
+
+    memory, disk = tmp_path / "shm", tmp_path / "disk"
+    memory.mkdir()
+    disk.mkdir()
+    monkeypatch.setenv("DAPPLE_RECOVERY_DIR", str(memory))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run-a")
+    monkeypatch.setattr(tempfile, "tempdir", str(disk))
+    return memory, disk
+
+
+def _write_state(free, log=None) -> tuple[dict, nn.Module]:
+    from types import SimpleNamespace
+
+    from dapple_lightning.strategy._recovery import Recovery
+
+    recovery = Recovery(True)
+    identity = {"run": "run-a", "rank": 0}
+    model = nn.Linear(64, 64)
+    recovery._trainer = SimpleNamespace(lightning_module=model, strategy=SimpleNamespace(optimizers=[]))
+    recovery._identity, recovery._snapshot, recovery.free_bytes, recovery.logbook = identity, _Kept(), free, log
+    recovery._write()
+    return identity, model
+
+
+def test_state_goes_to_disk_when_the_memory_file_system_lacks_room_and_is_found_there(
+    tmp_path, monkeypatch, capsys
+) -> None:
+    """``/dev/shm`` is often small in containers: a write that would not fit goes to the disk fallback,
+    saying where, and the restart's reader finds it there."""
+    from dapple_lightning.plan import Plan
+    from dapple_lightning.strategy._logbook import Logbook
+    from dapple_lightning.strategy._recovery import files_of
+    from dapple_lightning.strategy._resume import _read
+
+    memory, disk = _places(tmp_path, monkeypatch)
+    assert [p.parents[2] for p in files_of(0)] == [memory, disk]
+    plan = Plan.coerce({"micro_batches": 1, "stages": [{"layers": [0, 1]}, {"layers": [1, 2]}]})
+    book = Logbook(plan, 0, *(p.parent / "log-rank0" for p in files_of(0)))
+    book.checkpointed(5)
+    for step in (5, 6):
+        book.record("F", 1, [torch.full((3,), float(step))], False)
+        book.end_step(step, (torch.ones(1),), step)
+
+    # Room in memory: the state and the log go there.
+    identity, _ = _write_state(lambda path: 2**40, book)
+    assert files_of(0)[0].is_file() and not files_of(0)[1].exists()
+    assert _read(0, identity)["step"] == 7
+    assert "keeps its state" not in capsys.readouterr().err
+
+    # Too little room in memory (the limit told through ``free``): on disk, said, found, the memory copy gone.
+    identity, model = _write_state(lambda path: 1_000 if memory in path.parents else 2**40, book)
+    assert "keeps its state for recovery in " + str(files_of(0)[1].parent) in capsys.readouterr().err
+    assert files_of(0)[1].is_file() and not files_of(0)[0].exists()
+    state = _read(0, identity)
+    assert state["step"] == 7 and torch.equal(state["state_dict"]["weight"], model.weight.detach())
+    assert sorted(p.name for p in (files_of(0)[1].parent / "log-rank0").glob("step*.pt")) == ["step5.pt", "step6.pt"]
+    assert not list((files_of(0)[0].parent / "log-rank0").glob("step*.pt"))
+    (entry,) = book.read(range(6, 7), 1)
+    torch.testing.assert_close(entry["messages"][("F", 1)][0][0][0], torch.full((3,), 6.0))
+
+
+def test_the_log_copies_device_messages_without_waiting_and_writes_them_whole(tmp_path) -> None:
+    import pytest
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from dapple_lightning.plan import Plan
+    from dapple_lightning.strategy._logbook import Logbook
+
+    plan = Plan.coerce({"micro_batches": 1, "stages": [{"layers": [0, 1]}, {"layers": [1, 2]}]})
+    book = Logbook(plan, 0, tmp_path / "log")
+    book.checkpointed(0)
+    torch.cuda._sleep(100_000_000)  # the device is busy: a blocking copy would wait for it here
+    sent = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
+    book.record("F", 1, [sent], False)
+    assert book._copied is not None and not book._copied.query()
+    book.end_step(0, (torch.ones(1),), 0)
+    book.flush()
+    (entry,) = book.read(range(0, 1), 1)
+    torch.testing.assert_close(entry["messages"][("F", 1)][0][0][0], sent.cpu())

@@ -108,6 +108,58 @@ def test_the_fingerprint_tells_batches_apart():
         {**batch, "ids": ["a", "c"]},  # a non-tensor leaf
         {**batch, "y": torch.arange(6).double()},  # another dtype
         {"x": x, "y": torch.arange(6)},  # another structure
+        {**batch, "x": x.index_put((torch.tensor([4]), torch.tensor([1])), x[4, 1] * (1 + 2**-20))},  # one value
+        {**batch, "x": x[:, [2, 1, 0]]},  # values reordered within the rows
+        {**batch, "y": torch.arange(6).masked_fill(torch.arange(6) == 5, 0)},  # one token masked
     ]
     for other in others:
         assert not torch.equal(fingerprint(batch, cpu), fingerprint(other, cpu)), other
+    square = torch.randn(4, 4)
+    assert not torch.equal(fingerprint(square, cpu), fingerprint(square.T.contiguous(), cpu))
+
+
+def test_the_fingerprint_tells_apart_one_changed_value_in_every_dtype():
+    cpu = torch.device("cpu")
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int16, torch.uint8, torch.complex64):
+        x = (torch.randn(5, 7, generator=g) * 50).to(dtype)
+        changed = x.clone()
+        changed[3, 2] = changed[3, 2] + 1
+        assert not torch.equal(fingerprint(x, cpu), fingerprint(changed, cpu)), dtype
+        assert torch.equal(fingerprint(x, cpu), fingerprint(x.clone(), cpu)), dtype
+    mask = torch.rand(5, 7, generator=g) > 0.5
+    flipped = mask.clone()
+    flipped[0, 0] = ~flipped[0, 0]
+    assert not torch.equal(fingerprint(mask, cpu), fingerprint(flipped, cpu))
+    strided = torch.randn(7, 5, generator=g).T  # laid out by a copy of its own, same values
+    assert torch.equal(fingerprint(strided, cpu), fingerprint(strided.contiguous(), cpu))
+
+
+def test_the_fingerprint_makes_no_copy_of_the_batch():
+    """Every step fingerprints the whole batch: what it allocates stays far below the batch's size."""
+    cpu = torch.device("cpu")
+    batch = {"x": torch.randn(256, 64, 16), "ids": torch.randint(0, 50_000, (256, 512))}
+    batch_bytes = sum(t.nbytes for t in batch.values())
+    with torch.profiler.profile(profile_memory=True) as prof:
+        fingerprint(batch, cpu)
+    largest = max(e.cpu_memory_usage for e in prof.events())
+    assert 0 < largest <= batch_bytes // 32, (largest, batch_bytes)
+
+
+def test_the_step_batch_is_pinned_once_on_cuda_only():
+    import pytest
+
+    from dapple_lightning.strategy._step import PipelinedSteps
+
+    batch = {"x": torch.randn(4, 3), "ids": ["a", "b"]}
+    on_cpu = PipelinedSteps(torch.nn.Linear(1, 1), torch.device("cpu"))
+    on_cpu.dataloader_idx = 0
+    assert on_cpu.pinned(batch) is batch  # nothing to gain: used as it is
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    steps = PipelinedSteps(torch.nn.Linear(1, 1), torch.device("cuda"))
+    assert steps.pinned(batch) is batch  # the batch was moved already: no loader index set
+    steps.dataloader_idx = 0
+    pinned = steps.pinned(batch)
+    assert pinned["x"].is_pinned() and pinned["x"][1:3].is_pinned() and pinned["ids"] == ["a", "b"]
+    assert torch.equal(pinned["x"], batch["x"]) and not batch["x"].is_pinned()

@@ -297,7 +297,7 @@ class P2PGroups(NamedTuple):
     host: dist.ProcessGroup | None = None
 
 
-def p2p_groups(**kwargs: Any) -> P2PGroups:
+def p2p_groups(device: torch.device | None = None, **kwargs: Any) -> P2PGroups:
     """The groups of :class:`P2PGroups`: two for the payloads, and on NCCL three gloo ones (collective).
 
     Gloo keeps one connection per pair of ranks and group. With both directions of a pipeline
@@ -305,12 +305,26 @@ def p2p_groups(**kwargs: Any) -> P2PGroups:
     docs/benchmarks.md, "Runtime"). Activations flow only downstream and gradients only
     upstream, so one group per kind gives each direction its own connection; the header groups
     of NCCL payload groups follow the same rule.
+
+    On NCCL with a CUDA ``device``, the payload groups are bound to it (``device_id``, as
+    Lightning's DDP binds the world's group): each group's communicator is made here, once, and
+    its point-to-point messages use it, where an unbound group makes one communicator per pair
+    lazily, on the pair's first message, inside the schedule.
     """
-    activations, gradients = dist.new_group(**kwargs), dist.new_group(**kwargs)
+    payload = {**kwargs, **_bound_to(device, kwargs.get("backend"))}
+    activations, gradients = dist.new_group(**payload), dist.new_group(**payload)
     if dist.get_backend(activations) == dist.Backend.GLOO:
         return P2PGroups(activations, gradients)
     host = {**kwargs, "backend": dist.Backend.GLOO}
     return P2PGroups(activations, gradients, dist.new_group(**host), dist.new_group(**host), dist.new_group(**host))
+
+
+def _bound_to(device: torch.device | None, backend: str | None = None) -> dict[str, torch.device]:
+    """``new_group``'s ``device_id`` for a group of ``backend`` (the world's when ``None``): the CUDA
+    ``device`` on NCCL, which then makes the group's communicator at once; nothing elsewhere."""
+    if device is None or device.type != "cuda":
+        return {}
+    return {"device_id": device} if "nccl" in str(backend or dist.get_backend()).lower() else {}
 
 
 def connect_pairs(pairs: Iterable[tuple[str, int, int]], links: Mapping[str, Link], rank: int) -> None:
@@ -344,9 +358,11 @@ def stage_group(plan: Plan, rank: int, device: torch.device | None = None, **kwa
     group's communicator is made here, by one all-reduce over its members once every group
     exists: NCCL makes it on first use otherwise, blocking, inside the first step's gradient
     hooks while this rank's point-to-point kernels are in flight. A rank is in one stage group
-    at most, so the members' all-reduces wait on no one else.
+    at most, so the members' all-reduces wait on no one else. On NCCL the groups are bound to
+    ``device`` (see :func:`_bound_to`), which makes each communicator at creation already.
     """
     mine = None
+    kwargs = {**kwargs, **_bound_to(device, kwargs.get("backend"))}
     for index in range(plan.num_stages):
         ranks = list(plan.stage_ranks(index))
         if len(ranks) > 1:

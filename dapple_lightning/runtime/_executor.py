@@ -6,7 +6,7 @@ given, through the :class:`~dapple_lightning.runtime.StageCall` hand-off) or bac
 ``RECV_*`` wait for a piece of a micro-batch's input or gradient, ``SEND_*`` send one, and
 ``REDUCE`` starts summing the stage's gradients as the last backward finishes them. The order
 of messages is the program's, which the simulator has checked; the executor only posts each
-receive ahead of need (see :class:`_Inbox`), which never reorders a pair's messages. Before a
+receive one action ahead of need (see :class:`_Inbox`), which never reorders a pair's messages. Before a
 program's first messages, every pair it uses (on any rank) is opened in one order common to all
 ranks (see :func:`~dapple_lightning.runtime._comm.connect_pairs`).
 
@@ -27,6 +27,7 @@ from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import dataclass, field
 
 import torch
+import torch._functorch.config
 import torch.distributed as dist
 from torch import nn
 
@@ -162,7 +163,11 @@ class Pipeline:
         self._param_storages = {p.untyped_storage().data_ptr() for p in module.parameters()}
         # Stage 0's B is empty (its W is the whole backward): its layers gain nothing from the store.
         plain = self.is_first or module.offload is not None
-        self._linears = LinearStore([] if plain else storable_linears(module, self.shared_params))
+        linears = [] if plain else storable_linears(module, self.shared_params)
+        # A compiled block runs its linear layers in its own graph: routed through the store, each
+        # would break that graph in two. Their weight work is split like any other layer's.
+        compiled = {id(m) for block in module.modules() if _is_compiled(block) for m in block.modules()}
+        self._linears = LinearStore([layer for layer in linears if id(layer) not in compiled])
         self._programs: dict[tuple[int, bool], tuple[Op, ...]] = {}
         self._handlers: dict[str, Callable[[_Step, Op], None]] = {
             "F": self._forward,
@@ -238,10 +243,14 @@ class Pipeline:
         if offload is not None:
             offload.begin(self.module.shared)
         try:
-            for op in program:
-                self._handlers[op.kind](step, op)
-                if self.timeline.enabled and op.kind in _PASSES:
-                    self.timeline.counter("memory", self._memory_in_use(step))
+            # A split backward keeps the graph for W: compiled blocks must not donate the buffers
+            # their backward reads (AOTAutograd's donated buffers need the graph freed at once).
+            with torch._functorch.config.patch(donated_buffer=False) if step.split else nullcontext():
+                for position, op in enumerate(program):
+                    step.inbox.reach(position)
+                    self._handlers[op.kind](step, op)
+                    if self.timeline.enabled and op.kind in _PASSES:
+                        self.timeline.counter("memory", self._memory_in_use(step))
             for outstanding in step.outstanding():
                 outstanding.wait()
         except BaseException:
@@ -459,35 +468,61 @@ class Pipeline:
                     self.stats.replica_sum = summed
 
 
+def _is_compiled(module: nn.Module) -> bool:
+    """Whether ``module`` runs compiled: ``module.compile()``, or the wrapper ``torch.compile(module)`` returns."""
+    return getattr(module, "_compiled_call_impl", None) is not None or hasattr(module, "_orig_mod")
+
+
 class _Inbox:
-    """A step's receives, each posted as soon as the previous one on the same channel is in.
+    """A step's receives, each posted one action ahead of the action that needs it.
+
+    A receive posted too early costs: on NCCL a posted receive is a kernel that holds its SMs
+    until the data comes, so a first stage that posted its first gradient receive at the step's
+    start would hold them through its whole warm-up. Posted too late, the data moves only once
+    the action that needs it waits (gloo moves data only to a posted receive). So a receive is
+    posted when the executor reaches the ``ahead``-th action (``F``, ``B`` or ``W``) before it:
+    its data moves while that action runs.
 
     A channel is a direction (link) and a peer. Messages on a channel are matched in posting
-    order, so at most one per channel is posted ahead, and the program's order on each channel
-    is kept.
+    order, and the link learns what the next message holds from the previous one, so at most one
+    receive per channel is posted at a time, in the program's order.
     """
 
-    def __init__(self, program: Sequence[Op], links: Mapping[str, Link | RecordedLink]) -> None:
-        self.links = links
-        self.queues: dict[tuple[str, int], deque[Op]] = {}
-        for op in program:
-            if op.kind.startswith("RECV"):
-                self.queues.setdefault((op.kind[-1], op.peer), deque()).append(op)
-        self.posted: dict[tuple[str, int], tuple[Op, Incoming]] = {}
-        for channel in self.queues:
-            self._post_next(channel)
+    ACTIONS = ("F", "B", "W")
 
-    def _post_next(self, channel: tuple[str, int]) -> None:
-        if self.queues[channel]:
-            op = self.queues[channel].popleft()
+    def __init__(self, program: Sequence[Op], links: Mapping[str, Link | RecordedLink], *, ahead: int = 1) -> None:
+        self.links = links
+        # (the position from which a receive may be posted, the receive), in program order
+        self.waiting: deque[tuple[int, Op]] = deque()
+        actions: list[int] = []
+        for index, op in enumerate(program):
+            if op.kind in self.ACTIONS:
+                actions.append(index)
+            elif op.kind.startswith("RECV"):
+                self.waiting.append((actions[-ahead] if len(actions) >= ahead else 0, op))
+        self.posted: dict[tuple[str, int], tuple[Op, Incoming]] = {}
+        self.position = 0
+        self.most_posted = 0
+        """The most receives posted at once during the step."""
+
+    def reach(self, position: int) -> None:
+        """The executor is about to run the program's op at ``position``: post what is due."""
+        self.position = position
+        while self.waiting and self.waiting[0][0] <= position:
+            op = self.waiting[0][1]
+            channel = (op.kind[-1], op.peer)
+            if channel in self.posted:  # its previous receive first
+                break
+            self.waiting.popleft()
             assert op.rows is not None
             self.posted[channel] = (op, self.links[channel[0]].post(channel[1], len(op.rows)))
+            self.most_posted = max(self.most_posted, len(self.posted))
 
     def take(self, op: Op) -> tuple[list[torch.Tensor], bool]:
-        """Wait for ``op``'s message, then post the channel's next receive."""
+        """Wait for ``op``'s message, then post what its channel held back."""
         channel = (op.kind[-1], op.peer)
         posted_for, incoming = self.posted.pop(channel)
         assert posted_for == op, f"receive posted for {posted_for}, taken by {op}"
         out = incoming.wait()
-        self._post_next(channel)
+        self.reach(self.position)
         return out

@@ -282,6 +282,14 @@ class StageModule(nn.Sequential):
         if self.offload is not None:  # a copy keeps the hook and holds its values itself
             self.offload.materialize()
 
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        """Refused: the stage's forward hands tensors to and from the pipeline (a compiled one fails in
+        its first step); its layers compile (see docs/models.md)."""
+        raise RuntimeError(
+            "dapple: the pipelined container cannot be compiled as a whole: its forward hands tensors to and from "
+            "the pipeline. Compile its blocks instead, e.g. `for block in self.layers: block.compile()`"
+        )
+
     def __getstate__(self) -> dict[str, Any]:
         if self.offload is not None:  # a copy holds the values, in memory (the files stay this module's)
             self.offload.materialize()

@@ -8,8 +8,9 @@ step each stage spent idle.
 On CUDA the host only queues work: a span timed on the host's clock would measure kernel
 launches, and the trials that time plans with these spans (``plan="auto"``) would choose by
 them. There a span records two CUDA events on the current stream instead (the profiler's clock,
-``planner.device_clock``), and the step's spans are resolved when it ends
-(:meth:`Timeline.end_step`), with one wait for the device per step.
+``planner.device_clock``), and the spans are resolved when :attr:`Timeline.events` is read, with
+one wait for the device then (and one per :data:`RESOLVE_EVERY` steps, which bounds the events
+held): no step waits for the device to time itself.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from dapple_lightning.planner import DeviceEvent, device_clock
 __all__ = ["DeviceEvent", "Event", "Timeline", "bubble_fractions", "write_chrome_trace"]
 
 COMPUTE = ("forward", "backward", "backward-input", "backward-weight")
+RESOLVE_EVERY = 64
+"""Steps whose device spans a timeline holds unresolved at most."""
 
 
 @dataclass(frozen=True)
@@ -60,7 +63,7 @@ class Timeline:
         self, rank: int, stage: int, enabled: bool = True, *, clock: Callable[[], DeviceEvent] | None = None
     ) -> None:
         self.rank, self.stage, self.enabled = rank, stage, enabled
-        self.events: list[Event] = []
+        self._events: list[Event] = []
         self.counters: list[Event] = []
         """Samples of counter tracks (:meth:`counter`), apart from the spans in :attr:`events`."""
         self.step = 0
@@ -69,7 +72,13 @@ class Timeline:
         self._offset = time.time() - time.perf_counter()
         self._clock = clock
         self._pending: list[tuple[str, int, DeviceEvent, DeviceEvent, int]] = []
-        """This step's spans on the device clock, resolved into :attr:`events` when it ends."""
+        """Spans on the device clock, resolved into :attr:`events` when those are read."""
+
+    @property
+    def events(self) -> list[Event]:
+        """The spans recorded so far, in order (those on the device clock resolved now, with one wait)."""
+        self._resolve()
+        return self._events
 
     def time_on(self, device: torch.device) -> None:
         """Time spans with CUDA events when the work runs on a CUDA device (unless given a clock)."""
@@ -96,7 +105,7 @@ class Timeline:
             yield
         finally:
             end = time.perf_counter()
-            self.events.append(
+            self._events.append(
                 Event(name, self.rank, self.stage, micro_batch, start + self._offset, end + self._offset, self.step)
             )
 
@@ -108,26 +117,31 @@ class Timeline:
             self.counters.append(Event(name, self.rank, self.stage, -1, now, now, self.step, value))
 
     def end_step(self) -> None:
-        """The step is over: resolve its device spans into :attr:`events`, then count it.
-
-        One event recorded now and waited for marks when the device finished the step; every
-        span's times are counted back from it, on the wall clock the host reads at that moment.
-        """
-        if self._pending:
-            assert self._clock is not None
-            now = self._clock()
-            now.record()
-            now.synchronize()
-            wall = time.time()
-            for name, micro_batch, begin, finish, step in self._pending:
-                start = wall - begin.elapsed_time(now) / 1e3
-                end = wall - finish.elapsed_time(now) / 1e3
-                self.events.append(Event(name, self.rank, self.stage, micro_batch, start, end, step))
-            self._pending.clear()
+        """The step is over: count it (its device spans stay unresolved, see :attr:`events`)."""
         self.step += 1
+        if self._pending and self.step - self._pending[0][4] >= RESOLVE_EVERY:
+            self._resolve()
+
+    def _resolve(self) -> None:
+        """The device spans into :attr:`events`: one event recorded now and waited for marks when the
+        device finished them; every span's times are counted back from it, on the wall clock the host
+        reads at that moment."""
+        if not self._pending:
+            return
+        assert self._clock is not None
+        now = self._clock()
+        now.record()
+        now.synchronize()
+        wall = time.time()
+        for name, micro_batch, begin, finish, step in self._pending:
+            start = wall - begin.elapsed_time(now) / 1e3
+            end = wall - finish.elapsed_time(now) / 1e3
+            self._events.append(Event(name, self.rank, self.stage, micro_batch, start, end, step))
+        self._pending.clear()
 
     def abandon(self) -> None:
-        """Forget the step's unresolved spans (it failed; the device may not answer)."""
+        """Forget the step's unresolved spans (it failed; the device may not answer). Those of earlier
+        steps are dropped too: resolving them would wait for the device."""
         self._pending.clear()
 
 

@@ -35,7 +35,7 @@ from dapple_lightning.strategy._resident import Resident, parameter_bytes
 from dapple_lightning.strategy._step import PipelinedSteps
 from dapple_lightning.surgery import Chain, capture_input, partition, set_submodule, split_ties, unchanged
 
-__all__ = ["AutoSetting", "Trials", "choose_automatically", "draw_global_batch"]
+__all__ = ["AutoSetting", "Trials", "choose_automatically", "draw_global_batch", "step_seconds"]
 
 
 @dataclass(frozen=True)
@@ -138,7 +138,9 @@ class Trials:
     steps (collective; see :func:`autoplan.measure_in_turns`, which calls it once per turn) and
     returns what they took. A plan's pipeline is built on its first turn and kept for the later
     ones, so that creating and connecting its process groups and its first, slower step are paid
-    once and never counted. The steps train: the caller puts the weights back
+    once and never counted; how many steps a turn times follows from a second, warm step
+    (:func:`step_seconds`), not from the first. The steps are timed by one wait for the device at
+    each end of a turn, their passes by device events read once after it (no step waits). The steps train: the caller puts the weights back
     (``surgery.unchanged``); :meth:`close` detaches the pipelines and puts the container back.
 
     While a plan runs, the device holds that plan's stage of this rank, the chain's other layers
@@ -208,12 +210,9 @@ class Trials:
         pipeline = setting.pipelines.build(plan, stage, Timeline(rank, plan.stage_of(rank)))
         self._pipelines.append(pipeline)
         dist.barrier()
-        start = _clock(setting.device)
-        self._train_step(pipeline, params)  # connects the plan's process groups: not counted
+        once = step_seconds(lambda: self._train_step(pipeline, params), partial(_clock, setting.device))
         # Cheap steps are noisy: as many as fit the budget (every rank the same number).
-        wanted = torch.tensor(
-            [math.ceil(self._budget_s / (_clock(setting.device) - start))], dtype=torch.int64, device=setting.device
-        )
+        wanted = torch.tensor([math.ceil(self._budget_s / max(once, 1e-9))], dtype=torch.int64, device=setting.device)
         dist.all_reduce(wanted, op=dist.ReduceOp.MAX)
         return stage, pipeline, params, min(max(int(wanted), self._steps), 10 * self._steps)
 
@@ -279,6 +278,15 @@ class Trials:
             return
         stand_ins, self._unhook = stand_in_layers(self._chain.containers, stage, layers.start, layers.end)
         self._put(stand_ins)
+
+
+def step_seconds(step: Callable[[], None], clock: Callable[[], float]) -> float:
+    """Seconds one ``step`` takes once warm: the first runs untimed (it creates and connects the plan's
+    communicators, the optimizer's state, the allocator's blocks), then one is timed on ``clock``."""
+    step()
+    start = clock()
+    step()
+    return clock() - start
 
 
 def _clock(device: torch.device) -> float:

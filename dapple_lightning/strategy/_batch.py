@@ -78,30 +78,48 @@ def same_order(patches: Patches, dataloader: object, seed: int) -> object:
 
 
 def fingerprint(batch: Any, device: torch.device) -> Tensor:
-    """Four integers that differ, but for a vanishing chance, between batches that differ in any
-    value, order, shape or structure. Computed on the values' bits with wrapping integer sums, so
-    it does not depend on the order of a parallel reduction."""
-    digest = torch.zeros(4, dtype=torch.int64, device=device)
+    """Five integers that differ, but for a vanishing chance, between batches that differ in any
+    value, order, shape or structure.
+
+    Each tensor is read as the integers of its own width (its bits, through a view), as a matrix of
+    rows (dim 0) by the rest, and summed along both dims in that width, wrapping: no copy of the
+    batch is made (only of a strided tensor, to lay it out). One changed value changes its row's
+    and its column's sum (a nonzero change below the width's modulus); a reordering of rows or of
+    the values within rows changes a sum weighted by position; shape, dtype and the non-tensor
+    leaves are hashed. The sums do not depend on the order of a parallel reduction.
+    """
+    digest = torch.zeros(5, dtype=torch.int64, device=device)
     for index, leaf in enumerate(_leaves(batch), start=1):
         if isinstance(leaf, Tensor):
-            bits = _bits(leaf.detach().to(device))
-            weights = torch.arange(bits.numel(), device=device, dtype=torch.int64).remainder_(_PERIOD).add_(1)
+            rows, columns = _sums(leaf.detach().to(device))
             shape = _hash((str(leaf.dtype), tuple(leaf.shape)))
-            part = torch.stack([bits.sum(), bits.mul(weights).sum(), torch.tensor(shape, device=device)])
+            part = torch.stack(
+                [rows.sum(), _weighted(rows, 1), _weighted(columns, 2), torch.tensor(shape, device=device)]
+            )
         else:
-            part = torch.tensor([0, 0, _hash(leaf)], dtype=torch.int64, device=device)
-        digest[:3] += part * index
-        digest[3] += index
+            part = torch.tensor([0, 0, 0, _hash(leaf)], dtype=torch.int64, device=device)
+        digest[:4] += part * index
+        digest[4] += index
     return digest
 
 
-def _bits(tensor: Tensor) -> Tensor:
-    """The tensor's values as integers of the same width, widened to int64."""
-    flat = tensor.contiguous().reshape(-1)
+def _sums(tensor: Tensor) -> tuple[Tensor, Tensor]:
+    """Wrapping sums of ``tensor``'s bits along its rows and along its columns (as int64, one per row
+    and one per column; dim 0 is the rows, the rest flattened into the columns)."""
+    flat = tensor.contiguous()
     if flat.is_complex():
-        flat = torch.view_as_real(flat).reshape(-1)
-    as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
-    return flat.view(as_int).to(torch.int64)
+        flat = torch.view_as_real(flat)
+    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
+    bits = flat.reshape(-1).view(width)
+    matrix = bits.reshape(tensor.shape[0] if tensor.dim() > 0 else 1, -1) if bits.numel() else bits.reshape(0, 0)
+    # A sum into the tensor's own integer width wraps there and needs no wider copy of its input.
+    return matrix.sum(dim=1, dtype=width).to(torch.int64), matrix.sum(dim=0, dtype=width).to(torch.int64)
+
+
+def _weighted(sums: Tensor, step: int) -> Tensor:
+    """``sums`` weighted by position (weights 1, 1 + step, ...; period :data:`_PERIOD`)."""
+    weights = torch.arange(sums.numel(), device=sums.device, dtype=torch.int64).mul_(step).remainder_(_PERIOD).add_(1)
+    return sums.mul(weights).sum()
 
 
 def _leaves(obj: Any) -> list[Any]:

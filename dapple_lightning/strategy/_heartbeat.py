@@ -17,6 +17,14 @@ Checkpoints are written under a temporary name and renamed, so ending mid-save l
 
 The thread uses its own store client: the main thread's may be busy in a long wait (a barrier),
 and beats queued behind it would look like a dead rank.
+
+A Python thread beats only when it gets the GIL: a call that holds it for seconds (pickling a
+stage's state for ``send_object_list``) silences a rank that is alive. On the watcher's machine
+``/proc`` tells a running process from a dead one; across machines a rank announces such work
+first (:func:`long_host_work`): it leaves a lease in the store, and its watchers grant it that
+many seconds of silence, counted on their own clocks from its last beat. A rank that dies inside
+the lease is lost once it runs out (at once where ``/proc`` shows it gone); elsewhere nothing
+changes.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from itertools import count
 from pathlib import Path
@@ -44,6 +52,7 @@ __all__ = [
     "Heartbeat",
     "attempt",
     "launcher_client",
+    "long_host_work",
     "watch_peers",
 ]
 
@@ -65,7 +74,11 @@ _STOPPED = frozenset("Tt")
 """/proc states of a stopped process (SIGSTOP, a debugger)."""
 _LEFT = 1 << 40
 """Added to a rank's counter when it leaves cleanly: its watchers stop watching it."""
+_GONE = "X"
+"""/proc's state letter of a dead process; also what a process of this machine with no /proc entry is."""
 _runs = count()  # one namespace per run of a process (fit, then test, in one script); the same on every rank
+_running: Heartbeat | None = None
+"""This process's started heartbeat, until it stops (for :func:`long_host_work`)."""
 
 
 class Heartbeat:
@@ -105,10 +118,23 @@ class Heartbeat:
         """Why this rank is ending, once a peer is known lost."""
 
     def start(self) -> Heartbeat:
+        global _running
         self._store.set(self._key(f"pid/{self.rank}"), f"{_process_space()} {os.getpid()}")
         self._beat(1)
         self._thread.start()
+        _running = self
         return self
+
+    @contextlib.contextmanager
+    def busy(self, seconds: float) -> Iterator[None]:
+        """Inside: this rank may beat no more for up to ``seconds`` (see :func:`long_host_work`)."""
+        lease = self._key(f"busy/{self.rank}")
+        self._store.set(lease, repr(float(seconds)))
+        try:
+            yield
+        finally:
+            self._try(lambda: self._beat(1))  # a beat first: a watcher never sees silence without the lease
+            self._try(lambda: self._store.set(lease, ""))
 
     def report_failure(self, reason: str) -> None:
         """This rank failed (collective-free): every peer learns it at its next look, not after a timeout.
@@ -124,6 +150,9 @@ class Heartbeat:
         After a clean leave the caller must wait for every rank to have stopped (a barrier) before the
         process ends: the store may live in this process (rank 0's under Lightning's launcher), and a
         peer's thread that still polls it would take its going for a lost launcher."""
+        global _running
+        if _running is self:
+            _running = None
         self._stopped.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=2 * INTERVAL_S + STALE_S)
@@ -165,6 +194,8 @@ class Heartbeat:
                     # On this machine and running: a call holding the GIL starves its beats, it is not
                     # lost (the process group's timeout still bounds a real hang).
                     continue
+                if state is None and now - last[peer][1] <= self._lease(peer):
+                    continue  # on another machine, inside the long host work it announced
                 silent_s = now - last[peer][1]
                 reason = f"rank {peer} sent no heartbeat for {silent_s:.1f} s (killed, stopped or its host lost)"
                 reason = self._say_lost(reason)
@@ -184,8 +215,18 @@ class Heartbeat:
             return int(pid), None
         try:  # the state follows the command name, which is in parentheses and may hold spaces
             return int(pid), Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-        except (OSError, IndexError):
+        except OSError:
+            return int(pid), _GONE
+        except IndexError:
             return int(pid), None
+
+    def _lease(self, peer: int) -> float:
+        """The seconds of silence ``peer`` announced (:meth:`busy`); 0 outside such work."""
+        key = self._key(f"busy/{peer}")
+        if not self._store.check([key]):
+            return 0.0
+        value = self._store.get(key).decode()
+        return float(value) if value else 0.0
 
     def _say_lost(self, reason: str) -> str:
         """Record why the run is lost unless a reason is there already; the first one, which every rank reports."""
@@ -259,6 +300,13 @@ def launcher_client(address: str, port: int, timeout: timedelta) -> dist.TCPStor
     Lightning's launcher): a client's operations run one at a time, so a thread that must not wait
     behind another's blocking call needs its own."""
     return dist.TCPStore(address, port, is_master=False, timeout=timeout, wait_for_workers=False)
+
+
+def long_host_work(seconds: float) -> contextlib.AbstractContextManager[None]:
+    """Around host work that may hold the GIL for seconds (pickling a stage's state): this process's
+    heartbeat (if one runs) has its watchers grant it up to ``seconds`` of silence meanwhile, so that
+    across machines it is not taken for a lost rank; a rank that dies inside is lost when they run out."""
+    return _running.busy(seconds) if _running is not None else contextlib.nullcontext()
 
 
 def watch_peers(

@@ -33,8 +33,9 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 
 from dapple_lightning.plan import Plan
 from dapple_lightning.runtime import Message
+from dapple_lightning.strategy._heartbeat import long_host_work
 from dapple_lightning.strategy._parts import FitParts
-from dapple_lightning.strategy._recovery import private_directory
+from dapple_lightning.strategy._recovery import private_directory, state_bytes
 
 __all__ = ["Logbook", "replay_lost_stages"]
 
@@ -55,8 +56,12 @@ class Logbook:
     while training runs (one copy of the messages, no write), to storage when the rank writes its
     kept state after a loss (:meth:`flush`), so that it outlives torchrun's restart."""
 
-    def __init__(self, plan: Plan, rank: int, directory: Path) -> None:
+    def __init__(self, plan: Plan, rank: int, directory: Path, *elsewhere: Path) -> None:
         self.rank, self.directory = rank, directory
+        self.directories = [directory, *elsewhere]
+        """Where the log may be on storage: where the rank's state is (see :func:`._recovery.room_for`)."""
+        self._copied: Any = None
+        """On CUDA: an event recorded after the latest copy of a message to the host."""
         self.watched = set(_watched(plan, rank))
         self.keeps_batch = any(min(_neighbours(plan, lost)) == rank for lost in self.watched)
         self._messages: dict[tuple[str, int], list[Message]] = {}
@@ -64,9 +69,25 @@ class Logbook:
         self._checkpoints: list[int] = []
 
     def record(self, link: str, dst: int, tensors: list[torch.Tensor], as_tuple: bool) -> None:
-        if dst in self.watched:
-            copies = [t.detach().to("cpu", copy=True) for t in tensors]
-            self._messages.setdefault((link, dst), []).append((copies, as_tuple))
+        """Keep a host copy of a message sent to ``dst``. From a GPU the copy goes into page-locked
+        memory without waiting (a copy into pageable memory would wait for the device at every
+        message); :meth:`flush` waits for the copies before it writes them."""
+        if dst not in self.watched:
+            return
+        copies = []
+        for t in tensors:
+            if t.device.type == "cuda":
+                copies.append(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t.detach(), non_blocking=True))
+            else:
+                copies.append(t.detach().to("cpu", copy=True))
+        if any(t.device.type == "cuda" for t in tensors):
+            self._copied = torch.cuda.Event()
+            self._copied.record()  # after the copies, on the stream they were queued on
+        self._messages.setdefault((link, dst), []).append((copies, as_tuple))
+
+    def nbytes(self) -> int:
+        """The bytes of the messages and batches the log holds."""
+        return state_bytes(self._steps)
 
     def end_step(self, step: int, batch: Any, batch_idx: int) -> None:
         """The step's messages (and batch) join the log, once a checkpoint was saved to replay from."""
@@ -87,29 +108,38 @@ class Logbook:
         self._checkpoints = [*self._checkpoints[-1:], step]
         for old in [s for s in self._steps if s < self._checkpoints[0]]:
             del self._steps[old]
-        if self.directory.is_dir():
-            for path in self.directory.glob("step*.pt"):
+        for directory in self.directories:
+            for path in directory.glob("step*.pt") if directory.is_dir() else ():
                 if int(path.stem[4:]) < self._checkpoints[0]:
                     path.unlink(missing_ok=True)
 
-    def flush(self) -> None:
-        """The log to storage, a file per step, each under a temporary name then renamed (called with
-        the rank's kept state, after a loss)."""
+    def flush(self, directory: Path | None = None) -> None:
+        """The log to storage in ``directory`` (one of :attr:`directories`; ``None``: the first), a file
+        per step, each under a temporary name then renamed (called with the rank's kept state, after a
+        loss). The same steps elsewhere, from an earlier attempt, go."""
         if not self._steps:
             return
-        private_directory(self.directory)
+        directory = directory or self.directory
+        if directory not in self.directories:
+            self.directories.append(directory)
+        if self._copied is not None:
+            self._copied.synchronize()  # the messages' copies to the host are done
+        private_directory(directory)
         for step, entry in self._steps.items():
-            path = self.directory / f"step{step}.pt"
+            path = directory / f"step{step}.pt"
             tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
             torch.save(entry, tmp)
             os.replace(tmp, path)
+            for other in self.directories:
+                if other != directory:
+                    (other / path.name).unlink(missing_ok=True)
 
     def read(self, steps: range, lost: int) -> list[dict[str, Any]] | None:
-        """This rank's entries for ``lost`` over ``steps``; ``None`` if one is missing."""
+        """This rank's entries for ``lost`` over ``steps``, wherever they were written; ``None`` if one is missing."""
         entries = []
         for step in steps:
-            path = self.directory / f"step{step}.pt"
-            if not path.is_file():
+            path = next((d / f"step{step}.pt" for d in self.directories if (d / f"step{step}.pt").is_file()), None)
+            if path is None:
                 return None
             entry = torch.load(path, map_location="cpu", weights_only=False)
             messages = {k: v for k, v in entry["messages"].items() if k[1] == lost}
@@ -128,11 +158,13 @@ def replay_lost_stages(
     logs: dict[int, Any] = {}
     for victim in lost:
         if rank in _neighbours(plan, victim):
-            dist.send_object_list([logbook.read(range(start, step), victim)], dst=victim, group=group)
+            with long_host_work(parts.timeout.total_seconds()):  # pickling the log holds the GIL
+                dist.send_object_list([logbook.read(range(start, step), victim)], dst=victim, group=group)
         elif rank == victim:
             for sender in _neighbours(plan, victim):
                 box: list[Any] = [None]
-                dist.recv_object_list(box, src=sender, group=group)
+                with long_host_work(parts.timeout.total_seconds()):
+                    dist.recv_object_list(box, src=sender, group=group)
                 logs[sender] = box[0]
     refusal = _refusal(parts, trainer, path, start, step, logs) if rank in lost else None
     refusals: list[Any] = [None] * dist.get_world_size()

@@ -38,6 +38,8 @@ class PipelineBuilder:
     def __init__(self, module: nn.Module, rank: int, device: torch.device, timeout: timedelta) -> None:
         self.module, self.rank, self.device, self.timeout = module, rank, device, timeout
         self._p2p: P2PGroups | None = None
+        self._p2p_plans: set[Plan] = set()
+        """The plans whose pipelines the point-to-point groups carried."""
         self._stage_groups: dict[Plan, dist.ProcessGroup | None] = {}
 
     def build(self, plan: Plan, stage: StageModule, timeline: Timeline, *, track_memory: bool = False) -> Pipeline:
@@ -52,7 +54,9 @@ class PipelineBuilder:
         held = {id(p) for p in self.module.parameters()}
         idle = [p for p in stage.shared if id(p) not in held]  # only other stages' layers use them
         if plan.num_stages > 1 and self._p2p is None:
-            self._p2p = p2p_groups(timeout=self.timeout)
+            self._p2p = p2p_groups(self.device, timeout=self.timeout)
+        if plan.num_stages > 1:
+            self._p2p_plans.add(plan)
         if plan not in self._stage_groups:
             self._stage_groups[plan] = stage_group(plan, self.rank, self.device, timeout=self.timeout)
         return Pipeline(
@@ -69,18 +73,22 @@ class PipelineBuilder:
         )
 
     def keep_only(self, plan: Plan) -> None:
-        """Destroy the groups that only other plans (``plan="auto"``'s trials) used (collective on
-        every rank, in the same order everywhere). An NCCL communicator holds device memory and
-        its connections for as long as its group lives, and training uses ``plan``'s alone."""
+        """Destroy the groups that other plans (``plan="auto"``'s trials) used (collective on every
+        rank, in the same order everywhere). An NCCL communicator holds device memory and its
+        connections for as long as its group lives, and training uses ``plan``'s alone: the other
+        plans' stage groups go, and so do the point-to-point groups if another plan's pipeline used
+        them (on an unbound NCCL group its pairs' communicators stay with the group); ``plan``'s
+        pipeline then gets new ones (:meth:`build`)."""
         for other in [p for p in self._stage_groups if p != plan]:
             group = self._stage_groups.pop(other)
             if group is not None:
                 dist.destroy_process_group(group)
-        if plan.num_stages == 1 and self._p2p is not None:
+        if self._p2p is not None and (plan.num_stages == 1 or self._p2p_plans - {plan}):
             for group in self._p2p:
                 if group is not None:  # None: a group gloo runs do not need (never the default one)
                     dist.destroy_process_group(group)
             self._p2p = None
+            self._p2p_plans.clear()
 
     @property
     def groups(self) -> list[dist.ProcessGroup]:

@@ -46,10 +46,12 @@ from __future__ import annotations
 
 import datetime
 import os
+import shutil
 import signal
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -73,7 +75,7 @@ from dapple_lightning.strategy._order import EpochOrder, track
 from dapple_lightning.strategy._snapshot import BufferCopies, Snapshot, loops_state
 from dapple_lightning.strategy._step import to_cpu
 
-__all__ = ["FORMAT", "Recovery", "RecoveryMode", "file_of", "is_active"]
+__all__ = ["FORMAT", "Recovery", "RecoveryMode", "file_of", "files_of", "is_active", "room_for"]
 
 RecoveryMode = bool | Literal["auto", "log"]
 FORMAT = 1
@@ -105,14 +107,55 @@ def is_active(mode: RecoveryMode) -> bool:
     return bool(mode)
 
 
-def file_of(rank: int) -> Path:
-    """Where ``rank`` writes its state: node-local, one directory per user and torchrun run
-    (``DAPPLE_RECOVERY_DIR``, else ``/dev/shm`` where it exists, else the temporary directory)."""
-    root = os.environ.get("DAPPLE_RECOVERY_DIR")
-    if root is None:
-        root = "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+def files_of(rank: int) -> list[Path]:
+    """Where ``rank`` may keep its state, in order of preference: node-local, one directory per user and
+    torchrun run, under ``DAPPLE_RECOVERY_DIR``, else ``/dev/shm`` where it exists (memory), then
+    under the temporary directory (on disk) for when the first lacks the room (see :func:`room_for`)."""
+    disk = tempfile.gettempdir()
+    first = os.environ.get("DAPPLE_RECOVERY_DIR") or ("/dev/shm" if os.access("/dev/shm", os.W_OK) else disk)
     run = os.environ.get("TORCHELASTIC_RUN_ID", "none")
-    return Path(root) / f"dapple-recovery-{os.getuid()}" / run / f"rank{rank}.pt"
+    roots = [first] if Path(first) == Path(disk) else [first, disk]
+    return [Path(root) / f"dapple-recovery-{os.getuid()}" / run / f"rank{rank}.pt" for root in roots]
+
+
+def file_of(rank: int) -> Path:
+    """Where ``rank``'s kept state is: the first of :func:`files_of` that holds it (the first if none)."""
+    places = files_of(rank)
+    return next((p for p in places if p.is_file()), places[0])
+
+
+def free_bytes(path: Path) -> int:
+    """Bytes free on the file system that holds ``path`` (or would: its nearest existing ancestor)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def room_for(rank: int, size: int, free: Callable[[Path], int] = free_bytes) -> Path:
+    """Where ``rank`` writes state of about ``size`` bytes: the first of :func:`files_of` whose file system
+    has the room (``free`` tells the bytes free there), saying so when that is not the first; the
+    last when none has it (the write then fails, saying where). ``/dev/shm`` is often small in
+    containers (Docker's default is 64 MiB), and a full one fails the write."""
+    places = files_of(rank)
+    needed = size + size // 16 + 2**24  # the pickle's own bytes, and room for other writers
+    chosen = next((p for p in places if free(p.parent) >= needed), places[-1])
+    if chosen != places[0]:
+        sys.stderr.write(
+            f"dapple: rank {rank} keeps its state for recovery in {chosen.parent}: {places[0].parent} has "
+            f"{free(places[0].parent) / 2**20:.0f} MiB free, {needed / 2**20:.0f} MiB are needed\n"
+        )
+    return chosen
+
+
+def state_bytes(obj: Any) -> int:
+    """The bytes of the tensors in ``obj`` (dicts, lists and tuples of them)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.nbytes
+    if isinstance(obj, dict):
+        return sum(state_bytes(v) for v in obj.values())
+    if isinstance(obj, list | tuple):
+        return sum(state_bytes(v) for v in obj)
+    return 0
 
 
 def private_directory(path: Path) -> Path:
@@ -150,6 +193,8 @@ class Recovery:
         self._buffers: dict[str, Any] = {}  # the module's buffers at the last safe point
         self._buffer_copies: BufferCopies | None = None  # where the module's buffers are, found once per module
         self._timeout_s = 120.0
+        self.free_bytes: Callable[[Path], int] = free_bytes
+        """Tells the bytes free where the state may go (see :func:`room_for`)."""
         self.order: EpochOrder | None = None
         """The training loader's order, whose epoch start the snapshot keeps."""
         self.logbook: Any = None
@@ -232,7 +277,8 @@ class Recovery:
             signal.signal(signal.SIGTERM, self._signals)
             self._signals = None
         if self.active and not failed:
-            file_of(self.rank).unlink(missing_ok=True)
+            for path in files_of(self.rank):
+                path.unlink(missing_ok=True)
         self.recovered, self.order = None, None
         if self._unwrap is not None:
             self._unwrap()
@@ -251,7 +297,8 @@ class Recovery:
             # Lightning counts a restart after a validation as one at the end of a batch and steps this twice.
             set_batches_that_stepped(self._trainer, self.recovered["dapple_batches_that_stepped"])
             self.recovered = None
-            file_of(self.rank).unlink(missing_ok=True)  # restored: it must not come back after a later failure
+            for path in files_of(self.rank):  # restored: it must not come back after a later failure
+                path.unlink(missing_ok=True)
         if self._trainer.accumulate_grad_batches != 1:  # raised since the start (GradientAccumulationScheduler)
             self.active = False
             rank_zero_warn("dapple: gradient accumulation began, which recovery cannot follow; recovery is off")
@@ -404,14 +451,18 @@ class Recovery:
             "state_dict": {k: self._buffers.get(k, v).detach().cpu() for k, v in module.state_dict().items()},
             "optimizer_states": [to_cpu(o.state_dict()) for o in strategy.optimizers],
         }
-        path = file_of(self.rank)
+        logged = self.logbook.nbytes() if self.logbook is not None else 0
+        path = room_for(self.rank, state_bytes(state) + logged, self.free_bytes)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         try:
             private_directory(path.parent)
             torch.save(state, tmp)  # the page cache outlives the process: no fsync needed for a restart
             os.replace(tmp, path)  # a rank killed mid-write leaves the previous file whole
+            for other in files_of(self.rank):  # an earlier attempt's, elsewhere, must not be read instead
+                if other != path:
+                    other.unlink(missing_ok=True)
             if self.logbook is not None:
-                self.logbook.flush()
+                self.logbook.flush(path.parent / f"log-rank{self.rank}")
         except Exception as error:  # a full /dev/shm raises RuntimeError from torch.save, not OSError
             tmp.unlink(missing_ok=True)
             sys.stderr.write(f"dapple: rank {self.rank} could not keep its state for recovery in {path}: {error}\n")

@@ -33,7 +33,8 @@ from dapple_lightning.plan import Plan
 from dapple_lightning.strategy._lightning import Patches, hand_over_checkpoint
 from dapple_lightning.strategy._logbook import Logbook, replay_lost_stages
 from dapple_lightning.strategy._parts import FitParts
-from dapple_lightning.strategy._recovery import FORMAT, Recovery, file_of, is_active, private_directory
+from dapple_lightning.strategy._heartbeat import long_host_work
+from dapple_lightning.strategy._recovery import FORMAT, Recovery, file_of, files_of, is_active, private_directory
 
 __all__ = ["RECOVERED", "begin", "kept_plan", "load_optimizers", "recover"]
 
@@ -57,14 +58,16 @@ def begin(recovery: Recovery, trainer: Any, plan: Plan, group: Any, parts: FitPa
         "timeout_s": parts.timeout.total_seconds(),
     }
     if not _restarted():  # a first attempt: anything kept under this run's name is another job's or stale
-        for stale in file_of(rank).parent.glob(f"*rank{rank}.pt*"):
-            stale.unlink(missing_ok=True)
+        for place in files_of(rank):
+            for stale in place.parent.glob(f"*rank{rank}.pt*"):
+                stale.unlink(missing_ok=True)
     recovery.start(trainer, identity, patches)
     if recovery.active and recovery.mode == "log":
-        logs = file_of(rank).parent / f"log-rank{rank}"
+        logs = [place.parent / f"log-rank{rank}" for place in files_of(rank)]  # where the state may go
         if not _restarted():
-            shutil.rmtree(logs, ignore_errors=True)
-        recovery.logbook = Logbook(plan, rank, logs)
+            for directory in logs:
+                shutil.rmtree(directory, ignore_errors=True)
+        recovery.logbook = Logbook(plan, rank, *logs)
         parts.pipeline.record_sends(recovery.logbook.record)
     if not recovery.active or not _restarted():
         return
@@ -137,10 +140,12 @@ def recover(
                 if needy in lost
                 else mine
             )
-            dist.send_object_list([sent], dst=needy, group=group)
+            with long_host_work(identity["timeout_s"]):  # pickling a stage's state holds the GIL
+                dist.send_object_list([sent], dst=needy, group=group)
         elif rank == needy:
             box: list[Any] = [None]
-            dist.recv_object_list(box, src=source, group=group)
+            with long_host_work(identity["timeout_s"]):  # and so does unpickling it
+                dist.recv_object_list(box, src=source, group=group)
             mine = box[0]
     assert mine is not None
     if rank in lost:

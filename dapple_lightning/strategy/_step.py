@@ -172,6 +172,16 @@ class PipelinedSteps:
             return rows
         return transfer_batch(self.module, rows, self.device, self.dataloader_idx)
 
+    def pinned(self, batch: Any) -> Any:
+        """The step's global batch for its micro-batches' copies: on CUDA, while it stays on the host,
+        in page-locked memory, once per step. A copy to the device from pageable memory goes through
+        a staging buffer and returns when it is done, however ``non_blocking``; from page-locked
+        memory the copy is queued and the host runs on (Lightning's transfer copies ``non_blocking``).
+        Callbacks and hooks see the batch as loaded; elsewhere it is used as it is."""
+        if self.device.type != "cuda" or self.dataloader_idx is None:
+            return batch
+        return map_tensors(batch, lambda t: t.pin_memory() if t.device.type == "cpu" and not t.is_pinned() else t)
+
     def log(self, values: Logged) -> None:
         for name, (value, kwargs) in values.items():
             self.module.log(name, torch.tensor(value, dtype=torch.float32), **kwargs)
@@ -195,7 +205,7 @@ class _HookStep:
         outputs: list[tuple[Rows, Any]] | None,
     ) -> None:
         self.steps, self.pipeline, self.hook, self.capture = steps, pipeline, hook, capture
-        self.batch, self.rest, self.kwargs = args[0], args[1:], kwargs
+        self.batch, self.rest, self.kwargs = steps.pinned(args[0]), args[1:], kwargs
         self.total = capture.batch_rows
         self.train, self._context, self.outputs = train, context, outputs
         self.loss_sum: Tensor | None = None

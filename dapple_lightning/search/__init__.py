@@ -51,9 +51,7 @@ from dapple_lightning.search._seed import SeedPlan, baseline_plans, compute_unit
 from dapple_lightning.search._space import (
     DEFAULT_MAX_PLANS,
     PlanSpace,
-    count_plans,
     describe_plan,
-    enumerate_plans,
     params_from_plan,
     plan_from_params,
 )
@@ -130,11 +128,9 @@ __all__ = [
     "choice_lines",
     "choose_plan",
     "compute_units",
-    "count_plans",
     "create_sampler",
     "describe_plan",
     "distinct_finished",
-    "enumerate_plans",
     "explain_choice",
     "finished_count",
     "format_table",

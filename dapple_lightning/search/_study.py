@@ -196,13 +196,7 @@ class PlanSearch:
     def _enqueue_grid(self, study: optuna.Study, space: PlanSpace) -> None:
         if study.user_attrs.get("grid_enqueued"):
             return
-        size = space.size
-        if size > self.config.max_grid:
-            raise ValueError(
-                f"the grid holds {size} plans, more than max_grid={self.config.max_grid}; restrict micro_batches, "
-                "schedules or max_stages, or use the tpe sampler"
-            )
-        plans = list(space.plans())
+        plans = space.grid(self.config.max_grid)
         # A seeded shuffle: a drift in the machine's load must not line up with one region of the space.
         random.Random(self.config.seed).shuffle(plans)
         for plan in plans:

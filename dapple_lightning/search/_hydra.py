@@ -15,7 +15,7 @@ A job that raises becomes a FAIL trial with the exception as ``fail_reason``; th
 Process isolation is the launcher's business: Hydra's basic launcher runs jobs in the sweeper's
 process, which is fine for an app whose ranks are separate processes anyway
 (``DappleStrategy(start_method="spawn")``) or whose job measures with
-:func:`dapple_lightning.search.run_trial`; a process-per-job launcher isolates every job.
+:func:`dapple_lightning.trials.run_trial`; a process-per-job launcher isolates every job.
 
 The loop is the search's own (``_loop``, the one :class:`~dapple_lightning.search.PlanSearch`
 drives): the sweeper only turns a batch of drawn plans into jobs and their return values into

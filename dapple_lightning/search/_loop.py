@@ -3,7 +3,7 @@
 Both fronts drive it, as Optuna's ``Study.optimize`` is one call into ``_optimize``:
 
 - :class:`~dapple_lightning.search.PlanSearch` (the API and ``python -m dapple_lightning.search
-  run``) runs each plan with :func:`~dapple_lightning.search.run_trial`, in fresh processes;
+  run``) runs each plan with :func:`~dapple_lightning.trials.run_trial`, in fresh processes;
 - the Hydra sweeper (``_hydra``) hands each batch of plans to Hydra's launcher as jobs.
 
 What the loop owns, the same for both: the study's identity (fingerprint, searched choices,

@@ -386,7 +386,7 @@ def _write_results(study: optuna.Study, sweep_dir: Path, say: Any) -> None:
     from omegaconf import OmegaConf
 
     try:
-        best, note = best_choice(study)
+        best, _ = best_choice(study)  # the note is in choice_lines
     except ValueError:
         say("no trial completed")
         return
@@ -400,8 +400,6 @@ def _write_results(study: optuna.Study, sweep_dir: Path, say: Any) -> None:
         results["best_values"] = [chosen.samples_per_s]  # the median of the plan's runs
         results["best_spread"] = chosen.spread
         results["best_runs"] = [{"trial": t.number, "value": t.values[0]} for t in chosen.trials]
-    elif note:
-        say(note)
     results["best_plan"] = plan.to_dict()
     write_atomic(sweep_dir / "optimization_results.yaml", OmegaConf.to_yaml(OmegaConf.create(results)))
     say(f"best trial {best.number}: {results['best_values']} with {describe_plan(plan)}")

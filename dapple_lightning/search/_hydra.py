@@ -52,7 +52,7 @@ from dapple_lightning.search._loop import (
 from dapple_lightning.search._redact import redact, spells_secret
 from dapple_lightning.search._results import best_choice, trial_plan
 from dapple_lightning.search._seed import BASELINES, compute_units, enqueue_planner_seeds
-from dapple_lightning.search._space import PlanSpace, describe_plan
+from dapple_lightning.search._space import PlanSpace, describe_plan, whole
 from dapple_lightning.trials import Fingerprint, TrialConfig, check_factory_spec, load_factory, probe_model
 
 __all__ = ["SweepSettings", "plan_override", "run_sweep"]
@@ -102,16 +102,10 @@ class SweepSettings:
             )
         if len(self.directions) > 1 and self.metrics is None:
             raise ValueError("several directions need hydra.sweeper.metrics: the keys of the job's returned mapping")
-        for name in ("n_trials", "n_jobs"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"hydra.sweeper.{name} must be an integer >= 1, got {value!r}")
-        repeats = self.confirm_repeats
-        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 0:
-            raise ValueError(f"hydra.sweeper.confirm_repeats must be an integer >= 0 (0: no round), got {repeats!r}")
-        seeds = self.planner_seeds
-        if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 0:
-            raise ValueError(f"hydra.sweeper.planner_seeds must be an integer >= 0, got {seeds!r}")
+        whole(self.n_trials, "hydra.sweeper.n_trials")
+        whole(self.n_jobs, "hydra.sweeper.n_jobs")
+        whole(self.confirm_repeats, "hydra.sweeper.confirm_repeats", 0)
+        whole(self.planner_seeds, "hydra.sweeper.planner_seeds", 0)
         if self.model is not None:
             check_factory_spec(self.model)
         if not self.plan_key or not isinstance(self.plan_key, str):

@@ -57,7 +57,7 @@ from dapple_lightning.plan import ALL_SCHEDULES, SCHEDULES, Plan, Stage
 if TYPE_CHECKING:
     import optuna
 
-__all__ = ["DEFAULT_MAX_PLANS", "PlanSpace", "describe_plan", "params_from_plan", "plan_from_params"]
+__all__ = ["DEFAULT_MAX_PLANS", "PlanSpace", "describe_plan", "params_from_plan", "plan_from_params", "whole"]
 
 DEFAULT_MAX_PLANS = 10_000
 """Default cap of :meth:`PlanSpace.grid`: above it, measuring every plan is not an option anyway
@@ -65,7 +65,8 @@ DEFAULT_MAX_PLANS = 10_000
 docs/benchmarks.md), so the grid is refused rather than silently cut short."""
 
 
-def _int(value: Any, what: str, low: int = 1) -> int:
+def whole(value: Any, what: str, low: int = 1) -> int:
+    """``value`` when it is an integer of at least ``low``; else the error that names ``what``."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{what} must be an integer, got {value!r} ({type(value).__name__})")
     if value < low:
@@ -108,11 +109,11 @@ class PlanSpace:
     """Most stages a plan may have; ``None``: ``min(num_layers, world_size)``."""
 
     def __post_init__(self) -> None:
-        _int(self.num_layers, "num_layers")
-        _int(self.world_size, "world_size")
-        _int(self.global_batch, "global_batch")
+        whole(self.num_layers, "num_layers")
+        whole(self.world_size, "world_size")
+        whole(self.global_batch, "global_batch")
         if self.max_stages is not None:
-            _int(self.max_stages, "max_stages")
+            whole(self.max_stages, "max_stages")
         schedules = tuple(self.schedules) if not isinstance(self.schedules, str) else (self.schedules,)
         if not schedules:
             raise ValueError(f"schedules is empty; choose from {list(SCHEDULES)}")
@@ -125,7 +126,7 @@ class PlanSpace:
         else:
             if isinstance(self.micro_batches, str | bytes) or not isinstance(self.micro_batches, Sequence):
                 raise TypeError(f"micro_batches must be a list of integers or None, got {self.micro_batches!r}")
-            candidates = tuple(sorted({_int(m, "micro-batch count") for m in self.micro_batches}))
+            candidates = tuple(sorted({whole(m, "micro-batch count") for m in self.micro_batches}))
             if not candidates:
                 raise ValueError("micro_batches is empty; give at least one count, or None for the divisors of B")
         feasible = tuple(m for m in candidates if m <= self.global_batch and self._min_stages(m) <= self.stage_limit)

@@ -202,12 +202,6 @@ class PlanSpace:
         cuts.append(self.num_layers)
         return _plan(cuts, replicas, m, schedule)
 
-    def plan_from_params(self, params: Mapping[str, Any]) -> Plan:
-        """The plan that :meth:`suggest` returns for ``params`` (e.g. a finished trial's ``params``)."""
-        plan = plan_from_params(params, num_layers=self.num_layers, world_size=self.world_size)
-        self.check(plan)
-        return plan
-
     def params(self, plan: Plan | Mapping[str, Any] | str) -> dict[str, Any]:
         """The parameters under which :meth:`suggest` returns ``plan``, for ``study.enqueue_trial``.
 

@@ -153,4 +153,4 @@ def test_size_formula_matches_enumeration(layers, world, batch, data):
     plans = list(space.plans())
     assert len(plans) == space.size
     plan = data.draw(st.sampled_from(plans))
-    assert space.plan_from_params(space.params(plan)) == plan
+    assert plan_from_params(space.params(plan), num_layers=layers, world_size=world) == plan

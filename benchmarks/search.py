@@ -62,9 +62,9 @@ from dapple_lightning.search import (
     create_sampler,
     describe_plan,
     planner_seeds,
-    probe_model,
     trial_plan,
 )
+from dapple_lightning.trials import probe_model
 
 ROOT = Path(__file__).resolve().parents[1]
 # Trial processes import the factories as benchmarks.search_models, from wherever this runs.

@@ -67,8 +67,6 @@ __all__ = [
     "AutoPlan",
     "choose_plan",
     "draw_batch",
-    "fresh_leaves",
-    "measure_cluster",
     "optimizer_factory",
     "small_batch_of",
     "time_step_around",

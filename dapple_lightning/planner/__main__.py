@@ -130,16 +130,12 @@ def _cluster(args: argparse.Namespace) -> Cluster:
         changes["memory_bytes"] = args.memory_gb * GB
     if args.memory_limit is not None:
         changes["memory_bytes"] = args.memory_limit
-    if args.p2p_gbps is not None:
-        intra, inter = args.p2p_gbps
-        changes["inter_p2p_bw"] = inter * GB
-        if intra is not None:
-            changes["intra_p2p_bw"] = intra * GB
-    if args.allreduce_gbps is not None:
-        intra, inter = args.allreduce_gbps
-        changes["inter_allreduce_bw"] = inter * GB
-        if intra is not None:
-            changes["intra_allreduce_bw"] = intra * GB
+    for link, given in (("p2p", args.p2p_gbps), ("allreduce", args.allreduce_gbps)):
+        if given is not None:
+            intra, inter = given
+            changes[f"inter_{link}_bw"] = inter * GB
+            if intra is not None:
+                changes[f"intra_{link}_bw"] = intra * GB
     return dataclasses.replace(cluster, **changes)
 
 

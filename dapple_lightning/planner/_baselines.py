@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
+from typing import Any
 
 from dapple_lightning.plan import Plan, Stage, balanced_cuts
 from dapple_lightning.planner._cluster import Cluster
@@ -215,25 +216,10 @@ def baselines(
     optimizer_factor: float = 2.0,
 ) -> list[PlannedPlan]:
     """PipeDream's plan, the balanced straight pipeline and data parallelism (those that fit)."""
+    options: dict[str, Any] = {"micro_batches": micro_batches, "optimizer_factor": optimizer_factor}
     found = [
-        pipedream_plan(
-            profile,
-            cluster,
-            global_batch,
-            micro_batches=micro_batches,
-            schedule=schedule,
-            optimizer_factor=optimizer_factor,
-        ),
-        straight_plan(
-            profile,
-            cluster,
-            global_batch,
-            micro_batches=micro_batches,
-            schedule=schedule,
-            optimizer_factor=optimizer_factor,
-        ),
-        data_parallel_plan(
-            profile, cluster, global_batch, micro_batches=micro_batches, optimizer_factor=optimizer_factor
-        ),
+        pipedream_plan(profile, cluster, global_batch, schedule=schedule, **options),
+        straight_plan(profile, cluster, global_batch, schedule=schedule, **options),
+        data_parallel_plan(profile, cluster, global_batch, **options),
     ]
     return [p for p in found if p is not None]

@@ -17,14 +17,14 @@ as a Hydra sweep (``hydra/sweeper=dapple``, see ``_hydra``).
 The search depends on the trials and the strategy, never the reverse: a config's
 ``plan: optuna://...`` is turned into a plan by :func:`resolve_plan_spec` before a strategy is
 built. This package is Optuna and Hydra; the processes that measure a plan are
-``dapple_lightning.trials``'s (:class:`TrialConfig`, :func:`run_trial`, :func:`probe_model`,
-:class:`Fingerprint`, re-exported here).
+``dapple_lightning.trials``'s (:class:`TrialConfig` and :class:`Fingerprint`, which the search's
+own calls take, are re-exported here).
 
 Pieces, one module each:
 
 - what to search: :class:`PlanSpace` (``_space``, valid plans only, define-by-run);
 - what a study's measurements are valid for: :class:`Fingerprint` (``dapple_lightning.trials``),
-  compared with :func:`check_fingerprint` whenever a study is resumed or read;
+  compared whenever a study is resumed or read;
 - the study: :func:`optimize` (``_loop``, the one loop), its bookkeeping (``_bookkeeping``:
   :class:`RepeatGuard`, :func:`interrupted_trials`, ...), the confirmation round that ends it
   (``_confirm``: the contenders measured again, interleaved), the planner's seeds
@@ -51,23 +51,11 @@ from dapple_lightning.search._seed import SeedPlan, baseline_plans, compute_unit
 from dapple_lightning.search._space import (
     DEFAULT_MAX_PLANS,
     PlanSpace,
-    count_plans,
     describe_plan,
-    enumerate_plans,
     params_from_plan,
     plan_from_params,
 )
-from dapple_lightning.trials import (
-    Fingerprint,
-    FingerprintMismatch,
-    ModelInfo,
-    TrialConfig,
-    TrialResult,
-    check_fingerprint,
-    group_alive,
-    probe_model,
-    run_trial,
-)
+from dapple_lightning.trials import Fingerprint, FingerprintMismatch, TrialConfig
 
 _LAZY = {
     "DEFAULT_STORAGE": "_config",
@@ -111,7 +99,6 @@ __all__ = [
     "Drawn",
     "Fingerprint",
     "FingerprintMismatch",
-    "ModelInfo",
     "Outcome",
     "PlanResult",
     "PlanSearch",
@@ -121,24 +108,19 @@ __all__ = [
     "SeedPlan",
     "SweepSettings",
     "TrialConfig",
-    "TrialResult",
     "baseline_plans",
     "best_choice",
     "best_plan",
     "best_trial",
-    "check_fingerprint",
     "choice_lines",
     "choose_plan",
     "compute_units",
-    "count_plans",
     "create_sampler",
     "describe_plan",
     "distinct_finished",
-    "enumerate_plans",
     "explain_choice",
     "finished_count",
     "format_table",
-    "group_alive",
     "interrupted_trials",
     "load_search",
     "local_cluster",
@@ -148,12 +130,10 @@ __all__ = [
     "plan_override",
     "plan_results",
     "planner_seeds",
-    "probe_model",
     "ranked_trials",
     "resolve_plan_spec",
     "run_search",
     "run_sweep",
-    "run_trial",
     "strategy_from_study",
     "trial_plan",
     "trial_rows",

@@ -87,11 +87,8 @@ def interrupted_trials(study: optuna.Study) -> set[int]:
 
     Each has an attribute of its own on the study, ``interrupted_trial_N``: workers sharing a
     study never rewrite a common list, which two of them doing at once would lose an update of.
-    Studies of older versions list them in ``interrupted_trials`` instead, still read here.
     """
-    attrs = study.user_attrs
-    marked = {int(key[len(_INTERRUPTED) :]) for key in attrs if key.startswith(_INTERRUPTED)}
-    return marked | set(attrs.get("interrupted_trials", []))
+    return {int(key[len(_INTERRUPTED) :]) for key in study.user_attrs if key.startswith(_INTERRUPTED)}
 
 
 def _counted(study: optuna.Study) -> list[FrozenTrial]:

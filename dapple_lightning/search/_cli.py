@@ -65,13 +65,7 @@ def _json_object(text: str) -> dict[str, Any]:
 
 
 def _heartbeat(text: str) -> int | None:
-    try:
-        seconds = int(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"--heartbeat takes whole seconds like 10 (0: off), got {text!r}") from e
-    if seconds < 0:
-        raise argparse.ArgumentTypeError(f"--heartbeat takes whole seconds >= 0 (0: off), got {text!r}")
-    return seconds or None
+    return _whole(text) or None
 
 
 def _whole(text: str) -> int:
@@ -219,14 +213,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print("interrupted: the running trial is marked FAIL and queued again; run the same command to resume")
         return 130
     try:
-        best, note = best_choice(study)
+        best, _ = best_choice(study)  # the note is in choice_lines
     except ValueError as e:
         print(str(e))
         return 1
     if throughput_study(study):
         print("\n" + "\n".join(choice_lines(choose_plan(study))))
-    elif note:
-        print(f"\n{note}")
     print(f"\nbest: trial {best.number}\n{trial_plan(best, study).table()}")
     return 0
 

@@ -8,7 +8,7 @@ from typing import Any, Literal
 from dapple_lightning.plan import SCHEDULES
 from dapple_lightning.planner import parse_memory
 from dapple_lightning.search._redact import redact
-from dapple_lightning.search._space import DEFAULT_MAX_PLANS
+from dapple_lightning.search._space import DEFAULT_MAX_PLANS, whole
 from dapple_lightning.trials import TrialConfig
 
 __all__ = ["DEFAULT_HEARTBEAT_S", "DEFAULT_STORAGE", "SearchConfig"]
@@ -90,22 +90,15 @@ class SearchConfig:
             raise ValueError(f"unknown sampler {self.sampler!r}; choose tpe, random or grid")
         if self.pruner not in ("median", "none"):
             raise ValueError(f"unknown pruner {self.pruner!r}; choose median or none")
-        if self.n_trials is not None and (
-            isinstance(self.n_trials, bool) or not isinstance(self.n_trials, int) or self.n_trials < 1
-        ):
-            raise ValueError(f"n_trials must be an integer >= 1 or None, got {self.n_trials!r}")
-        if self.heartbeat_s is not None and (
-            isinstance(self.heartbeat_s, bool) or not isinstance(self.heartbeat_s, int) or self.heartbeat_s < 1
-        ):
-            raise ValueError(f"heartbeat_s must be a whole number of seconds >= 1 or None, got {self.heartbeat_s!r}")
+        if self.n_trials is not None:
+            whole(self.n_trials, "n_trials")
+        if self.heartbeat_s is not None:
+            whole(self.heartbeat_s, "heartbeat_s")
         unknown = set(self.baselines) - {"data_parallel", "straight"}
         if unknown:
             raise ValueError(f"baselines: {sorted(unknown)} unknown; the baselines are data_parallel and straight")
-        repeats = self.confirm_repeats
-        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 0:
-            raise ValueError(f"confirm_repeats must be a whole number >= 0 (0: no round), got {repeats!r}")
-        if self.planner_seeds < 0:
-            raise ValueError(f"planner_seeds must be >= 0, got {self.planner_seeds}")
+        whole(self.confirm_repeats, "confirm_repeats", 0)
+        whole(self.planner_seeds, "planner_seeds", 0)
         if self.memory_limit is not None:
             object.__setattr__(self, "memory_limit", parse_memory(self.memory_limit, "memory_limit"))
         if not isinstance(self.storage, str) or "://" not in self.storage:

@@ -134,19 +134,24 @@ def take_queued(study: optuna.Study, number: int) -> optuna.Trial | None:
     instead of the round's. This takes one trial by number, with the step ``ask`` takes: the
     storage's WAITING -> RUNNING change, which only one worker's call makes.
     """
-    frozen = next(
-        (t for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,)) if t.number == number), None
-    )
-    if frozen is None:
+    if all(t.number != number for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,))):
         return None
-    # Optuna has no public call that pops one queued trial by number; this is the call its own
-    # `Study.ask` makes on the oldest.
+    # Optuna has no public call that pops one queued trial by number; this is the storage call its
+    # own `Study.ask` makes on the oldest.
+    storage = _storage(study)
+    trial_id = storage.get_trial_id_from_study_id_trial_number(storage.get_study_id_from_name(study.study_name), number)
     try:
-        if not study._storage.set_trial_state_values(frozen._trial_id, state=TrialState.RUNNING):
+        if not storage.set_trial_state_values(trial_id, state=TrialState.RUNNING):
             return None
     except optuna.exceptions.UpdateFinishedTrialError:
         return None
-    return optuna.Trial(study, frozen._trial_id)
+    return optuna.Trial(study, trial_id)
+
+
+def _storage(study: optuna.Study) -> optuna.storages.BaseStorage:
+    """The study's storage, which the public Study keeps to itself; what is called on it is Optuna's
+    public storage API (and, for :func:`claim`, the engine behind the cache, ``_backend``)."""
+    return study._storage
 
 
 _ATTRS = sqlalchemy.table(
@@ -163,14 +168,18 @@ def claim(study: optuna.Study, key: str, value: Mapping[str, Any]) -> bool:
     unique (study, key) constraint lets one insert in and refuses the other, whatever the timing;
     elsewhere (in memory, journal) it is checked and set.
     """
-    storage = study._storage  # the public Study keeps its storage to itself
+    storage = _storage(study)
     engine = getattr(getattr(storage, "_backend", storage), "engine", None)
     if not isinstance(engine, sqlalchemy.engine.Engine):
         if key in study.user_attrs:
             return False
         study.set_user_attr(key, dict(value))
         return True
-    row = {"study_id": study._study_id, "key": key, "value_json": json.dumps(dict(value))}
+    row = {
+        "study_id": storage.get_study_id_from_name(study.study_name),
+        "key": key,
+        "value_json": json.dumps(dict(value)),
+    }
     try:
         with engine.begin() as connection:
             connection.execute(sqlalchemy.insert(_ATTRS).values(**row))

@@ -15,7 +15,7 @@ A job that raises becomes a FAIL trial with the exception as ``fail_reason``; th
 Process isolation is the launcher's business: Hydra's basic launcher runs jobs in the sweeper's
 process, which is fine for an app whose ranks are separate processes anyway
 (``DappleStrategy(start_method="spawn")``) or whose job measures with
-:func:`dapple_lightning.search.run_trial`; a process-per-job launcher isolates every job.
+:func:`dapple_lightning.trials.run_trial`; a process-per-job launcher isolates every job.
 
 The loop is the search's own (``_loop``, the one :class:`~dapple_lightning.search.PlanSearch`
 drives): the sweeper only turns a batch of drawn plans into jobs and their return values into
@@ -52,7 +52,7 @@ from dapple_lightning.search._loop import (
 from dapple_lightning.search._redact import redact, spells_secret
 from dapple_lightning.search._results import best_choice, trial_plan
 from dapple_lightning.search._seed import BASELINES, compute_units, enqueue_planner_seeds
-from dapple_lightning.search._space import PlanSpace, describe_plan
+from dapple_lightning.search._space import PlanSpace, describe_plan, whole
 from dapple_lightning.trials import Fingerprint, TrialConfig, check_factory_spec, load_factory, probe_model
 
 __all__ = ["SweepSettings", "plan_override", "run_sweep"]
@@ -102,16 +102,10 @@ class SweepSettings:
             )
         if len(self.directions) > 1 and self.metrics is None:
             raise ValueError("several directions need hydra.sweeper.metrics: the keys of the job's returned mapping")
-        for name in ("n_trials", "n_jobs"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"hydra.sweeper.{name} must be an integer >= 1, got {value!r}")
-        repeats = self.confirm_repeats
-        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 0:
-            raise ValueError(f"hydra.sweeper.confirm_repeats must be an integer >= 0 (0: no round), got {repeats!r}")
-        seeds = self.planner_seeds
-        if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 0:
-            raise ValueError(f"hydra.sweeper.planner_seeds must be an integer >= 0, got {seeds!r}")
+        whole(self.n_trials, "hydra.sweeper.n_trials")
+        whole(self.n_jobs, "hydra.sweeper.n_jobs")
+        whole(self.confirm_repeats, "hydra.sweeper.confirm_repeats", 0)
+        whole(self.planner_seeds, "hydra.sweeper.planner_seeds", 0)
         if self.model is not None:
             check_factory_spec(self.model)
         if not self.plan_key or not isinstance(self.plan_key, str):
@@ -386,7 +380,7 @@ def _write_results(study: optuna.Study, sweep_dir: Path, say: Any) -> None:
     from omegaconf import OmegaConf
 
     try:
-        best, note = best_choice(study)
+        best, _ = best_choice(study)  # the note is in choice_lines
     except ValueError:
         say("no trial completed")
         return
@@ -400,8 +394,6 @@ def _write_results(study: optuna.Study, sweep_dir: Path, say: Any) -> None:
         results["best_values"] = [chosen.samples_per_s]  # the median of the plan's runs
         results["best_spread"] = chosen.spread
         results["best_runs"] = [{"trial": t.number, "value": t.values[0]} for t in chosen.trials]
-    elif note:
-        say(note)
     results["best_plan"] = plan.to_dict()
     write_atomic(sweep_dir / "optimization_results.yaml", OmegaConf.to_yaml(OmegaConf.create(results)))
     say(f"best trial {best.number}: {results['best_values']} with {describe_plan(plan)}")

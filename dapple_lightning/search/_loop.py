@@ -3,7 +3,7 @@
 Both fronts drive it, as Optuna's ``Study.optimize`` is one call into ``_optimize``:
 
 - :class:`~dapple_lightning.search.PlanSearch` (the API and ``python -m dapple_lightning.search
-  run``) runs each plan with :func:`~dapple_lightning.search.run_trial`, in fresh processes;
+  run``) runs each plan with :func:`~dapple_lightning.trials.run_trial`, in fresh processes;
 - the Hydra sweeper (``_hydra``) hands each batch of plans to Hydra's launcher as jobs.
 
 What the loop owns, the same for both: the study's identity (fingerprint, searched choices,
@@ -214,16 +214,13 @@ def _record_identity(study: optuna.Study, attrs: Mapping[str, Any], fingerprint:
     its fingerprint, so a search that died half-way through leaves a study without one (and
     without trials: none runs before the record is whole), which the next open records again:
     never a study that holds a fingerprint but not the space and objectives that resuming
-    compares. A study recorded by an older version (fingerprint first) gets what it lacks from
-    this run, which its fingerprint matched.
+    compares.
     """
-    stored = study.user_attrs
-    whole = "fingerprint" in stored
+    if "fingerprint" in study.user_attrs:
+        return
     for key, value in attrs.items():
-        if not whole or key not in stored:
-            study.set_user_attr(key, value)
-    if not whole:
-        study.set_user_attr("fingerprint", dict(fingerprint))
+        study.set_user_attr(key, value)
+    study.set_user_attr("fingerprint", dict(fingerprint))
 
 
 def enqueue_plans(study: optuna.Study, space: PlanSpace, plans: Sequence[Any], source: str = "user") -> None:

@@ -161,11 +161,7 @@ def _write_png(figures: dict[str, Any], out: Path, say: Callable[[str], None]) -
 
     paths = [out / f"{name}.png" for name in figures]
     try:
-        if hasattr(pio, "write_images"):  # plotly >= 6.1: one kaleido session for every figure
-            pio.write_images(list(figures.values()), paths)
-        else:
-            for fig, path in zip(figures.values(), paths):
-                fig.write_image(path)
+        pio.write_images(list(figures.values()), paths)  # one kaleido session for every figure
     except Exception as e:  # kaleido or its browser missing or broken: the HTML is what matters
         reason = " ".join(str(e).split())[:300] or type(e).__name__
         say(

@@ -108,7 +108,6 @@ def planner_seeds(
     of the space's stage limit, so it is asked for more plans and those outside are skipped.
 
     Raises:
-        ImportError: When the planner is not available.
         ValueError: When no plan of the space fits in memory (the planner's message says why).
     """
     from dapple_lightning.planner import CostModel, ModelProfile, plan_dapple
@@ -187,8 +186,6 @@ def enqueue_planner_seeds(
     else:
         try:
             seeds = planner_seeds(profile, space, top, units, memory_limit)
-        except ImportError as e:
-            reason = f"planner not available ({e})"
         except ValueError as e:
             reason = f"planner found no plan ({e})"
         else:

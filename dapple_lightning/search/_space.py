@@ -57,23 +57,16 @@ from dapple_lightning.plan import ALL_SCHEDULES, SCHEDULES, Plan, Stage
 if TYPE_CHECKING:
     import optuna
 
-__all__ = [
-    "DEFAULT_MAX_PLANS",
-    "PlanSpace",
-    "count_plans",
-    "describe_plan",
-    "enumerate_plans",
-    "params_from_plan",
-    "plan_from_params",
-]
+__all__ = ["DEFAULT_MAX_PLANS", "PlanSpace", "describe_plan", "params_from_plan", "plan_from_params", "whole"]
 
 DEFAULT_MAX_PLANS = 10_000
-"""Default cap of :func:`enumerate_plans`: above it, measuring every plan is not an option anyway
+"""Default cap of :meth:`PlanSpace.grid`: above it, measuring every plan is not an option anyway
 (a short run takes seconds, so 10,000 plans take most of a day or more; what runs take here is in
-docs/benchmarks.md), so the function refuses rather than silently returning a partial grid."""
+docs/benchmarks.md), so the grid is refused rather than silently cut short."""
 
 
-def _int(value: Any, what: str, low: int = 1) -> int:
+def whole(value: Any, what: str, low: int = 1) -> int:
+    """``value`` when it is an integer of at least ``low``; else the error that names ``what``."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{what} must be an integer, got {value!r} ({type(value).__name__})")
     if value < low:
@@ -116,11 +109,11 @@ class PlanSpace:
     """Most stages a plan may have; ``None``: ``min(num_layers, world_size)``."""
 
     def __post_init__(self) -> None:
-        _int(self.num_layers, "num_layers")
-        _int(self.world_size, "world_size")
-        _int(self.global_batch, "global_batch")
+        whole(self.num_layers, "num_layers")
+        whole(self.world_size, "world_size")
+        whole(self.global_batch, "global_batch")
         if self.max_stages is not None:
-            _int(self.max_stages, "max_stages")
+            whole(self.max_stages, "max_stages")
         schedules = tuple(self.schedules) if not isinstance(self.schedules, str) else (self.schedules,)
         if not schedules:
             raise ValueError(f"schedules is empty; choose from {list(SCHEDULES)}")
@@ -133,7 +126,7 @@ class PlanSpace:
         else:
             if isinstance(self.micro_batches, str | bytes) or not isinstance(self.micro_batches, Sequence):
                 raise TypeError(f"micro_batches must be a list of integers or None, got {self.micro_batches!r}")
-            candidates = tuple(sorted({_int(m, "micro-batch count") for m in self.micro_batches}))
+            candidates = tuple(sorted({whole(m, "micro-batch count") for m in self.micro_batches}))
             if not candidates:
                 raise ValueError("micro_batches is empty; give at least one count, or None for the divisors of B")
         feasible = tuple(m for m in candidates if m <= self.global_batch and self._min_stages(m) <= self.stage_limit)
@@ -209,12 +202,6 @@ class PlanSpace:
         cuts.append(self.num_layers)
         return _plan(cuts, replicas, m, schedule)
 
-    def plan_from_params(self, params: Mapping[str, Any]) -> Plan:
-        """The plan that :meth:`suggest` returns for ``params`` (e.g. a finished trial's ``params``)."""
-        plan = plan_from_params(params, num_layers=self.num_layers, world_size=self.world_size)
-        self.check(plan)
-        return plan
-
     def params(self, plan: Plan | Mapping[str, Any] | str) -> dict[str, Any]:
         """The parameters under which :meth:`suggest` returns ``plan``, for ``study.enqueue_trial``.
 
@@ -268,6 +255,17 @@ class PlanSpace:
                         for inner in itertools.combinations(range(1, self.num_layers), s - 1):
                             yield _plan([0, *inner, self.num_layers], list(replicas), m, schedule)
 
+    def grid(self, most: int = DEFAULT_MAX_PLANS) -> list[Plan]:
+        """Every plan of the space (:meth:`plans`), refused when there are more than ``most``: a grid
+        cut short would not be exhaustive."""
+        if self.size > most:
+            raise ValueError(
+                f"the grid holds {self.size} plans, more than {most}; restrict micro_batches "
+                f"(now {list(self.micro_batches or ())}), schedules (now {list(self.schedules)}) or max_stages "
+                f"(now {self.stage_limit}), or use the tpe sampler"
+            )
+        return list(self.plans())
+
 
 def _compositions(total: int, parts: int, cap: int) -> Iterator[tuple[int, ...]]:
     if parts == 1:
@@ -320,51 +318,6 @@ def plan_from_params(params: Mapping[str, Any], *, num_layers: int, world_size: 
     if last < 1:
         raise ValueError(f"replicas {replicas} leave {last} of {world_size} ranks for the last stage")
     return _plan(cuts, [*replicas, last], m, schedule)
-
-
-def count_plans(
-    num_layers: int,
-    world_size: int,
-    global_batch: int,
-    *,
-    micro_batches: Sequence[int] | None = None,
-    schedules: Sequence[str] = SCHEDULES,
-    max_stages: int | None = None,
-) -> int:
-    """Number of valid plans (see :class:`PlanSpace`), without enumerating them."""
-    return PlanSpace(num_layers, world_size, global_batch, _tuple(micro_batches), tuple(schedules), max_stages).size
-
-
-def enumerate_plans(
-    num_layers: int,
-    world_size: int,
-    global_batch: int,
-    max_plans: int = DEFAULT_MAX_PLANS,
-    *,
-    micro_batches: Sequence[int] | None = None,
-    schedules: Sequence[str] = SCHEDULES,
-    max_stages: int | None = None,
-) -> list[Plan]:
-    """Every valid plan (the exhaustive grid), in a fixed order.
-
-    Raises:
-        ValueError: When the space holds more than ``max_plans`` plans (default
-            :data:`DEFAULT_MAX_PLANS`); the message gives the size and how to shrink it. A grid
-            is refused rather than cut short, so that "exhaustive" stays true.
-    """
-    space = PlanSpace(num_layers, world_size, global_batch, _tuple(micro_batches), tuple(schedules), max_stages)
-    size = space.size
-    if size > max_plans:
-        raise ValueError(
-            f"the grid holds {size} plans, more than max_plans={max_plans}; restrict micro_batches "
-            f"(now {list(space.micro_batches or ())}), schedules (now {list(space.schedules)}) or max_stages "
-            f"(now {space.stage_limit}), or raise max_plans"
-        )
-    return list(space.plans())
-
-
-def _tuple(values: Sequence[int] | None) -> tuple[int, ...] | None:
-    return None if values is None else tuple(values)
 
 
 def describe_plan(plan: Plan | Mapping[str, Any]) -> str:

@@ -19,21 +19,9 @@ A study is standard Optuna storage (SQLite by default; any Optuna storage URL wo
   measures again), and for trials that did not complete ``fail_reason`` (``"timeout"``,
   ``"oom"``, the failing rank's last stderr lines, or why the plan is infeasible).
 
-**Resuming.** ``n_trials`` is the number of finished trials the study should hold, so re-running
-the same command continues where it stopped and does only what is missing. A trial that was
-running when the search was stopped (Ctrl-C, SIGTERM, or SIGKILL of the search process) is marked
-FAIL, does not count, and its plan is queued again. After a SIGKILL the trial's processes notice
-that their parent is gone and kill their own process group; the next run finds the trial still
-RUNNING with a dead owner (same host, pid gone) and marks it then. The sampler's seed is offset
-by the number of trials already in the study, so a resumed search does not replay the random
-start-up choices of the first run.
-
-**Several workers.** Any number of searches may run the same study at once, on one host or many
-(PostgreSQL for many: SQLite's file locks are for one host). Each trial records a heartbeat
-(``heartbeat_s``); when a worker dies, the next trial another worker draws finds the silent trial,
-marks it FAIL and interrupted, and queues its plan once; the study still ends with ``n_trials``
-counted trials. Give each worker its own ``seed``: workers with one seed propose the same plans,
-and a plan another worker is measuring is waited for, not measured twice (see ``_bookkeeping``).
+Resuming, trials orphaned by a dead search and several workers on one study are the loop's and
+its bookkeeping's (``_loop``, ``_bookkeeping``; ``docs/search.md`` for users): ``n_trials`` is the
+number of counted finished trials the study should hold, so the same command run again continues.
 """
 
 from __future__ import annotations
@@ -196,13 +184,7 @@ class PlanSearch:
     def _enqueue_grid(self, study: optuna.Study, space: PlanSpace) -> None:
         if study.user_attrs.get("grid_enqueued"):
             return
-        size = space.size
-        if size > self.config.max_grid:
-            raise ValueError(
-                f"the grid holds {size} plans, more than max_grid={self.config.max_grid}; restrict micro_batches, "
-                "schedules or max_stages, or use the tpe sampler"
-            )
-        plans = list(space.plans())
+        plans = space.grid(self.config.max_grid)
         # A seeded shuffle: a drift in the machine's load must not line up with one region of the space.
         random.Random(self.config.seed).shuffle(plans)
         for plan in plans:

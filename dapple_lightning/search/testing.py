@@ -28,7 +28,25 @@ __all__ = ["MLP", "mlp"]
 
 
 class MLP(LightningModule):
-    """``layers`` pairs of ``Linear(width, width)`` + ``Tanh`` in ``self.layers``; MSE loss, SGD."""
+    """``layers`` pairs of ``Linear(width, width)`` + ``Tanh`` in ``self.layers`` (on ``features``
+    inputs); MSE loss, SGD.
+
+    The other arguments make a trial misbehave on purpose, chosen by its plan's micro-batch count:
+
+    Args:
+        crash_on: micro-batch counts whose plans raise in ``training_step`` (on the last rank).
+        hang_on: micro-batch counts whose plans sleep forever in ``training_step`` from the second
+            step on (the first completes: a trial that trained, then stalled).
+        oom_on: micro-batch counts whose plans get SIGKILL, as from the OOM killer (last rank).
+        step_delay_s: sleep this long in every ``training_step`` call (a slow model, without the CPU).
+        failure_stamp: a file an ``oom_on`` rank writes its ``time.time()`` to just before it dies.
+        started_file: a file rank 0 of a trial writes when its first step starts (a test waits on
+            it to act while a trial runs).
+        devices_file: a file rank 0 writes the ``CUDA_VISIBLE_DEVICES`` it sees to (``<unset>``)
+            when its first step starts (the test of device leases reads it).
+        hold_until: every rank waits in its first step until this file exists (a trial that
+            holds its devices until the test lets it end).
+    """
 
     def __init__(
         self,
@@ -45,6 +63,7 @@ class MLP(LightningModule):
         hold_until: str | None = None,
     ) -> None:
         super().__init__()
+        self.features = features
         self.step_delay_s = step_delay_s
         self.failure_stamp = failure_stamp
         self.started_file = started_file
@@ -99,56 +118,12 @@ class MLP(LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
-def mlp(
-    batch_size: int,
-    *,
-    features: int = 8,
-    width: int = 16,
-    layers: int = 3,
-    batches: int = 16,
-    max_rows: int | None = None,
-    crash_on: Sequence[int] = (),
-    hang_on: Sequence[int] = (),
-    oom_on: Sequence[int] = (),
-    step_delay_s: float = 0.0,
-    failure_stamp: str | None = None,
-    started_file: str | None = None,
-    devices_file: str | None = None,
-    hold_until: str | None = None,
-) -> tuple[MLP, DataLoader]:
-    """A :class:`MLP` (``2 * layers`` modules in its Sequential) and a loader of ``batches`` batches.
-
-    Args:
-        batch_size: the global batch.
-        max_rows: cap the loader's batches at this many rows (plans needing more are infeasible).
-        crash_on: micro-batch counts whose plans raise in ``training_step`` (on the last rank).
-        hang_on: micro-batch counts whose plans sleep forever in ``training_step`` from the second
-            step on (the first completes: a trial that trained, then stalled).
-        oom_on: micro-batch counts whose plans get SIGKILL, as from the OOM killer (last rank).
-        step_delay_s: sleep this long in every ``training_step`` call (a slow model, without the CPU).
-        failure_stamp: a file an ``oom_on`` rank writes its ``time.time()`` to just before it dies.
-        started_file: a file rank 0 of a trial writes when its first step starts (a test waits on
-            it to act while a trial runs).
-        devices_file: a file rank 0 writes the ``CUDA_VISIBLE_DEVICES`` it sees to (``<unset>``)
-            when its first step starts (the test of device leases reads it).
-        hold_until: every rank waits in its first step until this file exists (a trial that
-            holds its devices until the test lets it end).
-    """
+def mlp(batch_size: int, *, batches: int = 16, max_rows: int | None = None, **options: Any) -> tuple[MLP, DataLoader]:
+    """An :class:`MLP` built with ``options`` (its arguments) and a loader of ``batches`` batches of
+    ``batch_size`` rows, or of ``max_rows`` when fewer (plans that need more are then infeasible)."""
+    model = MLP(**options)
     rows = batch_size if max_rows is None else min(batch_size, max_rows)
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(rows * batches, features, generator=g)
+    x = torch.randn(rows * batches, model.features, generator=g)
     y = torch.randn(rows * batches, 1, generator=g)
-    model = MLP(
-        features,
-        width,
-        layers,
-        crash_on,
-        hang_on,
-        oom_on,
-        step_delay_s,
-        failure_stamp,
-        started_file,
-        devices_file,
-        hold_until,
-    )
     return model, DataLoader(TensorDataset(x, y), batch_size=rows, shuffle=False)

@@ -46,9 +46,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from dapple_lightning.autoplan import fresh_leaves, small_batch_of, time_step_around
+from dapple_lightning.autoplan import small_batch_of, time_step_around
 from dapple_lightning.microbatch import batch_size_of
-from dapple_lightning.planner import ModelProfile, map_tensors
+from dapple_lightning.planner import ModelProfile, fresh_leaves, map_tensors
 from dapple_lightning.runtime import StageExit
 from dapple_lightning.strategy._lightning import silenced_log
 from dapple_lightning.surgery import Chain, set_submodule

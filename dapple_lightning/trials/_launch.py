@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-__all__ = ["Handle", "child_env", "default_launcher", "group_alive", "kill_group", "launch", "prestart", "proc_stat"]
+__all__ = ["Handle", "child_env", "default_launcher", "group_alive", "kill_group", "launch", "proc_stat"]
 
 Kind = Literal["trial", "probe"]
 _READY_TIMEOUT_S = 600.0
@@ -227,11 +227,6 @@ def _template(python: str) -> _Template:
     if template is None or not template.alive():
         template = _templates[key] = _Template(python, env)
     return template
-
-
-def prestart(python: str = sys.executable) -> None:
-    """Start this process's trial template now, so its imports overlap with other work."""
-    _template(python)
 
 
 @atexit.register

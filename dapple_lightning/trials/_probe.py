@@ -7,7 +7,7 @@ Building the model means running the user's factory, which may import anything a
 anything, so it happens in a child process like the trials, under a time limit.
 
 The profile: the Sequential's input is captured by running ``training_step`` on the first batch up
-to the Sequential (``self.log`` is silenced), then each layer is run alone, forward and backward,
+to the Sequential (``surgery.capture_input``), then each layer is run alone, forward and backward,
 on ``global_batch // world_size`` rows (a replica's share of a one-stage plan), keeping medians:
 the planner's ``profile_layers`` times them, and the result is the JSON of
 :class:`dapple_lightning.planner.ModelProfile`.
@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -99,14 +100,6 @@ def probe_model(config: TrialConfig, *, profile: bool = False, timeout_s: float 
 # ================================================================================ child side
 
 
-class _Captured(BaseException):
-    """Stops ``training_step`` once the Sequential's input is known (BaseException: not swallowed)."""
-
-    def __init__(self, value: Any) -> None:
-        super().__init__("captured")
-        self.value = value
-
-
 def _architecture(module: Any, seq: Any) -> str:
     desc = {
         "module": type(module).__qualname__,
@@ -125,32 +118,11 @@ def _device(accelerator: str) -> str:
     return accelerator if accelerator != "auto" else "cpu"
 
 
-def _capture_input(module: Any, seq: Any, batch: Any) -> Any:
-    def hook(_: Any, args: tuple) -> None:
-        raise _Captured(args[0])
-
-    handle = seq.register_forward_pre_hook(hook)
-    try:  # no trainer to log to: Lightning's self.log warns (ignored here, see main) and returns
-        module.training_step(batch, 0)
-    except _Captured as c:
-        return c.value
-    finally:
-        handle.remove()
-    raise RuntimeError("training_step never called the Sequential on the first batch")
-
-
-def _rows(value: Any, n: int) -> Any:
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return value[:n]
-    return tuple(v[:n] for v in value)
-
-
 def _profile(seq: Any, first_input: Any, rows: int, device: str, reps: int = 3) -> dict[str, Any]:
-    from dapple_lightning.planner import profile_layers
+    from dapple_lightning.planner import map_tensors, profile_layers
 
-    data = profile_layers(list(seq), _rows(first_input, rows), repeats=reps, warmup=1).to_dict()
+    sample = map_tensors(lambda t: t[:rows], first_input)
+    data = profile_layers(list(seq), sample, repeats=reps, warmup=1).to_dict()
     data["device"] = device
     return data
 
@@ -165,14 +137,14 @@ def main(spec_path: str) -> int:
     from lightning.pytorch import seed_everything
 
     from dapple_lightning.microbatch import batch_size_of
-    from dapple_lightning.surgery import find_sequential
+    from dapple_lightning.surgery import capture_input, find_sequential, set_submodule
     from dapple_lightning.trials._factory import call_factory
 
     torch.set_num_threads(int(spec["threads"]))
     os.environ.setdefault("OMP_NUM_THREADS", str(spec["threads"]))
     seed_everything(int(spec["seed"]), verbose=False)
     module, loader = call_factory(spec["model"], int(spec["global_batch"]), dict(spec["model_kwargs"]))
-    _, seq = find_sequential(module, spec["sequential"])
+    path, seq = find_sequential(module, spec["sequential"])
     device = _device(spec["accelerator"])
     fingerprint = Fingerprint(
         num_layers=len(seq),
@@ -190,7 +162,8 @@ def main(spec_path: str) -> int:
             batch = next(iter(loader))
             rows = max(1, min(batch_size_of(batch), int(spec["global_batch"]) // int(spec["world_size"])))
             module.train()
-            first = _capture_input(module, seq, batch)
+            put = partial(set_submodule, module, path)
+            first = capture_input(module, put, seq, lambda: module.training_step(batch, 0))
             result["profile"] = _profile(seq, first, rows, device)
         except Exception as e:  # the profile is optional: say why there is none
             result["profile_error"] = f"{type(e).__name__}: {e}"

@@ -41,7 +41,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from statistics import median
 from typing import Any, Literal
@@ -324,13 +324,7 @@ def _launched(
         code = handle.returncode
         result = _collect(code if code is not None else -signal.SIGKILL, config, out)
     workdir = str(out) if config.keep_logs else None
-    return _with(result, wall_s=time.monotonic() - started, workdir=workdir, pgid=handle.pgid)
-
-
-def _with(result: TrialResult, **changes: Any) -> TrialResult:
-    from dataclasses import replace
-
-    return replace(result, **changes)
+    return replace(result, wall_s=time.monotonic() - started, workdir=workdir, pgid=handle.pgid)
 
 
 def _watch(

@@ -1,7 +1,6 @@
 """One rank of a trial: trains the candidate plan for a few steps and records what it measured.
 
-Run by the trial's supervisor (``_supervisor.py``) as ``python -m dapple_lightning.trials._worker
-SPEC.json``, once per rank, with the variables ``torchrun`` would set (``RANK``, ``WORLD_SIZE``,
+Run by the trial's leader (``_leader``), once per rank, with the variables ``torchrun`` would set (``RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR``, ...): Lightning sees an externally launched cluster and starts no processes of
 its own. Rank 0 prints one event line per optimizer step (see ``_child.emit``), so the search can
 report intermediate values and prune while the trial runs.

@@ -11,11 +11,10 @@ from dapple_lightning.search import (
     Fingerprint,
     FingerprintMismatch,
     best_plan,
-    check_fingerprint,
     params_from_plan,
     resolve_plan_spec,
 )
-from dapple_lightning.trials import classify_failure
+from dapple_lightning.trials import check_fingerprint, classify_failure
 
 FP = Fingerprint(num_layers=6, architecture="abc", world_size=2, device="cpu", global_batch=8)
 PLANS = [Plan.data_parallel(6, 2, 2), Plan.straight(6, 2, micro_batches=4), Plan.straight(6, 2, micro_batches=2)]

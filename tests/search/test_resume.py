@@ -12,7 +12,8 @@ import pytest
 import sqlalchemy
 from optuna.trial import TrialState
 
-from dapple_lightning.search import group_alive, interrupted_trials
+from dapple_lightning.search import interrupted_trials
+from dapple_lightning.trials import group_alive
 
 pytestmark = pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
 

@@ -19,11 +19,10 @@ from dapple_lightning.search import (
     TrialConfig,
     best_choice,
     best_plan,
-    group_alive,
-    run_trial,
     strategy_from_study,
 )
 from dapple_lightning.search._cli import main as cli
+from dapple_lightning.trials import group_alive, run_trial
 
 MLP = "dapple_lightning.search.testing:mlp"
 pytestmark = pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")

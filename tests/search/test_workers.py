@@ -34,8 +34,9 @@ import sqlalchemy
 from optuna.trial import FrozenTrial, TrialState
 from search_runs import MLP, env, poll, processes_with
 
-from dapple_lightning.search import PlanSpace, group_alive, interrupted_trials
+from dapple_lightning.search import PlanSpace, interrupted_trials
 from dapple_lightning.search._bookkeeping import draw_plan, heartbeat_storage
+from dapple_lightning.trials import group_alive
 
 pytestmark = pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
 

@@ -195,7 +195,8 @@ class _Pass:
         # follows server numbers and keeps them.
         self._canonical = policy != "append"
         self.placed: dict[tuple[tuple[int, ...], tuple[int, ...] | None, int], _Placed] = {}
-        """What :meth:`place` found, by its arguments: the search asks the same again and again."""
+        """What :meth:`place` found, by its arguments: the search asks the same again and again
+        (the search hands the same table to its passes under the same placement policy)."""
         self.costs: dict[tuple[int, int, int, int], _Cost | None] = {}
         """What :meth:`stage_cost` found, by its arguments (the search hands the same table to
         its passes over other placement policies)."""
@@ -284,6 +285,8 @@ class _Search:
         """:meth:`work` of an earlier search whose work this one continues."""
         self._costs: dict[int, dict[tuple[int, int, int, int], _Cost | None]] = {}
         """Stages ``[i, j)`` on a placement whose costs the search computed."""
+        self._placed: dict[str, dict[tuple[tuple[int, ...], tuple[int, ...] | None, int], _Placed]] = {}
+        """Where :meth:`_Pass.place` put stages, per placement policy."""
         self.best_offered = math.inf
         self.end_bound = math.inf
         """The bound when the last run ended: that run found every plan of its own below it."""
@@ -303,6 +306,8 @@ class _Search:
         search = _Pass(self.model, policy, micro_batches, cuts, self.replicas)
         # Stage costs depend on neither the placement policy nor the cut points: passes share them.
         search.costs = self._costs.setdefault(micro_batches, {})
+        # Placements depend only on the policy: passes at other micro-batch counts share them.
+        search.placed = self._placed.setdefault(policy, {})
         cluster = self.model.cluster
         layers = self.model.num_layers
         states: _States = [{} for _ in range(layers + 1)]
@@ -438,15 +443,34 @@ class _Search:
                 continue
             head_start = search.forward_per_sample[i] * ahead_samples + search.forward_fixed[i]
             head_passes = search.passes_per_sample[i] * ahead_samples + search.passes_fixed[i]
+            # The stage's own passes (D >= M (F + B), Z >= closing + D) rule out every suffix.
+            fb = forward + backward
+            all_passes = m * fb
+            if closing + all_passes + head_start > bound or all_passes + head_passes > bound:
+                continue
             front: list[_Suffix] | None = None
             front_stages = -1
+            # A full beam keeps its lowest Z: a suffix above its last one would leave at once.
+            full = math.inf
+            if beam is not None and i:
+                front = states[i].get(left_free, {}).get((stage.take, 0))
+                if front is not None and len(front) >= beam:
+                    full = front[-1].z
+                    if closing + all_passes > full:
+                        continue
             # The stage's numbers per warm-up depth, computed once for all its suffixes.
             by_depth: dict[int, tuple[float, Terms, bool] | None] = {}
             for depth, stages, pairs, link, suffix in candidates:
                 if link is not None and (
-                    forward + link[1] + head_start > bound or forward + backward + link[0] + head_passes > bound
+                    forward + link[1] + head_start > bound
+                    or fb + link[0] + head_passes > bound
+                    or closing + (fb + link[0]) + head_start > bound
+                    or forward + link[1] > full
+                    or closing + (fb + link[0]) > full
                 ):
-                    continue  # out of the bound before pricing: Z >= F + Z_link, D >= F + B + D_link
+                    # Out of the bound or the beam before pricing: Z >= F + Z_link,
+                    # D >= F + B + D_link and Z >= closing + D.
+                    continue
                 if depth in by_depth:
                     known = by_depth[depth]
                 else:
@@ -458,9 +482,9 @@ class _Search:
                 d, z, round_trip, x, passes = attach(forward, b, closing, terms, link, pairs, gpipe)
                 if z + head_start > bound or d + head_passes > bound:
                     continue
-                new = _Suffix(stages, d, z, round_trip, x, passes, i, j, stage.replicas, recompute, suffix)
                 if i == 0:
-                    self._offer(new, search.policy, m)
+                    plan = _Suffix(stages, d, z, round_trip, x, passes, 0, j, stage.replicas, recompute, suffix)
+                    self._offer(plan, search.policy, m)
                     bound = top.bound
                     continue
                 if front is None or front_stages != stages:
@@ -468,7 +492,12 @@ class _Search:
                     front_stages = stages
                     sub = (stage.take, 0 if beam else stages)
                     front = states[i].setdefault(left_free, {}).setdefault(sub, [])
+                if z > full:
+                    continue
+                new = _Suffix(stages, d, z, round_trip, x, passes, i, j, stage.replicas, recompute, suffix)
                 self.kept += _insert(front, new, top.k, beam)
+                if beam is not None:
+                    full = front[-1].z if len(front) >= beam else math.inf
 
     def _offer(self, plan: _Suffix, policy: str, m: int) -> None:
         spec: list[tuple[int, int, int, bool]] = []

@@ -431,6 +431,7 @@ class _Search:
             hi = min(bisect.bisect_left(allowed, j), bisect.bisect_right(allowed, top_i))
             starts = (allowed[x] for x in range(hi - 1, -1, -1))
         ahead_samples = search.samples[rest] if rest else 0
+        priced = kept = 0
         for i in starts:
             cost = search.stage_cost(i, j, stage, cap, may_recompute)
             if cost is None:
@@ -461,24 +462,27 @@ class _Search:
             # The stage's numbers per warm-up depth, computed once for all its suffixes.
             by_depth: dict[int, tuple[float, Terms, bool] | None] = {}
             for depth, stages, pairs, link, suffix in candidates:
-                if link is not None and (
-                    forward + link[1] + head_start > bound
-                    or fb + link[0] + head_passes > bound
-                    or closing + (fb + link[0]) + head_start > bound
-                    or forward + link[1] > full
-                    or closing + (fb + link[0]) > full
-                ):
+                if link is not None:
                     # Out of the bound or the beam before pricing: Z >= F + Z_link,
                     # D >= F + B + D_link and Z >= closing + D.
-                    continue
-                if depth in by_depth:
-                    known = by_depth[depth]
-                else:
+                    least_z = forward + link[1]
+                    least_d = fb + link[0]
+                    chain = closing + least_d
+                    if (
+                        least_z > full
+                        or chain > full
+                        or least_z + head_start > bound
+                        or chain + head_start > bound
+                        or least_d + head_passes > bound
+                    ):
+                        continue
+                known = by_depth.get(depth, by_depth)
+                if known is by_depth:
                     known = by_depth[depth] = _depth_terms(forward, backward, memory, lean, depth, m, cap)
                 if known is None:
                     continue
                 b, terms, recompute = known
-                self.priced += 1
+                priced += 1
                 d, z, round_trip, x, passes = attach(forward, b, closing, terms, link, pairs, gpipe)
                 if z + head_start > bound or d + head_passes > bound:
                     continue
@@ -495,9 +499,11 @@ class _Search:
                 if z > full:
                     continue
                 new = _Suffix(stages, d, z, round_trip, x, passes, i, j, stage.replicas, recompute, suffix)
-                self.kept += _insert(front, new, top.k, beam)
+                kept += _insert(front, new, top.k, beam)
                 if beam is not None:
                     full = front[-1].z if len(front) >= beam else math.inf
+        self.priced += priced
+        self.kept += kept
 
     def _offer(self, plan: _Suffix, policy: str, m: int) -> None:
         spec: list[tuple[int, int, int, bool]] = []

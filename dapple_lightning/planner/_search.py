@@ -482,6 +482,9 @@ class _Search:
                 if known is None:
                     continue
                 b, terms, recompute = known
+                # D >= the warm-up window's chain: each jump waits a round trip through the link.
+                if link is not None and terms[2] * (terms[0] + link[2]) + terms[3] + head_passes > bound:
+                    continue
                 priced += 1
                 d, z, round_trip, x, passes = attach(forward, b, closing, terms, link, pairs, gpipe)
                 if z + head_start > bound or d + head_passes > bound:

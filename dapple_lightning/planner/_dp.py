@@ -380,8 +380,9 @@ def _search(
 
     Branch and bound needs a good bound early. A first pass lets stages begin only at a few cut
     points spread evenly over the work; its plans are plans of the full space, so the full pass
-    may cut anything slower than them and stays exact. A greedy pass over every cut point of the
-    pair the first pass ranks best tightens that bound. The full pass visits the (micro-batches,
+    may cut anything slower than them and stays exact (under a beam, that pass is greedy: it only
+    ranks). A greedy pass over every cut point of the pair the first pass ranks best tightens
+    that bound. The full pass visits the (micro-batches,
     placement) pairs best first, so that its bound is tight from the start. ``seeds`` are plans of
     the space under ``memory_cap`` offered before any pass: under a tight cap the coarse pass
     may find none, and without them the full pass would start unbounded.
@@ -396,6 +397,8 @@ def _search(
         if cuts is not None:
             # Stay inside the search space: the nearest allowed cut points.
             coarse = sorted({min(cuts, key=lambda a, c=c: (abs(a - c), a)) for c in coarse})
+        # Under a beam the coarse pass only ranks the runs and sets a first bound: greedy will do.
+        search.beam = None if beam is None else 1
         for m, policy in runs:
             rank[(m, policy)] = search.run(policy, m, coarse)
         runs.sort(key=lambda run: rank[run])
@@ -403,10 +406,10 @@ def _search(
         # A greedy pass (one partial plan per state) over every cut point of the most promising
         # run: its plan is a real plan of the space, so its latency bounds the full passes from
         # the start (the coarse cut points alone often find plans well above the optimum).
-        beam, search.beam = search.beam, 1
+        search.beam = 1
         m, policy = runs[0]
         search.run(policy, m, cuts)
-        search.beam = beam
+    search.beam = beam
     done: dict[tuple[int, str], float] = {}
     for m, policy in runs:
         rank[(m, policy)] = min(rank.get((m, policy), math.inf), search.run(policy, m, cuts))

@@ -41,14 +41,20 @@ else:
     profile, cluster, batch = synthetic(layers, 0), Cluster.parse(f"{{world // 8}}x8"), global_batch(world)
 wall, cpu = time.perf_counter(), time.process_time()
 best = plan_dapple(profile, cluster, batch, top=top)[0]
+import dapple_lightning
+assert dapple_lightning.__file__.startswith({root!r}), dapple_lightning.__file__
 print(json.dumps([time.perf_counter() - wall, time.process_time() - cpu, best.notation, repr(best.predicted_step_s)]))
 """
 
 
 def run(root: Path, case: str) -> tuple[float, float, str]:
     name, top = case.split()
-    code = ONE.format(here=str(HERE), name=name, top=int(top))
-    out = subprocess.run([sys.executable, "-c", code], env={"PYTHONPATH": str(root)}, capture_output=True, text=True)
+    code = ONE.format(here=str(HERE), name=name, top=int(top), root=str(root.resolve()))
+    # In the checkout's root: ``python -c`` puts the working directory ahead of PYTHONPATH, so
+    # from anywhere else it would import the package found there, not the checkout's.
+    out = subprocess.run(
+        [sys.executable, "-c", code], env={"PYTHONPATH": str(root)}, cwd=root, capture_output=True, text=True
+    )
     if out.returncode:
         raise RuntimeError(f"{case} under {root} failed:\n{out.stderr[-2000:]}")
     wall, cpu, notation, step = json.loads(out.stdout.strip().splitlines()[-1])

@@ -423,7 +423,7 @@ def _search(
     seen = search.top.seen
     first = search
     search = _Search(model, top, counts, schedule, beam, memory_cap, recompute)
-    search.before = first.work()
+    search.continues(first)
     for key, (z, payload) in seen.items():
         search.top.offer(z, key, payload)
     bound = search.top.bound

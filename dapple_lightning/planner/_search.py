@@ -291,6 +291,13 @@ class _Search:
         self.end_bound = math.inf
         """The bound when the last run ended: that run found every plan of its own below it."""
 
+    def continues(self, earlier: _Search) -> None:
+        """Go on from ``earlier``'s work: count it, and reuse the stage prices and placements it
+        found (they depend on neither ``top`` nor the bound)."""
+        self.before = earlier.work()
+        self._costs = earlier._costs
+        self._placed = earlier._placed
+
     def work(self) -> tuple[int, int, int, int]:
         """States expanded, stages priced, partial plans priced and kept, with :attr:`before`'s."""
         now = (self.states_expanded, self.stages_priced, self.priced, self.kept)

@@ -55,7 +55,7 @@ RECORDED = {
     "16 x 50, top 1": (lambda: synthetic(50, 0), lambda: Cluster.parse("2x8"), 1024, 1, True,
                        (1982, 13086, 28254, 20083)),
     "16 x 50, top 5": (lambda: synthetic(50, 0), lambda: Cluster.parse("2x8"), 1024, 5, True,
-                       (2953, 21717, 65980, 46141)),
+                       (2953, 13447, 65980, 46141)),
     "32 x 40, beam": (lambda: synthetic(40, 0), lambda: Cluster.parse("4x8"), 1024, 1, False,
                       (3605, 19685, 53393, 31344)),
     "256 devices x 16, beam": (lambda: synthetic(16, 0), lambda: Cluster.parse("32x8"), 1024, 1, False,

@@ -6,9 +6,9 @@ The search space, for a profile of ``L`` layers on a cluster of ``W`` devices:
   layers, cuts at ``max_cuts`` points that split the forward + backward time evenly);
 - **replication**: stage ``s`` gets ``r_s`` devices, ``sum r_s = W``. Every stage may take any
   count when ``W <= 16``; on bigger clusters every stage but the first takes a count from
-  :func:`replica_candidates` (1..8, multiples of ``max(8, devices per server)``, powers of two)
-  and the first stage takes what is left, which keeps the search fast and still reaches plans
-  like ``63:1``;
+  :func:`replica_candidates` (1..8, multiples of ``max(8, devices per server)``, powers of two;
+  past 64 devices only powers of two of devices or of servers) and the first stage takes what is
+  left, which keeps the search fast and still reaches plans like ``63:1``;
 - **placement**: each policy of ``_placement`` (``append``, ``fresh``, ``scatter``; only
   ``append`` when servers have one device or there is one server, where they coincide);
 - **micro-batches**: each ``M`` of :func:`micro_batch_candidates` (the divisors of the global
@@ -61,6 +61,9 @@ _AGREE = 1e-9
 _COARSE = 16
 # Partial plans kept per state when the search is not exact.
 _BEAM = 8
+# Largest cluster whose stages may take any of 1..8 devices or any number of whole servers;
+# beyond, only powers of two of devices or of servers (see replica_candidates).
+_FINE_COUNTS = 64
 
 
 @dataclass(frozen=True)
@@ -187,15 +190,22 @@ def micro_batch_candidates(global_batch: int) -> tuple[int, ...]:
 def replica_candidates(cluster: Cluster) -> tuple[int, ...]:
     """Replica counts the planner gives stages other than the first (which takes the rest).
 
-    Every count up to 16 devices; beyond, 1..8, multiples of ``max(8, devices per server)``
-    and powers of two, so that stages can fill servers or halves of them.
+    Every count up to 16 devices; up to 64, 1..8, multiples of ``max(8, devices per server)``
+    and powers of two, so that stages can fill servers or halves of them; beyond, powers of two
+    and powers of two times ``max(8, devices per server)``: on thousands of devices every
+    multiple of a server would make the search grow with the cluster (the first stage still
+    takes whatever is left, and the search record states the beam's gap to a lower bound).
     """
     world = cluster.world_size
     if world <= 16:
         return tuple(range(1, world + 1))
+    powers = {2**k for k in range(world.bit_length()) if 2**k <= world}
     step = max(8, cluster.devices_per_node)
-    counts = set(range(1, 9)) | set(range(step, world + 1, step))
-    counts |= {2**k for k in range(world.bit_length()) if 2**k <= world}
+    if world > _FINE_COUNTS:
+        # Thousands of devices: a stage's size doubles from one device, or from whole servers.
+        servers = {step * 2**k for k in range(world.bit_length()) if step * 2**k <= world}
+        return tuple(sorted(powers | servers))
+    counts = set(range(1, 9)) | set(range(step, world + 1, step)) | powers
     return tuple(sorted(c for c in counts if c <= world))
 
 
@@ -370,7 +380,9 @@ def _search(
 
     Branch and bound needs a good bound early. A first pass lets stages begin only at a few cut
     points spread evenly over the work; its plans are plans of the full space, so the full pass
-    may cut anything slower than them and stays exact. The full pass visits the (micro-batches,
+    may cut anything slower than them and stays exact (under a beam, that pass is greedy: it only
+    ranks). A greedy pass over every cut point of the pair the first pass ranks best tightens
+    that bound. The full pass visits the (micro-batches,
     placement) pairs best first, so that its bound is tight from the start. ``seeds`` are plans of
     the space under ``memory_cap`` offered before any pass: under a tight cap the coarse pass
     may find none, and without them the full pass would start unbounded.
@@ -385,9 +397,19 @@ def _search(
         if cuts is not None:
             # Stay inside the search space: the nearest allowed cut points.
             coarse = sorted({min(cuts, key=lambda a, c=c: (abs(a - c), a)) for c in coarse})
+        # Under a beam the coarse pass only ranks the runs and sets a first bound: greedy will do.
+        search.beam = None if beam is None else 1
         for m, policy in runs:
             rank[(m, policy)] = search.run(policy, m, coarse)
         runs.sort(key=lambda run: rank[run])
+    if runs:
+        # A greedy pass (one partial plan per state) over every cut point of the most promising
+        # run: its plan is a real plan of the space, so its latency bounds the full passes from
+        # the start (the coarse cut points alone often find plans well above the optimum).
+        search.beam = 1
+        m, policy = runs[0]
+        search.run(policy, m, cuts)
+    search.beam = beam
     done: dict[tuple[int, str], float] = {}
     for m, policy in runs:
         rank[(m, policy)] = min(rank.get((m, policy), math.inf), search.run(policy, m, cuts))
@@ -401,7 +423,7 @@ def _search(
     seen = search.top.seen
     first = search
     search = _Search(model, top, counts, schedule, beam, memory_cap, recompute)
-    search.before = first.work()
+    search.continues(first)
     for key, (z, payload) in seen.items():
         search.top.offer(z, key, payload)
     bound = search.top.bound

@@ -195,7 +195,8 @@ class _Pass:
         # follows server numbers and keeps them.
         self._canonical = policy != "append"
         self.placed: dict[tuple[tuple[int, ...], tuple[int, ...] | None, int], _Placed] = {}
-        """What :meth:`place` found, by its arguments: the search asks the same again and again."""
+        """What :meth:`place` found, by its arguments: the search asks the same again and again
+        (the search hands the same table to its passes under the same placement policy)."""
         self.costs: dict[tuple[int, int, int, int], _Cost | None] = {}
         """What :meth:`stage_cost` found, by its arguments (the search hands the same table to
         its passes over other placement policies)."""
@@ -284,9 +285,18 @@ class _Search:
         """:meth:`work` of an earlier search whose work this one continues."""
         self._costs: dict[int, dict[tuple[int, int, int, int], _Cost | None]] = {}
         """Stages ``[i, j)`` on a placement whose costs the search computed."""
+        self._placed: dict[str, dict[tuple[tuple[int, ...], tuple[int, ...] | None, int], _Placed]] = {}
+        """Where :meth:`_Pass.place` put stages, per placement policy."""
         self.best_offered = math.inf
         self.end_bound = math.inf
         """The bound when the last run ended: that run found every plan of its own below it."""
+
+    def continues(self, earlier: _Search) -> None:
+        """Go on from ``earlier``'s work: count it, and reuse the stage prices and placements it
+        found (they depend on neither ``top`` nor the bound)."""
+        self.before = earlier.work()
+        self._costs = earlier._costs
+        self._placed = earlier._placed
 
     def work(self) -> tuple[int, int, int, int]:
         """States expanded, stages priced, partial plans priced and kept, with :attr:`before`'s."""
@@ -303,6 +313,8 @@ class _Search:
         search = _Pass(self.model, policy, micro_batches, cuts, self.replicas)
         # Stage costs depend on neither the placement policy nor the cut points: passes share them.
         search.costs = self._costs.setdefault(micro_batches, {})
+        # Placements depend only on the policy: passes at other micro-batch counts share them.
+        search.placed = self._placed.setdefault(policy, {})
         cluster = self.model.cluster
         layers = self.model.num_layers
         states: _States = [{} for _ in range(layers + 1)]
@@ -327,7 +339,10 @@ class _Search:
         left = sum(free)
         if search.prefix_work[j] / left > self.top.bound:
             return
+        # Micro-batch 0's forward, and its forward and backward, through layers [0, j) on at
+        # most `left` replicas: lower bounds on what any prefix adds to Z and to D.
         head_start = search.forward_per_sample[j] * search.samples[left] + search.forward_fixed[j]
+        head_passes = search.passes_per_sample[j] * search.samples[left] + search.passes_fixed[j]
         self.states_expanded += 1
         options = [r for r in search.counts if r < left]
         if left <= search.most:
@@ -336,7 +351,7 @@ class _Search:
         # Stages of different sizes often see a suffix through links of the same speed.
         links: dict[tuple[tuple[tuple[int, ...], int] | None, float], list[_Candidate]] = {}
         for r in options:
-            groups = self._through_links(search, free, fronts, r, nbytes, head_start, links)
+            groups = self._through_links(search, free, fronts, r, nbytes, (head_start, head_passes), links)
             for (left_free, stage), candidates in groups.items():
                 if candidates:
                     self._prepend_stages(search, states, j, left - r, left_free, stage, candidates)
@@ -348,13 +363,14 @@ class _Search:
         fronts: dict[tuple[tuple[int, ...], int] | None, list[_Suffix]],
         replicas: int,
         nbytes: float,
-        head_start: float,
+        heads: tuple[float, float],
         links: dict[tuple[tuple[tuple[int, ...], int] | None, float], list[_Candidate]],
     ) -> dict[tuple[tuple[int, ...], Placement], list[_Candidate]]:
         """Each suffix seen through its link to a new stage of ``replicas`` devices, grouped by
         where that stage goes (the state it leads to); suffixes the bound rules out are left out.
         ``links`` keeps each front's candidates by the link's seconds per message, for the
-        other stage sizes of the same state."""
+        other stage sizes of the same state. ``heads``: lower bounds on what the layers in front
+        add to Z and to D."""
         m = search.micro_batches
         gpipe = self.gpipe
         groups: dict[tuple[tuple[int, ...], Placement], list[_Candidate]] = {}
@@ -371,20 +387,24 @@ class _Search:
             send = search.cluster.message_time(nbytes, per_byte)
             seen = links.get((sub, send))
             if seen is None:
-                seen = links[(sub, send)] = self._links(front, send, head_start, m)
+                seen = links[(sub, send)] = self._links(front, send, heads, m)
             candidates += seen
         return groups
 
-    def _links(self, front: list[_Suffix], send: float, head_start: float, m: int) -> list[_Candidate]:
+    def _links(self, front: list[_Suffix], send: float, heads: tuple[float, float], m: int) -> list[_Candidate]:
         """The suffixes of ``front`` seen through a link of ``send`` seconds each way, up to the
-        first that the bound rules out."""
+        first that the bound rules out (by Z; by D, one at a time)."""
         gpipe = self.gpipe
         bound = self.top.bound
+        head_start, head_passes = heads
+        both = send + send
         out: list[_Candidate] = []
         stages = -1
         for suffix in front:  # sorted by Z: once one is out of the bound, so are the rest
             if send + suffix.z + head_start > bound:
                 break
+            if both + suffix.d + head_passes > bound:
+                continue
             if suffix.stages != stages:  # one count per front unless it is a beam's
                 # The stage count matters only through K = min(S - s, M) of the stages
                 # before, and whether the next one has K - 1: up to M.
@@ -412,10 +432,7 @@ class _Search:
         (``i == 0``) are offered to ``top``, partial ones kept in the fronts of their states."""
         top = self.top
         m = search.micro_batches
-        gpipe = self.gpipe
         beam = self.beam
-        cap = self.memory_cap
-        may_recompute = self.recompute
         if rest == 0:
             starts: Iterable[int] = (0,)
         else:
@@ -427,48 +444,107 @@ class _Search:
             starts = (allowed[x] for x in range(hi - 1, -1, -1))
         ahead_samples = search.samples[rest] if rest else 0
         for i in starts:
-            cost = search.stage_cost(i, j, stage, cap, may_recompute)
+            cost = search.stage_cost(i, j, stage, self.memory_cap, self.recompute)
             if cost is None:
                 break  # memory only grows as the stage takes earlier layers
-            forward, backward, closing, memory, lean = cost
+            forward, backward, closing, _, _ = cost
             bound = top.bound
-            if closing + m * (forward + backward) > bound:
+            all_passes = m * (forward + backward)
+            if closing + all_passes > bound:
                 break  # and so does the stage's own chain for earlier starts
             if i and search.prefix_work[i] / rest > bound:
                 continue
             head_start = search.forward_per_sample[i] * ahead_samples + search.forward_fixed[i]
             head_passes = search.passes_per_sample[i] * ahead_samples + search.passes_fixed[i]
-            front: list[_Suffix] | None = None
-            front_stages = -1
-            # The stage's numbers per warm-up depth, computed once for all its suffixes.
-            by_depth: dict[int, tuple[float, Terms, bool] | None] = {}
-            for depth, stages, pairs, link, suffix in candidates:
-                if link is not None and (
-                    forward + link[1] + head_start > bound or forward + backward + link[0] + head_passes > bound
+            # The stage's own passes (D >= M (F + B), Z >= closing + D) rule out every suffix.
+            if closing + all_passes + head_start > bound or all_passes + head_passes > bound:
+                continue
+            # A full beam keeps its lowest Z: a suffix above its last one would leave at once.
+            full = math.inf
+            if beam is not None and i:
+                front = states[i].get(left_free, {}).get((stage.take, 0))
+                if front is not None and len(front) >= beam:
+                    full = front[-1].z
+                    if closing + all_passes > full:
+                        continue
+            self._attach_all(search, states, i, j, left_free, stage, cost, candidates, (head_start, head_passes), full)
+
+    def _attach_all(
+        self,
+        search: _Pass,
+        states: _States,
+        i: int,
+        j: int,
+        left_free: tuple[int, ...],
+        stage: Placement,
+        cost: _Cost,
+        candidates: list[_Candidate],
+        heads: tuple[float, float],
+        full: float,
+    ) -> None:
+        """Stage ``[i, j)`` of ``cost`` on ``stage`` in front of each of ``candidates`` that the
+        bound (and ``full``, the last Z a full beam keeps) allows. ``heads``: lower bounds on
+        what the layers before ``i`` add to Z and to D."""
+        top = self.top
+        m = search.micro_batches
+        gpipe = self.gpipe
+        beam = self.beam
+        cap = self.memory_cap
+        forward, backward, closing, memory, lean = cost
+        head_start, head_passes = heads
+        fb = forward + backward
+        bound = top.bound
+        priced = kept = 0
+        front: list[_Suffix] | None = None
+        front_stages = -1
+        # The stage's numbers per warm-up depth, computed once for all its suffixes.
+        by_depth: dict[int, tuple[float, Terms, bool] | None] = {}
+        for depth, stages, pairs, link, suffix in candidates:
+            if link is not None:
+                # Out of the bound or the beam before pricing: Z >= F + Z_link,
+                # D >= F + B + D_link and Z >= closing + D.
+                least_z = forward + link[1]
+                least_d = fb + link[0]
+                chain = closing + least_d
+                if (
+                    least_z > full
+                    or chain > full
+                    or least_z + head_start > bound
+                    or chain + head_start > bound
+                    or least_d + head_passes > bound
                 ):
-                    continue  # out of the bound before pricing: Z >= F + Z_link, D >= F + B + D_link
-                if depth in by_depth:
-                    known = by_depth[depth]
-                else:
-                    known = by_depth[depth] = _depth_terms(forward, backward, memory, lean, depth, m, cap)
-                if known is None:
                     continue
-                b, terms, recompute = known
-                self.priced += 1
-                d, z, round_trip, x, passes = attach(forward, b, closing, terms, link, pairs, gpipe)
-                if z + head_start > bound or d + head_passes > bound:
-                    continue
-                new = _Suffix(stages, d, z, round_trip, x, passes, i, j, stage.replicas, recompute, suffix)
-                if i == 0:
-                    self._offer(new, search.policy, m)
-                    bound = top.bound
-                    continue
-                if front is None or front_stages != stages:
-                    # A beam keeps one front whatever the stage count.
-                    front_stages = stages
-                    sub = (stage.take, 0 if beam else stages)
-                    front = states[i].setdefault(left_free, {}).setdefault(sub, [])
-                self.kept += _insert(front, new, top.k, beam)
+            known = by_depth.get(depth, by_depth)
+            if known is by_depth:
+                known = by_depth[depth] = _depth_terms(forward, backward, memory, lean, depth, m, cap)
+            if known is None:
+                continue
+            b, terms, recompute = known
+            # D >= the warm-up window's chain: each jump waits a round trip through the link.
+            if link is not None and terms[2] * (terms[0] + link[2]) + terms[3] + head_passes > bound:
+                continue
+            priced += 1
+            d, z, round_trip, x, passes = attach(forward, b, closing, terms, link, pairs, gpipe)
+            if z + head_start > bound or d + head_passes > bound:
+                continue
+            if i == 0:
+                plan = _Suffix(stages, d, z, round_trip, x, passes, 0, j, stage.replicas, recompute, suffix)
+                self._offer(plan, search.policy, m)
+                bound = top.bound
+                continue
+            if front is None or front_stages != stages:
+                # A beam keeps one front whatever the stage count.
+                front_stages = stages
+                sub = (stage.take, 0 if beam else stages)
+                front = states[i].setdefault(left_free, {}).setdefault(sub, [])
+            if z > full:
+                continue
+            new = _Suffix(stages, d, z, round_trip, x, passes, i, j, stage.replicas, recompute, suffix)
+            kept += _insert(front, new, top.k, beam)
+            if beam is not None:
+                full = front[-1].z if len(front) >= beam else math.inf
+        self.priced += priced
+        self.kept += kept
 
     def _offer(self, plan: _Suffix, policy: str, m: int) -> None:
         spec: list[tuple[int, int, int, bool]] = []

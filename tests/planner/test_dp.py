@@ -200,6 +200,9 @@ def test_replica_candidates():
     assert replica_candidates(Cluster.parse("2x8")) == tuple(range(1, 17))
     assert replica_candidates(Cluster.parse("8x8")) == (1, 2, 3, 4, 5, 6, 7, 8, 16, 24, 32, 40, 48, 56, 64)
     assert replica_candidates(Cluster.parse("32x1")) == (1, 2, 3, 4, 5, 6, 7, 8, 16, 24, 32)
+    # Past 64 devices: powers of two of devices, and of whole servers.
+    assert replica_candidates(Cluster.parse("128x8")) == (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+    assert replica_candidates(Cluster.parse("12x12")) == (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
 
 def test_micro_batch_candidates_are_the_divisors():

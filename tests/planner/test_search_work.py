@@ -49,15 +49,17 @@ def paper(file: str, batch: int) -> ModelProfile:
 # case: (profile, cluster, global batch, top, exact, (states, stages priced, partial plans, kept))
 RECORDED = {
     "VGG-19 on 2x8": (lambda: paper("vgg-19-pbs-32.txt", 32), Cluster.paper_2x8, 1024, 1, True,
-                      (2213, 9915, 27859, 15168)),
+                      (2238, 9146, 20954, 15232)),
     "XLNet-36 on 2x8": (lambda: paper("xlnet-36-pbs-1.txt", 1), Cluster.paper_2x8, 128, 1, True,
-                        (1847, 9629, 54085, 21514)),
+                        (1916, 8425, 30769, 19737)),
     "16 x 50, top 1": (lambda: synthetic(50, 0), lambda: Cluster.parse("2x8"), 1024, 1, True,
-                       (1935, 14507, 50247, 22265)),
+                       (1982, 13086, 28254, 20083)),
     "16 x 50, top 5": (lambda: synthetic(50, 0), lambda: Cluster.parse("2x8"), 1024, 5, True,
-                       (2904, 23882, 100414, 47088)),
+                       (2953, 13447, 65980, 46141)),
     "32 x 40, beam": (lambda: synthetic(40, 0), lambda: Cluster.parse("4x8"), 1024, 1, False,
-                      (3459, 22029, 142989, 43228)),
+                      (3605, 19685, 53393, 31344)),
+    "256 devices x 16, beam": (lambda: synthetic(16, 0), lambda: Cluster.parse("32x8"), 1024, 1, False,
+                               (2241, 4855, 113819, 55120)),
 }  # fmt: skip
 NAMES = ("states", "stages priced", "partial plans", "kept")
 

@@ -32,9 +32,9 @@ from torch._dynamo.utils import counters
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dapple_lightning.plan import Plan  # noqa: E402
-from dapple_lightning.runtime import Pipeline, p2p_groups  # noqa: E402
-from dapple_lightning.surgery import partition  # noqa: E402
+from dapple_lightning.plan import Plan
+from dapple_lightning.runtime import Pipeline, p2p_groups
+from dapple_lightning.surgery import partition
 
 BATCH, WIDTH = 16, 32
 SCHEDULES = ("dapple", "zb-h1")

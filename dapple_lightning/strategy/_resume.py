@@ -30,10 +30,10 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from dapple_lightning.plan import Plan
+from dapple_lightning.strategy._heartbeat import long_host_work
 from dapple_lightning.strategy._lightning import Patches, hand_over_checkpoint
 from dapple_lightning.strategy._logbook import Logbook, replay_lost_stages
 from dapple_lightning.strategy._parts import FitParts
-from dapple_lightning.strategy._heartbeat import long_host_work
 from dapple_lightning.strategy._recovery import FORMAT, Recovery, file_of, files_of, is_active, private_directory
 
 __all__ = ["RECOVERED", "begin", "kept_plan", "load_optimizers", "recover"]

@@ -138,18 +138,28 @@ def main() -> None:
     mp.start_processes(run_rank, args=(port, args.steps, args.out), nprocs=2, start_method="spawn")
     ranks = [json.loads(Path(args.out, f"rank{r}.json").read_text()) for r in range(2)]
     print(f"torch {torch.__version__}, {args.steps} steps, 2 ranks (gloo, CPU)")
-    print(f"{'schedule/mode':<16} {'rank':>4} {'frames 1st':>10} {'graphs 1st':>10} {'breaks 1st':>10} "
-          f"{'recompiles':>10} {'breaks':>7}  losses match eager")
+    print(
+        f"{'schedule/mode':<16} {'rank':>4} {'frames 1st':>10} {'graphs 1st':>10} {'breaks 1st':>10} "
+        f"{'recompiles':>10} {'breaks':>7}  losses match eager"
+    )
     for key in dict.fromkeys([*ranks[0], *ranks[1]]):
         schedule = key.split("/")[0]
         eager = ranks[1][f"{schedule}/eager"]["losses"]
         for rank, result in enumerate(ranks):
             if key not in result or "error" in result[key]:
-                print(f"{key:<16} {rank:>4}  failed: {result.get(key, {}).get('error', 'stopped after the peer failed')}")
+                print(
+                    f"{key:<16} {rank:>4}  failed: {result.get(key, {}).get('error', 'stopped after the peer failed')}"
+                )
                 continue
             first = result[key]["first_step"]
-            same = "" if rank == 0 else str(
-                all(abs(a - b) <= 1e-4 * max(1.0, abs(b)) for a, b in zip(result[key]["losses"], eager, strict=True))
+            same = (
+                ""
+                if rank == 0
+                else str(
+                    all(
+                        abs(a - b) <= 1e-4 * max(1.0, abs(b)) for a, b in zip(result[key]["losses"], eager, strict=True)
+                    )
+                )
             )
             print(
                 f"{key:<16} {rank:>4} {first['frames']:>10} {first['graphs']:>10} {first['breaks']:>10} "

@@ -27,7 +27,9 @@ class Block(nn.Module):
         return x + self.down(nn.functional.gelu(self.up(x)))
 
 
-def trained(rank: int, world_size: int, schedule: str, backend: str | None) -> tuple[list[torch.Tensor], dict[str, int]]:
+def trained(
+    rank: int, world_size: int, schedule: str, backend: str | None
+) -> tuple[list[torch.Tensor], dict[str, int]]:
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -59,7 +61,9 @@ def trained(rank: int, world_size: int, schedule: str, backend: str | None) -> t
     return [p.grad.clone() for p in stage.parameters()], later
 
 
-@pytest.mark.parametrize(("schedule", "backend"), [("dapple", "aot_eager"), ("zb-h1", "aot_eager"), ("zb-h1", "inductor")])
+@pytest.mark.parametrize(
+    ("schedule", "backend"), [("dapple", "aot_eager"), ("zb-h1", "aot_eager"), ("zb-h1", "inductor")]
+)
 def test_compiled_blocks_train_like_eager_ones(schedule: str, backend: str) -> None:
     # Inductor's backward may donate buffers that a split backward keeps for W: benchmarks/compile_check.py
     # meets that after the same blocks ran compiled under dapple in the process; this run alone may not.

@@ -327,7 +327,9 @@ class Plan:
                 f"{'v' if layout == 'looped' else 'looped'} for the other family)"
             )
         if layout == "v" and chunks != 2:
-            raise ValueError(f"the V layout gives each rank group 2 stages (g and 2G - 1 - g); set chunks: 2, not {chunks}")
+            raise ValueError(
+                f"the V layout gives each rank group 2 stages (g and 2G - 1 - g); set chunks: 2, not {chunks}"
+            )
         if len(stages) % chunks:
             raise ValueError(
                 f"a plan with chunks: {chunks} lists chunks x (rank groups) stages in pipeline order; got "
@@ -474,7 +476,9 @@ class Plan:
         columns = len(rows[0])
         widths = [max(len(r[c]) for r in rows) for c in range(columns)]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
-        per_group = f" in {self.num_groups} rank group(s) x {self.chunks} chunks ({self.layout})" if self.chunks > 1 else ""
+        per_group = (
+            f" in {self.num_groups} rank group(s) x {self.chunks} chunks ({self.layout})" if self.chunks > 1 else ""
+        )
         lines.append(
             f"{self.num_stages} stage(s){per_group} [{self.notation}] on {self.world_size} rank(s), "
             f"micro_batches={self.micro_batches}, schedule={self.schedule}"
@@ -509,7 +513,6 @@ class Plan:
         bounds = balanced_cuts(weights, num_stages)
         stages = tuple(Stage(a, b, 1) for a, b in itertools.pairwise(bounds))
         return cls(stages=stages, micro_batches=micro_batches or 2 * num_stages, schedule=schedule)
-
 
     @classmethod
     def chunked(

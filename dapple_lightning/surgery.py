@@ -231,6 +231,8 @@ def partition(layers: Container | Chain, plan: Plan, rank: int) -> StageModule:
     """This rank's :class:`StageModule` of ``plan``: its stage's layers of one container, under their
     own names, or of a chain of several, named by their index in the chain (messages then name
     their paths)."""
+    if plan.chunks > 1:
+        return _partition_chunks(layers, plan, rank)
     stage = plan.stages[plan.stage_of(rank)]
     if isinstance(layers, Chain) and len(layers.containers) == 1:
         layers = layers.containers[0]
@@ -246,6 +248,21 @@ def partition(layers: Container | Chain, plan: Plan, rank: int) -> StageModule:
     named = list(layers.named_children())
     blocks = len(layers) if isinstance(layers, nn.ModuleList) else None
     return StageModule(named[stage.start : stage.end], blocks=blocks, recompute=stage.recompute, offload=stage.offload)
+
+
+def _partition_chunks(layers: Container | Chain, plan: Plan, rank: int) -> StageModule:
+    """:func:`partition` of a plan whose rank groups hold several stages: one module with every
+    stage's layers of the rank, in stage order (the executor runs one stage's per call)."""
+    if isinstance(layers, Chain) and len(layers.containers) == 1:
+        layers = layers.containers[0]
+    if not isinstance(layers, nn.Sequential):
+        raise ValueError(
+            "a plan with chunks needs the pipelined layers in one nn.Sequential that forward calls once; with a "
+            "ModuleList or a chain of containers set chunks: 1"
+        )
+    named = list(layers.named_children())
+    indices = [i for s in plan.stages_of(rank) for i in range(plan.stages[s].start, plan.stages[s].end)]
+    return StageModule([named[i] for i in indices])
 
 
 @dataclass

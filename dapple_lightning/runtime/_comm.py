@@ -347,7 +347,7 @@ def stage_group(plan: Plan, rank: int, device: torch.device | None = None, **kwa
     at most, so the members' all-reduces wait on no one else.
     """
     mine = None
-    for index in range(plan.num_stages):
+    for index in range(plan.num_groups):  # a rank group's stages (one without chunks) share its group
         ranks = list(plan.stage_ranks(index))
         if len(ranks) > 1:
             group = dist.new_group(ranks, **kwargs)

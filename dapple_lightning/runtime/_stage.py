@@ -126,6 +126,9 @@ class StageCall:
     """The layers' paths in the model, for messages, when they come from a chain of containers."""
     next_block: int = 0
     """When the user's code calls the layers one by one: the one it must call next."""
+    layers: Sequence[nn.Module] | None = None
+    """Where the rank holds several stages (chunks) in one module: the layers of this call's stage
+    (``None``: all of the module's)."""
 
     def run(self, layers: Callable[[Activation], Any], arg: Any) -> Any:
         """Run the stage as one call (a Sequential's layers) on ``arg`` or what was received."""
@@ -258,6 +261,11 @@ class StageModule(nn.Sequential):
         return self._call.run(self._layers, input)
 
     def _layers(self, input: Any) -> Any:
+        call = self._call
+        if call is not None and call.layers is not None:  # one of the rank's several stages
+            for layer in call.layers:
+                input = layer(input)
+            return input
         if self.offload is not None:
             return self._offloaded(input, self.offload)
         if not (self.recompute and torch.is_grad_enabled()):

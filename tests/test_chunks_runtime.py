@@ -65,7 +65,7 @@ def trained(rank: int, world_size: int, plans: list[Plan]) -> list[dict]:
         for step in range(STEPS):
             x, y = make_batch(step)
 
-            def forward(m, rows, x=x, y=y):
+            def forward(m, rows, x=x, y=y, stage=stage):
                 out = stage(x[rows.start : rows.stop])
                 return nn.functional.mse_loss(out, y[rows.start : rows.stop]) * (len(rows) / BATCH)
 

@@ -297,8 +297,8 @@ class Cut:
                 "stage. Give one stage all the layers that share them, or build the model on a real device"
             )
         retie = _retie(module, ties)
-        layers = plan.stages[plan.stage_of(rank)]
         stage = partition(chain, plan, rank)
+        layers = plan.stages[plan.stages_of(rank)[0]]  # one stage where stand-ins are built (no chunks)
         unhook: Callable[[], None] = lambda: None  # noqa: E731
         stand_ins: tuple[nn.Module, ...] = (stage,)
         if not chain.called_whole:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,6 @@ from lightning.pytorch import Callback, Trainer
 
 from dapple_lightning import Plan
 from dapple_lightning.strategy._refusals import _chunks_refusal
-from dapple_lightning.surgery import find_chain
 
 import models
 from harness import assert_close_tree, assert_same, fit
@@ -76,10 +76,37 @@ def test_validation_under_a_chunked_plan_matches_one_device(tmp_path):
     assert_same(got, want)
 
 
-def test_recovery_and_called_layers_are_refused_with_chunks_before_any_process_starts():
-    chain = find_chain(models.MLP())
-    assert _chunks_refusal(PLAIN_1_1, chain, recovering=True) is None
-    assert "pass recovery=False to DappleStrategy" in _chunks_refusal(ZB_V_1_1, chain, recovering=True)
-    blocks = find_chain(models.T5LikeBlocks())
-    assert not blocks.called_whole
-    assert "set chunks: 1" in _chunks_refusal(Plan.chunked(4, "1:1", layout="v"), blocks, recovering=False)
+def test_recovery_is_refused_with_chunks_before_any_process_starts():
+    assert _chunks_refusal(PLAIN_1_1, recovering=True) is None
+    assert _chunks_refusal(ZB_V_1_1, recovering=False) is None
+    assert "pass recovery=False to DappleStrategy" in _chunks_refusal(ZB_V_1_1, recovering=True)
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [Plan.chunked(4, "1:1", micro_batches=4), Plan.chunked(4, "2:1", layout="v", micro_batches=4)],
+    ids=["interleaved-1:1", "zb-v-2:1"],
+)
+def test_hugging_face_llama_under_a_chunked_plan_matches_one_device(plan, tmp_path):
+    """The decoder layers of a tiny LlamaForCausalLM (a ModuleList its forward loops over, with side
+    inputs), two stages per rank: each stage's layers compute only in that stage's calls."""
+    pytest.importorskip("transformers")
+    from test_hf_llama import CONTAINER, CountCalls, Llama, tokens
+
+    want = fit(Llama, tmp_path / "single", loader=tokens)
+    counts = tmp_path / "counts"
+    counts.mkdir()
+    got = fit(
+        Llama,
+        tmp_path / "chunked",
+        plan=plan,
+        loader=tokens,
+        strategy_kwargs={"sequential": CONTAINER},
+        callbacks=(CountCalls(counts),),
+    )
+    assert_same(got, want)
+    # Four steps of four micro-batches: each layer's MLP ran once per micro-batch, on its own stage's ranks only.
+    per_rank = [json.loads((counts / f"calls{rank}.json").read_text()) for rank in range(plan.world_size)]
+    for rank, calls in enumerate(per_rank):
+        mine = {i for s in plan.stages_of(rank) for i in range(plan.stages[s].start, plan.stages[s].end)}
+        assert calls == [16 if layer in mine else 0 for layer in range(4)], rank

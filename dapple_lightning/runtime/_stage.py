@@ -229,6 +229,9 @@ class StageModule(nn.Sequential):
         :func:`~dapple_lightning.runtime.stand_in_layers`)."""
         self.names = tuple(names) if names is not None else None
         """For a chain of containers, every layer's path in the model (for messages)."""
+        self.on_call: list[Callable[[StageCall | None], None]] = []
+        """Called with each call as it begins and with ``None`` as it ends (the stand-ins of a rank
+        holding several stages switch to the call's stage's layers)."""
         self.shared: tuple[nn.Parameter, ...] = ()
         """Parameters of the stage's layers that other stages' layers or modules outside the
         containers share (tied weights): every rank holds them, and their gradients are summed
@@ -243,10 +246,14 @@ class StageModule(nn.Sequential):
     def calling(self, call: StageCall) -> Iterator[StageCall]:
         """Inside this block (one micro-batch of a pipelined step), calls of the module go through ``call``."""
         self._call = call
+        for switch in self.on_call:
+            switch(call)
         try:
             yield call
         finally:
             self._call = None
+            for switch in self.on_call:
+                switch(None)
 
     def forward(self, input: Any) -> Any:
         if torch._C._current_graph_task_id() != -1:  # called by autograd: a checkpoint recomputes
@@ -295,6 +302,7 @@ class StageModule(nn.Sequential):
             self.offload.materialize()
         state = super().__getstate__()
         state["_call"] = None  # a step's tensors are not the module's state
+        state["on_call"] = []  # the stand-ins' switches belong to this module's cut
         state["offload"] = None
         return state
 

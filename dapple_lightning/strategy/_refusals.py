@@ -63,22 +63,14 @@ def check_before_start(
         raise ValueError(problem)
     if isinstance(plan, Plan):  # plan="auto" profiles the chain's layers and makes a plan that fits them
         plan.check(num_layers=len(chain), world_size=world_size)
-        if (problem := _chunks_refusal(plan, chain, recovering)) is not None:
+        if (problem := _chunks_refusal(plan, recovering)) is not None:
             raise ValueError(problem)
     return chain
 
 
-def _chunks_refusal(plan: Plan, chain: Chain, recovering: bool) -> str | None:
+def _chunks_refusal(plan: Plan, recovering: bool) -> str | None:
     """What a plan with several stages per rank group cannot run with yet."""
-    if plan.chunks == 1:
-        return None
-    if not chain.called_whole:
-        return (
-            f"the plan gives each rank group {plan.chunks} stages (chunks), which needs the pipelined layers in one "
-            "nn.Sequential that forward calls once; this model's code calls them one by one (a ModuleList or a chain "
-            "of containers): set chunks: 1, or put the layers in an nn.Sequential"
-        )
-    if recovering:
+    if plan.chunks > 1 and recovering:
         return (
             f"recovery is on (torchrun --max-restarts > 0 or recovery='log') and the plan gives each rank group "
             f"{plan.chunks} stages (chunks), which recovery does not handle yet: pass recovery=False to "

@@ -26,7 +26,7 @@ def test_chunks_shrink_the_bubble_on_free_links_and_are_offered_with_their_reaso
     assert interleaved.pipeline_s == pytest.approx(102e-3, rel=0.02)
     assert zb_v.bubble_fraction < interleaved.bubble_fraction < plain.bubble_fraction
     offers = offer_chunks(model, plain)
-    assert [o.plan.schedule for o, _ in offers][0] == "zb-v"
+    assert offers[0][0].plan.schedule == "zb-v"
     assert all(o.step_s < plain.step_s and o.fits for o, _ in offers)
     assert "zb-v with 2 stages per group (v): predicted" in offers[0][1] and "within" in offers[0][1]
 

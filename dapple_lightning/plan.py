@@ -20,6 +20,11 @@ recompute its activations in the backward (each layer under ``torch.utils.checkp
 only each layer's input per micro-batch, for one more forward per micro-batch. ``offload: 2`` keeps
 the stage's parameters, gradients and optimizer state in files, with a working window of 2 layers
 in memory (see :mod:`dapple_lightning.runtime._offload`).
+
+``chunks: 2`` (with ``layout: looped`` or ``v``) gives every rank group several stages: ``stages``
+then lists ``groups x chunks`` stages in pipeline order, the stages of one group naming the same
+replicas, and ``schedule`` is ``interleaved`` (looped) or ``zb-v`` / ``v-half`` (V); see
+:meth:`Plan.group_of_stage` and :meth:`Plan.chunked`.
 """
 
 from __future__ import annotations

@@ -172,7 +172,7 @@ class Pipeline:
         self._build_reducers()
         self._param_storages = {p.untyped_storage().data_ptr() for p in module.parameters()}
         # Stage 0's B is empty (its W is the whole backward): its layers gain nothing from the store.
-        plain = self.is_first or module.offload is not None or plan.chunks > 1
+        plain = (self.is_first and plan.chunks == 1) or module.offload is not None
         self._linears = LinearStore([] if plain else storable_linears(module, self.shared_params))
         self._programs: dict[tuple[int, bool], tuple[Op, ...]] = {}
         self._handlers: dict[str, Callable[[_Step, Op], None]] = {
@@ -418,7 +418,9 @@ class Pipeline:
         saved: dict[int, int] = {}
         hooks = count_saved(self._param_storages, saved) if (self.track_memory and step.train) else nullcontext()
         loss = None  # stays None on stages the user's step leaves through StageExit
-        stored = StoredGrads() if (stage, m) in step.split and step.train else None
+        # With chunks the rank's other stages use the store; stage 0's B is empty all the same.
+        storable = step.train and (stage, m) in step.split and (stage != 0 or self.plan.chunks == 1)
+        stored = StoredGrads() if storable else None
         storing = self._linears.storing(stored)
         span = self.timeline.span("forward", m)
         with self.module.calling(call), span, hooks, storing, step.user.context(), suppress(StageExit):

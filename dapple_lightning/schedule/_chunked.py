@@ -9,7 +9,8 @@ group, ``S = G x C`` the stages.
   in rounds of ``G`` micro-batches per chunk (micro-batches ``0..G-1`` through chunk 0, then the
   same through chunk 1, ...), backwards likewise from the last chunk down; group ``g`` runs
   ``2(G - 1 - g) + (C - 1)G`` warm-up forwards, then alternates one forward and one backward, then
-  drains. ``M`` must be a multiple of ``G``. It holds at most ``min(MC, 2(G - 1 - g) + (C - 1)G + 1)``
+  drains (Megatron-LM runs every forward first when ``M = G``; this keeps the formula there too).
+  ``M`` must be a multiple of ``G``. It holds at most ``min(MC, 2(G - 1 - g) + (C - 1)G + 1)``
   chunk micro-batches on group ``g`` (Megatron's warm-up depth plus the one in flight).
 * ``zb-v`` (V layout: group ``g`` holds stages ``g`` and ``2G - 1 - g``): Qi et al.'s V-shaped zero
   bubble schedule, with split backwards (``B`` then ``W``). Group ``g`` runs ``2(G - g) - 1``

@@ -15,6 +15,12 @@ once per step, bucket by bucket while the step's last backward runs: a stage's o
 replicas, the parameters outside the Sequential over every rank. The last stage's replicas sum
 their :meth:`~dapple_lightning.runtime.UserStep.replica_share` along with their gradients.
 
+Where the plan gives a rank several stages (chunks), its one program runs them all: each op
+names its stage, a micro-batch's state is kept per stage, a message between two of the rank's
+stages is handed over in the process (a detached copy, as a receive gives), and each stage's
+gradients have their own reducer, armed before that stage's last backward (the parameters every
+rank shares before the rank's last).
+
 For recovery, a pipeline can show a callback every message it sends (:meth:`Pipeline.record_sends`)
 and run steps again on a record of its receives, alone (:meth:`Pipeline.replay`).
 """

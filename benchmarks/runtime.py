@@ -15,6 +15,14 @@ Six systems train the reference transformer of the runtime issue (embedding 512x
     dapple-zb2    same, schedule ``zb-h2`` (zero bubble holding up to 2S - 1 micro-batches per stage)
     dapple-zbt    same, schedule ``zb-tail`` (whole backwards but for the W's that fill the cooldown)
 
+and, on a split into four chunks ``[0, 3) | [3, 5) | [5, 7) | [7, 10)``, two per rank:
+
+    torch-int     ``torch.distributed.pipelining.ScheduleInterleaved1F1B``, rank r holds chunks r, r + 2
+    torch-zbv     ``torch.distributed.pipelining.ScheduleZBVZeroBubble``, rank r holds chunks r, 3 - r
+    dapple-int    ``DappleStrategy``, ``chunks: 2``, looped layout, schedule ``interleaved``
+    dapple-zbv    same, V layout, schedule ``zb-v``
+    dapple-vh     same, V layout, schedule ``v-half``
+
 The model is one ``nn.Sequential`` of 10 layers; both pipelines split it ``[0, 5) | [5, 10)``.
 Every process runs one thread (``OMP_NUM_THREADS=1`` and ``torch.set_num_threads(1)``); SGD
 (lr 1e-3) everywhere. Rounds alternate: each round starts every system once (a fresh set of
@@ -43,6 +51,8 @@ free transfers) and where each stage's step time goes.
     python benchmarks/runtime.py --systems torch-1f1b,dapple,dapple-zb,torch-zb --trace-system dapple-zb
     python benchmarks/runtime.py --systems torch-1f1b,dapple,dapple-zb,torch-zb,dapple-zb2 --trace-system dapple-zb2
     python benchmarks/runtime.py --systems torch-1f1b,dapple,torch-zb,dapple-zb2,dapple-zbt --trace-system dapple-zbt
+    python benchmarks/runtime.py --systems torch-1f1b,dapple,dapple-zb2,torch-int,dapple-int,torch-zbv,dapple-zbv,dapple-vh \
+        --trace-steps 0
 
 Besides wall time, every launch reports CPU seconds per step summed over ranks (work, not
 waiting: a rank blocked in a gloo receive sleeps) and how many cores' worth of CPU other
@@ -53,6 +63,7 @@ load as much as the runtime, and the CPU column is the steadier comparison.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -97,18 +108,32 @@ SYSTEMS = (
     "dapple-zb",
     "dapple-zb2",
     "dapple-zbt",
+    "torch-int",
+    "torch-zbv",
+    "dapple-int",
+    "dapple-zbv",
+    "dapple-vh",
 )
 PIPELINES = ("torch-gpipe", "torch-1f1b", "torch-zb", "dapple-gpipe", "dapple", "dapple-zb", "dapple-zb2", "dapple-zbt")
+PIPELINES += ("torch-int", "torch-zbv", "dapple-int", "dapple-zbv", "dapple-vh")
 SCHEDULE_OF = {
     "dapple-gpipe": "gpipe",
     "dapple": "dapple",
     "dapple-zb": "zb-h1",
     "dapple-zb2": "zb-h2",
     "dapple-zbt": "zb-tail",
+    "dapple-int": "interleaved",
+    "dapple-zbv": "zb-v",
+    "dapple-vh": "v-half",
 }
 """dapple's systems and the schedule each runs."""
-TORCH_PIPELINES = ("torch-gpipe", "torch-1f1b", "torch-zb")
+TORCH_PIPELINES = ("torch-gpipe", "torch-1f1b", "torch-zb", "torch-int", "torch-zbv")
+CHUNK_CUTS = (0, 3, 5, 7, BLOCKS + 2)
+"""The four chunks of the chunked systems: embedding + 2 blocks, 2 blocks, 2 blocks, 2 blocks + head."""
+LAYOUT_OF = {"dapple-int": "looped", "dapple-zbv": "v", "dapple-vh": "v", "torch-int": "looped", "torch-zbv": "v"}
+"""The chunked systems and their layout: looped (rank r holds chunks r, r + 2) or V (r, 3 - r)."""
 LR = 1e-3
+CHUNKED_DAPPLE = ("dapple-int", "dapple-zbv", "dapple-vh")
 
 
 # ============================================================================ workers
@@ -161,32 +186,46 @@ def worker_torch_pipeline(args: argparse.Namespace) -> None:
         PipelineStage,
         Schedule1F1B,
         ScheduleGPipe,
+        ScheduleInterleaved1F1B,
         ScheduleInterleavedZeroBubble,
+        ScheduleZBVZeroBubble,
     )
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     layers = build_layers()
-    local = layers[:SPLIT] if rank == 0 else layers[SPLIT:]
-    stage = PipelineStage(local, rank, STAGES, torch.device("cpu"))
 
     def loss_fn(output, target):
         return F.cross_entropy(output.flatten(0, 1), target.flatten())
 
-    if args.worker == "torch-zb":
-        # One stage per rank, as the other systems: torch's zero-bubble schedule on the same split
-        # (ScheduleZBVZeroBubble would need two chunks per rank in a V, another split).
-        sched: Any = ScheduleInterleavedZeroBubble([stage], n_microbatches=args.micro_batches, loss_fn=loss_fn)
+    if args.worker in LAYOUT_OF:  # two chunks per rank, looped or in a V
+        held = chunks_of(rank, LAYOUT_OF[args.worker])
+        parts = [layers[CHUNK_CUTS[c] : CHUNK_CUTS[c + 1]] for c in held]
+        local = torch.nn.ModuleList(parts)
+        stages = [PipelineStage(part, c, 4, torch.device("cpu")) for part, c in zip(parts, held)]
+        cls = ScheduleInterleaved1F1B if args.worker == "torch-int" else ScheduleZBVZeroBubble
+        sched: Any = cls(stages, n_microbatches=args.micro_batches, loss_fn=loss_fn)
+        first, last = 0 in held, 3 in held
     else:
-        cls = ScheduleGPipe if args.worker == "torch-gpipe" else Schedule1F1B
-        sched = cls(stage, n_microbatches=args.micro_batches, loss_fn=loss_fn)
+        local = layers[:SPLIT] if rank == 0 else layers[SPLIT:]
+        stage = PipelineStage(local, rank, STAGES, torch.device("cpu"))
+        first, last = rank == 0, rank == 1
+        if args.worker == "torch-zb":
+            # One stage per rank, as the other systems: torch's zero-bubble schedule on the same split
+            # (ScheduleZBVZeroBubble needs two chunks per rank in a V: torch-zbv, on the four-chunk split).
+            sched = ScheduleInterleavedZeroBubble([stage], n_microbatches=args.micro_batches, loss_fn=loss_fn)
+        else:
+            cls = ScheduleGPipe if args.worker == "torch-gpipe" else Schedule1F1B
+            sched = cls(stage, n_microbatches=args.micro_batches, loss_fn=loss_fn)
     opt = torch.optim.SGD(local.parameters(), lr=LR)
     x, y = make_data(args.total_steps)
     rec = StepRecorder()
     for step in range(args.total_steps):
         xb, yb = x[step * BATCH : (step + 1) * BATCH], y[step * BATCH : (step + 1) * BATCH]
         rec.start()
-        if rank == 0:
+        if first and last:
+            sched.step(xb, target=yb)
+        elif first:
             sched.step(xb)
         else:
             sched.step(target=yb)
@@ -196,6 +235,11 @@ def worker_torch_pipeline(args: argparse.Namespace) -> None:
     write_record(rank, rec.data)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def chunks_of(rank: int, layout: str) -> tuple[int, int]:
+    """The two of the four chunks ``rank`` holds."""
+    return (rank, rank + 2) if layout == "looped" else (rank, 3 - rank)
 
 
 def worker_lightning(args: argparse.Namespace) -> None:
@@ -211,11 +255,14 @@ def worker_lightning(args: argparse.Namespace) -> None:
     else:
         from dapple_lightning import DappleStrategy
 
-        plan = {
+        plan: dict[str, Any] = {
             "micro_batches": args.micro_batches,
             "schedule": SCHEDULE_OF[args.worker],
             "stages": [{"layers": [0, SPLIT]}, {"layers": [SPLIT, BLOCKS + 2]}],
         }
+        if args.worker in LAYOUT_OF:
+            cuts = list(itertools.pairwise(CHUNK_CUTS))
+            plan.update(chunks=2, layout=LAYOUT_OF[args.worker], stages=[{"layers": list(c)} for c in cuts])
         strategy = DappleStrategy(plan, start_method="popen", trace=args.trace, track_memory=args.track_memory)
         batch_size = BATCH  # the plan acts as one device: every rank sees the global batch
     trainer, timer = timed_trainer(strategy, 2, args.total_steps)
@@ -226,7 +273,7 @@ def worker_lightning(args: argparse.Namespace) -> None:
     if args.worker != "ddp":
         stats = trainer.strategy.step_stats
         record.update(
-            stage=trainer.strategy.plan.stage_of(rank),
+            stage=trainer.strategy.plan.group_of(rank),  # the rank group: its stage without chunks
             peak_live_bytes=stats.peak_live_bytes,
             peak_live_microbatches=stats.peak_live_microbatches,
         )
@@ -541,6 +588,11 @@ def main() -> None:
         "dapple-zb": "dapple, schedule zb-h1",
         "dapple-zb2": "dapple, schedule zb-h2",
         "dapple-zbt": "dapple, schedule zb-tail",
+        "torch-int": "torch.distributed.pipelining ScheduleInterleaved1F1B (2 chunks/rank)",
+        "torch-zbv": "torch.distributed.pipelining ScheduleZBVZeroBubble (2 chunks/rank, V)",
+        "dapple-int": "dapple, chunks 2 looped, schedule interleaved",
+        "dapple-zbv": "dapple, chunks 2 V, schedule zb-v",
+        "dapple-vh": "dapple, chunks 2 V, schedule v-half",
     }
     print()
     print(f"bubble bound (T1/S)(1+(S-1)/M) = ({t1:.3f}/{STAGES})(1+{STAGES - 1}/{M}) = {bound:.3f} s/step")
@@ -565,6 +617,9 @@ def main() -> None:
     pairs += (("dapple-zb2", "torch-zb"), ("dapple-zb2", "dapple"), ("dapple-zb2", "dapple-zb"))
     pairs += (("dapple-zbt", "torch-1f1b"), ("dapple-zbt", "torch-zb"), ("dapple-zbt", "dapple"))
     pairs += (("dapple-zbt", "dapple-zb2"),)
+    pairs += (("dapple-zbv", "dapple-zb2"), ("dapple-zbv", "torch-zbv"), ("dapple-zbv", "torch-1f1b"))
+    pairs += (("dapple-int", "torch-int"), ("dapple-int", "dapple"), ("dapple-vh", "dapple"))
+    pairs += (("torch-zbv", "torch-1f1b"), ("torch-int", "torch-1f1b"))
     for ours, theirs in pairs:
         if ok(per_round.get(ours, [])) and ok(per_round.get(theirs, [])):
             ratios[f"{ours} / {theirs}"] = results[ours] / results[theirs]
@@ -609,8 +664,8 @@ def main() -> None:
 
     memory: dict[str, Any] = {}
     for mb in [int(v) for v in args.memory_micro_batches.split(",") if v.strip()]:
-        for system in ("dapple-gpipe", "dapple", "dapple-zb", "dapple-zb2", "dapple-zbt"):
-            if system in ("dapple-zb2", "dapple-zbt") and system not in systems:
+        for system in ("dapple-gpipe", "dapple", "dapple-zb", "dapple-zb2", "dapple-zbt", *CHUNKED_DAPPLE):
+            if system in ("dapple-zb2", "dapple-zbt", *CHUNKED_DAPPLE) and system not in systems:
                 continue  # these schedules' memory only where they are benchmarked: runs cost minutes
             try:
                 records = launch(system, 1 if args.quick else 2, mb, timeout=args.timeout, track_memory=True)
@@ -639,7 +694,7 @@ def main() -> None:
                     f"| {mb} | {stage} | {gb / 2**20:.1f} ({gm}) | {db / 2**20:.1f} ({dm}) | "
                     f"{db / gb:.3f} | {k / mb:.3f} | {STAGES / mb:.3f} | {ok} |"
                 )
-        for system in ("dapple-zb", "dapple-zb2", "dapple-zbt"):
+        for system in ("dapple-zb", "dapple-zb2", "dapple-zbt", *CHUNKED_DAPPLE):
             print_zero_bubble_memory(
                 memory, [int(v) for v in args.memory_micro_batches.split(",") if v.strip()], system
             )

@@ -20,6 +20,11 @@ recompute its activations in the backward (each layer under ``torch.utils.checkp
 only each layer's input per micro-batch, for one more forward per micro-batch. ``offload: 2`` keeps
 the stage's parameters, gradients and optimizer state in files, with a working window of 2 layers
 in memory (see :mod:`dapple_lightning.runtime._offload`).
+
+``chunks: 2`` (with ``layout: looped`` or ``v``) gives every rank group several stages: ``stages``
+then lists ``groups x chunks`` stages in pipeline order, the stages of one group naming the same
+replicas, and ``schedule`` is ``interleaved`` (looped) or ``zb-v`` / ``v-half`` (V); see
+:meth:`Plan.group_of_stage` and :meth:`Plan.chunked`.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ALL_SCHEDULES", "SCHEDULES", "ZERO_BUBBLE", "Plan", "Stage"]
+__all__ = ["ALL_SCHEDULES", "CHUNKED_SCHEDULES", "LAYOUTS", "SCHEDULES", "ZERO_BUBBLE", "Plan", "Stage"]
 
 SCHEDULES = ("dapple", "gpipe")
 """The schedules the planner's cost model knows and the search tries."""
@@ -40,7 +45,12 @@ ZERO_BUBBLE = ("zb-h1", "zb-h2", "zb-tail")
 """The zero-bubble schedules: backwards split into ``B`` and a deferred ``W`` (under ``zb-tail`` only
 the last ones of each stage); the search tries them on request."""
 ALL_SCHEDULES = (*SCHEDULES, *ZERO_BUBBLE)
-"""The schedules a plan may name: the runtime runs them all."""
+"""The schedules a plan of one chunk per rank group may name: the runtime runs them all."""
+LAYOUTS = {"looped": ("interleaved",), "v": ("zb-v", "v-half")}
+"""How a chunked plan spreads its stages over the rank groups, and the schedules each layout runs:
+``looped`` gives group ``g`` stages ``g, g + G, g + 2G, ...``; ``v`` gives it ``g`` and ``2G - 1 - g``."""
+CHUNKED_SCHEDULES = tuple(name for names in LAYOUTS.values() for name in names)
+"""The schedules of plans with several chunks (stages) per rank group."""
 
 
 def _as_int(value: Any, what: str) -> int:
@@ -167,6 +177,12 @@ class Plan:
     """Micro-batches per global batch (``M``); each optimizer step consumes one global batch."""
     schedule: str = "dapple"
     """``"dapple"`` (early backward, 1F1B) or ``"gpipe"`` (all forwards, then all backwards)."""
+    chunks: int = 1
+    """Stages per rank group (virtual stages): ``stages`` then lists ``G x chunks`` stages in
+    pipeline order, and ``layout`` says which group holds which (see :meth:`group_of_stage`)."""
+    layout: str = "looped"
+    """``"looped"`` (group ``g`` holds stages ``g, g + G, ...``, for ``interleaved``) or ``"v"``
+    (group ``g`` holds ``g`` and ``2G - 1 - g``, for ``zb-v`` and ``v-half``)."""
     _rank_to_stage: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -180,8 +196,12 @@ class Plan:
         _as_int(self.micro_batches, "micro_batches")
         if self.micro_batches < 1:
             raise ValueError(f"micro_batches must be >= 1, got {self.micro_batches}")
-        if self.schedule not in ALL_SCHEDULES:
-            raise ValueError(f"unknown schedule {self.schedule!r}; choose one of {list(ALL_SCHEDULES)}")
+        if self.schedule not in (*ALL_SCHEDULES, *CHUNKED_SCHEDULES):
+            raise ValueError(
+                f"unknown schedule {self.schedule!r}; choose one of {list(ALL_SCHEDULES)}, or with chunks "
+                f"{list(CHUNKED_SCHEDULES)}"
+            )
+        self._check_chunks(stages)
         if self.schedule in ZERO_BUBBLE and any(s.recompute for s in stages):
             # Its B and W each back-propagate through the stage's checkpoints, and each runs them again.
             raise ValueError(
@@ -213,7 +233,7 @@ class Plan:
             raise ValueError("either every stage lists its `ranks` or none does")
         owner: list[int] = [-1] * self.world_size
         next_rank = 0
-        for index, stage in enumerate(stages):
+        for index, stage in enumerate(stages[: self.num_groups]):  # a group's first stage gives its ranks
             ranks = stage.ranks or tuple(range(next_rank, next_rank + stage.replicas))
             next_rank += stage.replicas
             for rank in ranks:
@@ -231,7 +251,34 @@ class Plan:
 
     @property
     def num_stages(self) -> int:
+        """Stages in the pipeline; with chunks, ``num_groups x chunks`` (virtual stages)."""
         return len(self.stages)
+
+    @property
+    def num_groups(self) -> int:
+        """Rank groups (``G``): the stages' count without chunks, ``num_stages / chunks`` with them."""
+        return len(self.stages) // self.chunks
+
+    def group_of_stage(self, stage: int) -> int:
+        """The rank group that holds ``stage``: itself without chunks; ``stage mod G`` looped;
+        ``stage`` or ``2G - 1 - stage`` in the V layout."""
+        groups = self.num_groups
+        if not 0 <= stage < self.num_stages:
+            raise ValueError(f"stage {stage} is outside the plan's {self.num_stages} stages")
+        if self.layout == "v":
+            return stage if stage < groups else 2 * groups - 1 - stage
+        return stage % groups
+
+    def group_of(self, rank: int) -> int:
+        """The rank group of ``rank`` (its stage's index without chunks)."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside the plan's {self.world_size} ranks")
+        return self._rank_to_stage[rank]
+
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        """The stages ``rank`` holds, in pipeline order (one without chunks)."""
+        group = self.group_of(rank)
+        return tuple(s for s in range(self.num_stages) if self.group_of_stage(s) == group)
 
     @property
     def num_layers(self) -> int:
@@ -239,24 +286,84 @@ class Plan:
 
     @property
     def world_size(self) -> int:
-        return sum(s.replicas for s in self.stages)
+        return sum(s.replicas for s in self.stages[: self.num_groups])
 
     @property
     def notation(self) -> str:
-        """The paper's notation for the replication, e.g. ``"15:1"``."""
-        return ":".join(str(s.replicas) for s in self.stages)
+        """The paper's notation for the replication, e.g. ``"15:1"`` (per rank group with chunks)."""
+        return ":".join(str(s.replicas) for s in self.stages[: self.num_groups])
 
     def stage_ranks(self, stage: int) -> tuple[int, ...]:
         """Global ranks that hold ``stage``, in replica order."""
-        return tuple(r for r, s in enumerate(self._rank_to_stage) if s == stage)
+        group = self.group_of_stage(stage)
+        return tuple(r for r, g in enumerate(self._rank_to_stage) if g == group)
 
     def stage_of(self, rank: int) -> int:
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank {rank} is outside the plan's {self.world_size} ranks")
-        return self._rank_to_stage[rank]
+        """The one stage ``rank`` holds; a chunked plan gives it several (see :meth:`stages_of`)."""
+        if self.chunks > 1:
+            raise ValueError(
+                f"rank {rank} holds {self.chunks} stages {list(self.stages_of(rank))} of a chunked plan; "
+                "ask plan.stages_of(rank) (or plan.group_of(rank) for its rank group)"
+            )
+        return self.group_of(rank)
 
     def replica_of(self, rank: int) -> int:
-        return self.stage_ranks(self.stage_of(rank)).index(rank)
+        return self.stage_ranks(self.stages_of(rank)[0]).index(rank)
+
+    def _check_chunks(self, stages: tuple[Stage, ...]) -> None:
+        """Refuse a chunk count, layout or schedule that do not fit together, naming the fix."""
+        chunks, layout, name = self.chunks, self.layout, self.schedule
+        _as_int(chunks, "chunks")
+        if chunks < 1:
+            raise ValueError(f"chunks is the number of stages per rank group, >= 1; got {chunks}")
+        if layout not in LAYOUTS:
+            raise ValueError(f"unknown layout {layout!r}; choose 'looped' (interleaved) or 'v' (zb-v, v-half)")
+        if chunks == 1:
+            if name in CHUNKED_SCHEDULES:
+                raise ValueError(
+                    f"schedule {name!r} runs several stages per rank group; set chunks: 2 (and layout: "
+                    f"{next(k for k, v in LAYOUTS.items() if name in v)}) or choose one of {list(ALL_SCHEDULES)}"
+                )
+            return
+        if name not in LAYOUTS[layout]:
+            raise ValueError(
+                f"a plan with chunks: {chunks} and layout: {layout} runs schedule {' or '.join(LAYOUTS[layout])}, "
+                f"not {name!r}; set schedule accordingly (or layout: "
+                f"{'v' if layout == 'looped' else 'looped'} for the other family)"
+            )
+        if layout == "v" and chunks != 2:
+            raise ValueError(
+                f"the V layout gives each rank group 2 stages (g and 2G - 1 - g); set chunks: 2, not {chunks}"
+            )
+        if len(stages) % chunks:
+            raise ValueError(
+                f"a plan with chunks: {chunks} lists chunks x (rank groups) stages in pipeline order; got "
+                f"{len(stages)} stages, which {chunks} does not divide: add or merge stages"
+            )
+        if any(s.recompute or s.offload is not None for s in stages):
+            raise ValueError(
+                "recompute and offload are not supported with chunks yet; remove them from the stages or set chunks: 1"
+            )
+        groups = len(stages) // chunks
+        if name == "interleaved" and self.micro_batches % groups:
+            raise ValueError(
+                f"schedule 'interleaved' runs micro-batches in rounds of one per rank group: micro_batches must be a "
+                f"multiple of the {groups} rank groups, got {self.micro_batches}"
+            )
+        if layout == "v" and self.micro_batches < 2 * groups:
+            raise ValueError(
+                f"schedule {name!r} needs at least 2 x (rank groups) = {2 * groups} micro-batches to fill its V, "
+                f"got micro_batches={self.micro_batches}"
+            )
+        for index, stage in enumerate(stages):
+            first = stages[self.group_of_stage(index)]  # the group's first stage
+            if (stage.replicas, stage.ranks) != (first.replicas, first.ranks):
+                raise ValueError(
+                    f"stages {self.group_of_stage(index)} and {index} share rank group {self.group_of_stage(index)} "
+                    f"(layout {layout}) but give it replicas {first.replicas} and {stage.replicas}"
+                    f"{'' if stage.ranks == first.ranks else ' or different ranks'}: give every stage of a group the "
+                    "same replicas and ranks"
+                )
 
     def check(self, *, num_layers: int | None = None, world_size: int | None = None) -> None:
         """Raise ``ValueError`` unless the plan fits a model of ``num_layers`` and ``world_size`` ranks."""
@@ -274,9 +381,11 @@ class Plan:
     # ------------------------------------------------------------------------ conversions
 
     def to_dict(self) -> dict[str, Any]:
+        chunked = {"chunks": self.chunks, "layout": self.layout} if self.chunks > 1 else {}
         return {
             "micro_batches": self.micro_batches,
             "schedule": self.schedule,
+            **chunked,
             "stages": [s.to_dict() for s in self.stages],
         }
 
@@ -289,15 +398,26 @@ class Plan:
     def from_dict(cls, data: Any) -> Plan:
         if not isinstance(data, Mapping):
             raise TypeError(f"a plan must be a mapping, got {type(data).__name__}")
-        unknown = set(data) - {"stages", "micro_batches", "schedule"}
+        unknown = set(data) - {"stages", "micro_batches", "schedule", "chunks", "layout"}
         if unknown:
-            raise ValueError(f"unknown plan keys {sorted(map(str, unknown))}; allowed: stages, micro_batches, schedule")
+            raise ValueError(
+                f"unknown plan keys {sorted(map(str, unknown))}; allowed: stages, micro_batches, schedule, chunks, layout"
+            )
         if "stages" not in data:
             raise ValueError("a plan needs `stages`, e.g. stages: [{layers: [0, 4], replicas: 2}]")
         schedule = data.get("schedule", "dapple")
         if not isinstance(schedule, str):
             raise TypeError(f"schedule must be a string, got {schedule!r}")
-        return cls(stages=data["stages"], micro_batches=data.get("micro_batches", 1), schedule=schedule.lower())
+        layout = data.get("layout", "looped")
+        if not isinstance(layout, str):
+            raise TypeError(f"layout must be a string ('looped' or 'v'), got {layout!r}")
+        return cls(
+            stages=data["stages"],
+            micro_batches=data.get("micro_batches", 1),
+            schedule=schedule.lower(),
+            chunks=data.get("chunks", 1),
+            layout=layout.lower(),
+        )
 
     @classmethod
     def from_yaml(cls, text: str) -> Plan:
@@ -337,23 +457,35 @@ class Plan:
         tail = f" recompute={recompute}" if recompute else ""
         offload = ",".join(f"{k}:{s.offload}" for k, s in enumerate(self.stages) if s.offload is not None)
         tail += f" offload={offload}" if offload else ""
+        tail += f" chunks={self.chunks} {self.layout}" if self.chunks > 1 else ""
         return f"{self.notation} cuts={cuts} M={self.micro_batches} {self.schedule}{tail}"
 
     def table(self) -> str:
         """The plan as an aligned text table (``recompute`` and ``offload`` columns when a stage uses them)."""
         extra = [name for name in ("recompute", "offload") if any(getattr(s, name) for s in self.stages)]
+        extra = (["group", "chunk"] if self.chunks > 1 else []) + extra
         rows = [("stage", "layers", "replicas", "ranks", *extra)]
         for index, stage in enumerate(self.stages):
             ranks = ",".join(map(str, self.stage_ranks(index)))
-            cells = {"recompute": "yes" if stage.recompute else "", "offload": _window(stage.offload)}
+            group = self.group_of_stage(index)
+            chunk = [s for s in range(self.num_stages) if self.group_of_stage(s) == group].index(index)
+            cells = {
+                "recompute": "yes" if stage.recompute else "",
+                "offload": _window(stage.offload),
+                "group": str(group),
+                "chunk": str(chunk),
+            }
             rows.append(
                 (str(index), f"[{stage.start}, {stage.end})", str(stage.replicas), ranks, *map(cells.get, extra))
             )
         columns = len(rows[0])
         widths = [max(len(r[c]) for r in rows) for c in range(columns)]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+        per_group = (
+            f" in {self.num_groups} rank group(s) x {self.chunks} chunks ({self.layout})" if self.chunks > 1 else ""
+        )
         lines.append(
-            f"{self.num_stages} stage(s) [{self.notation}] on {self.world_size} rank(s), "
+            f"{self.num_stages} stage(s){per_group} [{self.notation}] on {self.world_size} rank(s), "
             f"micro_batches={self.micro_batches}, schedule={self.schedule}"
         )
         return "\n".join(lines)
@@ -386,6 +518,45 @@ class Plan:
         bounds = balanced_cuts(weights, num_stages)
         stages = tuple(Stage(a, b, 1) for a, b in itertools.pairwise(bounds))
         return cls(stages=stages, micro_batches=micro_batches or 2 * num_stages, schedule=schedule)
+
+    @classmethod
+    def chunked(
+        cls,
+        num_layers: int,
+        replicas: str | Sequence[int],
+        *,
+        chunks: int = 2,
+        layout: str = "looped",
+        micro_batches: int | None = None,
+        schedule: str | None = None,
+        weights: Sequence[float] | None = None,
+    ) -> Plan:
+        """A plan of ``chunks`` stages per rank group, replicated as ``replicas`` (``"2:1"`` or
+        ``[2, 1]``, one count per group), cut so stages carry equal ``weights``.
+
+        ``Plan.chunked(8, "2:1", layout="v")`` cuts 8 layers into 4 stages, gives stages 0 and 3 to
+        ranks 0 and 1 and stages 1 and 2 to rank 2, and runs ``zb-v``. The schedule defaults to the
+        layout's first (``interleaved`` looped, ``zb-v`` V); ``micro_batches`` to ``2 x groups``.
+        """
+        counts = [int(r) for r in replicas.split(":")] if isinstance(replicas, str) else list(replicas)
+        groups = len(counts)
+        if layout not in LAYOUTS:
+            raise ValueError(f"unknown layout {layout!r}; choose 'looped' (interleaved) or 'v' (zb-v, v-half)")
+        weights = list(weights) if weights is not None else [1.0] * num_layers
+        if len(weights) != num_layers:
+            raise ValueError(f"got {len(weights)} weights for {num_layers} layers")
+        if groups * chunks > num_layers:
+            raise ValueError(f"cannot cut {num_layers} layers into {groups} groups x {chunks} chunks (fewer layers)")
+        bounds = balanced_cuts(weights, groups * chunks)
+        owner = [s % groups if layout == "looped" else min(s, 2 * groups - 1 - s) for s in range(groups * chunks)]
+        stages = tuple(Stage(a, b, counts[owner[s]]) for s, (a, b) in enumerate(itertools.pairwise(bounds)))
+        return cls(
+            stages=stages,
+            micro_batches=micro_batches or 2 * groups,
+            schedule=schedule or LAYOUTS[layout][0],
+            chunks=chunks,
+            layout=layout,
+        )
 
 
 def balanced_cuts(weights: Sequence[float], parts: int) -> list[int]:

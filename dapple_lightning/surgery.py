@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from dapple_lightning.plan import Plan
-from dapple_lightning.runtime import StageExit, StageModule, stand_in_layers
+from dapple_lightning.runtime import StageExit, StageModule, stand_in_chunks, stand_in_layers
 
 __all__ = [
     "Chain",
@@ -231,6 +231,8 @@ def partition(layers: Container | Chain, plan: Plan, rank: int) -> StageModule:
     """This rank's :class:`StageModule` of ``plan``: its stage's layers of one container, under their
     own names, or of a chain of several, named by their index in the chain (messages then name
     their paths)."""
+    if plan.chunks > 1:
+        return _partition_chunks(layers, plan, rank)
     stage = plan.stages[plan.stage_of(rank)]
     if isinstance(layers, Chain) and len(layers.containers) == 1:
         layers = layers.containers[0]
@@ -246,6 +248,22 @@ def partition(layers: Container | Chain, plan: Plan, rank: int) -> StageModule:
     named = list(layers.named_children())
     blocks = len(layers) if isinstance(layers, nn.ModuleList) else None
     return StageModule(named[stage.start : stage.end], blocks=blocks, recompute=stage.recompute, offload=stage.offload)
+
+
+def _partition_chunks(layers: Container | Chain, plan: Plan, rank: int) -> StageModule:
+    """:func:`partition` of a plan whose rank groups hold several stages: one module with every
+    stage's layers of the rank, in stage order (the executor runs one stage's per call)."""
+    indices = [i for s in plan.stages_of(rank) for i in range(plan.stages[s].start, plan.stages[s].end)]
+    if isinstance(layers, Chain) and len(layers.containers) == 1:
+        layers = layers.containers[0]
+    if isinstance(layers, Chain):
+        named = layers.named_layers()
+        return StageModule(
+            [(str(i), named[i][1]) for i in indices], blocks=len(layers), names=[name for name, _ in named]
+        )
+    named = list(layers.named_children())
+    blocks = len(layers) if isinstance(layers, nn.ModuleList) else None
+    return StageModule([named[i] for i in indices], blocks=blocks)
 
 
 @dataclass
@@ -280,11 +298,15 @@ class Cut:
                 "stage. Give one stage all the layers that share them, or build the model on a real device"
             )
         retie = _retie(module, ties)
-        layers = plan.stages[plan.stage_of(rank)]
         stage = partition(chain, plan, rank)
+        layers = plan.stages[plan.stages_of(rank)[0]]  # one stage where stand-ins are built (no chunks)
         unhook: Callable[[], None] = lambda: None  # noqa: E731
         stand_ins: tuple[nn.Module, ...] = (stage,)
-        if not chain.called_whole:
+        if not chain.called_whole and plan.chunks > 1:
+            ranges = {s: (plan.stages[s].start, plan.stages[s].end) for s in plan.stages_of(rank)}
+            stand_in_list, unhook = stand_in_chunks(chain.containers, stage, ranges)
+            stand_ins = tuple(stand_in_list)
+        elif not chain.called_whole:
             stand_in_list, unhook = stand_in_layers(chain.containers, stage, layers.start, layers.end)
             stand_ins = tuple(stand_in_list)
         local = set(stage.children())

@@ -33,15 +33,15 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from dapple_lightning.runtime._stage import StageModule
+from dapple_lightning.runtime._stage import StageCall, StageModule
 
-__all__ = ["Placeholder", "stand_in_blocks", "stand_in_layers"]
+__all__ = ["Placeholder", "stand_in_blocks", "stand_in_chunks", "stand_in_layers"]
 
 
 def _check_not_recomputed(index: int) -> None:
@@ -136,6 +136,59 @@ def stand_in_layers(
         stand_ins.append(stand_in)
 
     def remove() -> None:
+        for handle in handles:
+            handle.remove()
+
+    return stand_ins, remove
+
+
+def stand_in_chunks(
+    containers: Sequence[nn.Module], stage: StageModule, ranges: Mapping[int, tuple[int, int]]
+) -> tuple[list[nn.Module], Callable[[], None]]:
+    """:func:`stand_in_layers` for a rank that holds several stages (chunks): ``ranges`` gives each
+    stage's layers ``[start, end)``.
+
+    While a micro-batch of one of them runs, each stand-in holds that stage's layers and
+    placeholders everywhere else, the other stages' layers of this rank included (they must not
+    compute, nor draw random numbers); outside a step it holds all of the rank's layers, so its
+    state-dict keys are theirs.
+    """
+    handles = []
+    views: dict[int, list[OrderedDict[str, nn.Module]]] = {s: [] for s in ranges}
+    whole: list[OrderedDict[str, nn.Module]] = []
+    owner = {i: s for s, (start, end) in ranges.items() for i in range(start, end)}
+    index = 0
+    for container in containers:
+        for view in views.values():
+            view.append(OrderedDict())
+        whole.append(OrderedDict())
+        for name, layer in container.named_children():
+            if index in owner:
+                start, end = ranges[owner[index]]
+                pre, post = _hooks(index, stage, first=index == start, last=index == end - 1)
+                handles.append(layer.register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
+                handles.append(layer.register_forward_hook(post, with_kwargs=True))
+                whole[-1][name] = layer
+            else:
+                whole[-1][name] = Placeholder(index, layer, stage)
+            for s, view in views.items():
+                start, end = ranges[s]
+                real = start <= index < end
+                view[-1][name] = layer if real else Placeholder(index, layer, stage, entry=index == start - 1)
+            index += 1
+    stand_ins = [copy.copy(container) for container in containers]
+    for stand_in, elements in zip(stand_ins, whole, strict=True):
+        stand_in.__dict__["_modules"] = elements
+
+    def switch(call: StageCall | None) -> None:
+        chosen = whole if call is None else views[call.stage]
+        for stand_in, elements in zip(stand_ins, chosen, strict=True):
+            stand_in.__dict__["_modules"] = elements
+
+    stage.on_call.append(switch)
+
+    def remove() -> None:
+        stage.on_call.remove(switch)
         for handle in handles:
             handle.remove()
 

@@ -363,7 +363,7 @@ def stage_group(plan: Plan, rank: int, device: torch.device | None = None, **kwa
     """
     mine = None
     kwargs = {**kwargs, **_bound_to(device, kwargs.get("backend"))}
-    for index in range(plan.num_stages):
+    for index in range(plan.num_groups):  # a rank group's stages (one without chunks) share its group
         ranks = list(plan.stage_ranks(index))
         if len(ranks) > 1:
             group = dist.new_group(ranks, **kwargs)

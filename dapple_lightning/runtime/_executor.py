@@ -15,6 +15,12 @@ once per step, bucket by bucket while the step's last backward runs: a stage's o
 replicas, the parameters outside the Sequential over every rank. The last stage's replicas sum
 their :meth:`~dapple_lightning.runtime.UserStep.replica_share` along with their gradients.
 
+Where the plan gives a rank several stages (chunks), its one program runs them all: each op
+names its stage, a micro-batch's state is kept per stage, a message between two of the rank's
+stages is handed over in the process (a detached copy, as a receive gives), and each stage's
+gradients have their own reducer, armed before that stage's last backward (the parameters every
+rank shares before the rank's last).
+
 For recovery, a pipeline can show a callback every message it sends (:meth:`Pipeline.record_sends`)
 and run steps again on a record of its receives, alone (:meth:`Pipeline.replay`).
 """
@@ -74,17 +80,22 @@ class _Step:
     user: UserStep
     train: bool
     inbox: _Inbox
-    split: frozenset[int] = frozenset()
-    """Micro-batches whose backward the program splits into ``B`` (inputs) and ``W`` (weights);
-    the others' ``B`` is their whole backward."""
-    live: dict[int, _InFlight] = field(default_factory=dict)
+    split: frozenset[tuple[int, int]] = frozenset()
+    """Micro-batches (by stage and micro-batch) whose backward the program splits into ``B``
+    (inputs) and ``W`` (weights); the others' ``B`` is their whole backward."""
+    live: dict[tuple[int, int], _InFlight] = field(default_factory=dict)
+    """By stage and micro-batch (a rank with several stages holds a micro-batch once per stage)."""
     pieces: list[tuple[list[torch.Tensor], bool]] = field(default_factory=list)
     """Received pieces of the next computation's input or gradient, in program order."""
-    input_grads: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    input_grads: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
     """Per micro-batch whose backward has run, the gradients its SEND_B ops send back."""
-    activation_sends: dict[int, Pending] = field(default_factory=dict)
+    activation_sends: dict[tuple[int, int], Pending] = field(default_factory=dict)
     """Per micro-batch, until its gradient comes back (then the peers surely have it)."""
     gradient_sends: Pending = field(default_factory=Pending)
+    local: dict[tuple[str, int, int], tuple[list[torch.Tensor], bool]] = field(default_factory=dict)
+    """Messages between two stages of this rank, by link, receiving stage and micro-batch."""
+    reduces_left: int = 0
+    """``REDUCE`` ops still to come; the last arms the sum of the parameters every rank shares."""
 
     def outstanding(self) -> list[Pending]:
         return [*self.activation_sends.values(), self.gradient_sends]
@@ -131,11 +142,14 @@ class Pipeline:
     ) -> None:
         self.plan, self.rank, self.module, self.device = plan, rank, module, device
         self.stage_group = stage_group
-        self.stage = plan.stage_of(rank)
+        self.stages = plan.stages_of(rank)
+        """The stages this rank holds: one, or with chunks several, all run from one program."""
+        self.stage = self.stages[0]
         self.replica = plan.replica_of(rank)
         self.replicas = plan.stages[self.stage].replicas
-        self.is_first = self.stage == 0
-        self.is_last = self.stage == plan.num_stages - 1
+        self.is_first = 0 in self.stages
+        self.is_last = plan.num_stages - 1 in self.stages
+        self._chunk_layers = _chunk_layers(plan, self.stages, module)
         self.timeline = timeline or Timeline(rank, self.stage, enabled=False)
         self.timeline.time_on(device)
         self.track_memory = track_memory
@@ -158,11 +172,14 @@ class Pipeline:
         self.idle_params = list(idle_params)
         self.reducers: list[GradientReducer] = []
         self.stage_reducer: GradientReducer | None = None
+        self._stage_reducers: dict[int, GradientReducer] = {}
+        """With chunks, each stage's reducer over the replicas, armed before that stage's last backward."""
+        self._shared_reducer: GradientReducer | None = None
         self._trainable: tuple[bool, ...] = ()
         self._build_reducers()
         self._param_storages = {p.untyped_storage().data_ptr() for p in module.parameters()}
         # Stage 0's B is empty (its W is the whole backward): its layers gain nothing from the store.
-        plain = self.is_first or module.offload is not None
+        plain = (self.is_first and plan.chunks == 1) or module.offload is not None
         linears = [] if plain else storable_linears(module, self.shared_params)
         # A compiled block runs its linear layers in its own graph: routed through the store, each
         # would break that graph in two. Their weight work is split like any other layer's.
@@ -210,7 +227,7 @@ class Pipeline:
                 (op.kind[-1], min(r, op.peer), max(r, op.peer))
                 for r, ops in enumerate(programs)
                 for op in ops
-                if op.kind.startswith("SEND")
+                if op.kind.startswith("SEND") and not op.local
             )
         return self._programs[key]
 
@@ -237,7 +254,8 @@ class Pipeline:
             connect_pairs(fresh, self._links, self.rank)  # before any of the step's messages
             self._connected |= fresh
         step = _Step(rows, user, train, _Inbox(program, self._links))
-        step.split = frozenset(op.micro_batch for op in program if op.kind == "W")
+        step.split = frozenset((self._at(op), op.micro_batch) for op in program if op.kind == "W")
+        step.reduces_left = sum(op.kind == "REDUCE" for op in program)
         self.stats = StepStats()
         offload = self.module.offload
         if offload is not None:
@@ -297,18 +315,37 @@ class Pipeline:
         """Reducers for the parameters that are trainable now (frozen ones get no gradient)."""
         for reducer in self.reducers:
             reducer.remove()
-        self.reducers, self.stage_reducer = [], None
+        self.reducers, self.stage_reducer, self._stage_reducers, self._shared_reducer = [], None, {}, None
         if self.stage_group is not None:
             shared = {id(p) for p in self.shared_params}
             offload = self.module.offload
             shared |= {id(p) for layer in offload.layers for p in layer.params} if offload else set()
-            own = [p for p in self.module.parameters() if id(p) not in shared]
-            self.stage_reducer = GradientReducer(own, self.stage_group, device=self.device)
-            self.reducers.append(self.stage_reducer)
+            for stage in self.stages:  # with chunks one reducer per stage, later stages first
+                own = [p for p in self._stage_parameters(stage) if id(p) not in shared]
+                self._stage_reducers[stage] = GradientReducer(own, self.stage_group, device=self.device)
+            last = self.plan.num_stages - 1
+            self.stage_reducer = self._stage_reducers.get(last, self._stage_reducers[self.stage])
+            self.reducers += [self._stage_reducers[s] for s in sorted(self._stage_reducers, reverse=True)]
         shared = [p for p in self.shared_params if p.requires_grad]
         if shared and dist.is_initialized() and dist.get_world_size() > 1:
-            self.reducers.append(GradientReducer(shared, None, device=self.device))
+            self._shared_reducer = GradientReducer(shared, None, device=self.device)
+            self.reducers.append(self._shared_reducer)
         self._trainable = self._requires_grad()
+
+    def _stage_parameters(self, stage: int) -> list[nn.Parameter]:
+        """The parameters of one of this rank's stages (all of the module's without chunks)."""
+        layers = self._chunk_layers.get(stage)
+        if layers is None:
+            return list(self.module.parameters())
+        seen: dict[int, nn.Parameter] = {}
+        for layer in layers:
+            for p in layer.parameters():
+                seen.setdefault(id(p), p)
+        return list(seen.values())
+
+    def _at(self, op: Op) -> int:
+        """The stage ``op`` runs on: the one it names, or this rank's only one."""
+        return op.stage if op.stage >= 0 else self.stage
 
     def _requires_grad(self) -> tuple[bool, ...]:
         return tuple(p.requires_grad for p in (*self.module.parameters(), *self.shared_params))
@@ -340,32 +377,52 @@ class Pipeline:
     # ---------------------------------------------------------------------- the handlers
 
     def _receive(self, step: _Step, op: Op) -> None:
+        if op.local:  # from another of this rank's stages, handed over by its send
+            step.pieces.append(step.local.pop((op.kind[-1], op.stage, op.micro_batch)))
+            return
         with self.timeline.span("recv", op.micro_batch):
             step.pieces.append(step.inbox.take(op))
 
     def _send(self, step: _Step, op: Op) -> None:
         assert op.rows is not None
+        key = (self._at(op), op.micro_batch)
         if op.kind == "SEND_F":
-            state = step.live[op.micro_batch]
+            state = step.live[key]
             assert state.outputs is not None
-            tensors, as_tuple, pending = state.outputs, state.as_tuple, step.activation_sends[op.micro_batch]
+            tensors, as_tuple, pending = state.outputs, state.as_tuple, step.activation_sends[key]
         else:
-            tensors, as_tuple, pending = step.input_grads[op.micro_batch], False, step.gradient_sends
+            tensors, as_tuple, pending = step.input_grads[key], False, step.gradient_sends
         piece = [t[op.rows.start : op.rows.stop] for t in tensors]
+        if op.local:
+            # As a real send would: a copy without the sender's graph (the receiver makes it a leaf
+            # and may free or change it in place, while the sender keeps its output for backward).
+            to = op.stage + (1 if op.kind == "SEND_F" else -1)
+            step.local[(op.kind[-1], to, op.micro_batch)] = ([t.detach().clone() for t in piece], as_tuple)
+            return
         with self.timeline.span("send", op.micro_batch):
             self._links[op.kind[-1]].send(piece, op.peer, len(op.rows), pending, as_tuple=as_tuple)
         if self._recorder is not None:
             self._recorder(op.kind[-1], op.peer, piece, as_tuple)
 
     def _reduce(self, step: _Step, op: Op) -> None:
-        for reducer in self.reducers:
-            reducer.arm(step.user.replica_share if reducer is self.stage_reducer and self.is_last else None)
+        step.reduces_left -= 1
+        if op.stage < 0:
+            armed = self.reducers
+        else:  # one stage of several: its own sum now, the shared parameters' at the rank's last backward
+            armed = [r for r in (self._stage_reducers.get(op.stage),) if r is not None]
+            armed += [self._shared_reducer] if self._shared_reducer is not None and not step.reduces_left else []
+        last = self._at(op) == self.plan.num_stages - 1
+        for reducer in armed:
+            reducer.arm(step.user.replica_share if reducer is self.stage_reducer and last else None)
 
     def _forward(self, step: _Step, op: Op) -> None:
-        m = op.micro_batch
-        call = StageCall(self.stage, self.is_first, self.is_last, blocks=self.module.blocks, names=self.module.names)
-        if not self.is_first:
-            call.received, call.received_tuple = concat_pieces(self.stage, m, step.pieces)
+        m, stage = op.micro_batch, self._at(op)
+        first, last = stage == 0, stage == self.plan.num_stages - 1
+        call = StageCall(
+            stage, first, last, blocks=self.module.blocks, names=self.module.names, layers=self._chunk_layers.get(stage)
+        )
+        if not first:
+            call.received, call.received_tuple = concat_pieces(stage, m, step.pieces)
             if step.train and torch.is_grad_enabled():
                 for t in call.received:
                     if t.is_floating_point():
@@ -376,30 +433,33 @@ class Pipeline:
         saved: dict[int, int] = {}
         hooks = count_saved(self._param_storages, saved) if (self.track_memory and step.train) else nullcontext()
         loss = None  # stays None on stages the user's step leaves through StageExit
-        stored = StoredGrads() if m in step.split and step.train else None
+        # With chunks the rank's other stages use the store; stage 0's B is empty all the same.
+        storable = step.train and (stage, m) in step.split and (stage != 0 or self.plan.chunks == 1)
+        stored = StoredGrads() if storable else None
         storing = self._linears.storing(stored)
         span = self.timeline.span("forward", m)
         with self.module.calling(call), span, hooks, storing, step.user.context(), suppress(StageExit):
             loss = step.user.run(m, step.rows[m])
         call.check_called()
-        if self.is_last and step.train and loss is None:
+        if last and step.train and loss is None:
             raise RuntimeError("training_step returned no loss; dapple needs a loss from every micro-batch")
         state = _InFlight(call.inputs, call.outputs, loss, call.output_tuple, stored=stored)
         if self.track_memory and step.train:
             for t in (*state.inputs, *(state.outputs or [])):
                 saved.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
             state.saved_bytes = sum(saved.values())
-        step.live[m] = state
-        step.activation_sends[m] = Pending()
+        step.live[stage, m] = state
+        step.activation_sends[stage, m] = Pending()
         if step.train:
             self.stats.peak_live_microbatches = max(self.stats.peak_live_microbatches, len(step.live))
             self.stats.peak_live_bytes = max(self.stats.peak_live_bytes, sum(s.saved_bytes for s in step.live.values()))
 
     def _backward(self, step: _Step, op: Op) -> None:
-        m = op.micro_batch
-        split = m in step.split
-        state = step.live[m] if split else step.live.pop(m)
-        outs, grads = self._output_grads(step, state, m)
+        m, stage = op.micro_batch, self._at(op)
+        first, last, key = stage == 0, stage == self.plan.num_stages - 1, (stage, m)
+        split = key in step.split
+        state = step.live[key] if split else step.live.pop(key)
+        outs, grads = self._output_grads(step, state, stage, m)
         step.pieces = []
         inputs = [t for t in state.inputs if t.is_floating_point()]
         if split:
@@ -410,50 +470,48 @@ class Pipeline:
             # forward again in B: through the store, as the first time.
             with self.timeline.span("backward-input", m), self._linears.storing(state.stored):
                 if self._linears.layers and state.stored is not None:
-                    found = backward_stored(outs, grads, inputs, self._weights(), state.stored)
+                    found = backward_stored(outs, grads, inputs, self._weights(stage), state.stored)
                     state.weight_work = WeightWork([])
                 else:
                     found, state.weight_work = backward_input(
-                        outs, grads, [] if self.is_first else inputs, self._weights()
+                        outs, grads, [] if first else inputs, self._weights(stage)
                     )
-            if not self.is_first:
-                step.input_grads[m] = [g if g is not None else torch.zeros_like(t) for t, g in zip(inputs, found)]
+            if not first:
+                step.input_grads[key] = [g if g is not None else torch.zeros_like(t) for t, g in zip(inputs, found)]
         else:
             with self.timeline.span("backward", m):
                 if outs:
                     torch.autograd.backward(outs, grads)
-            if not self.is_first:
-                step.input_grads[m] = [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs]
-        if self.is_last:
+            if not first:
+                step.input_grads[key] = [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs]
+        if last:
             assert state.loss is not None
             self.stats.losses.append(state.loss.detach())
         # The peers have received activation m: they sent its gradient back.
-        step.activation_sends.pop(m).wait()
+        step.activation_sends.pop(key).wait()
 
-    def _output_grads(self, step: _Step, state: _InFlight, m: int) -> tuple[list[torch.Tensor], list]:
+    def _output_grads(self, step: _Step, state: _InFlight, stage: int, m: int) -> tuple[list[torch.Tensor], list]:
         """The tensors micro-batch ``m``'s backward starts from, and their gradients (``None``: a loss)."""
-        if self.is_last:
+        if stage == self.plan.num_stages - 1:
             assert state.loss is not None
             return ([state.loss], [None]) if state.loss.requires_grad else ([], [])
-        grads, _ = concat_pieces(self.stage, m, step.pieces)
+        grads, _ = concat_pieces(stage, m, step.pieces)
         outs = [t for t in state.outputs or [] if t.is_floating_point()]
         if len(outs) != len(grads):
-            raise RuntimeError(
-                f"stage {self.stage} expected {len(outs)} gradients for micro-batch {m}, got {len(grads)}"
-            )
+            raise RuntimeError(f"stage {stage} expected {len(outs)} gradients for micro-batch {m}, got {len(grads)}")
         pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad]
         return [o for o, _ in pairs], [g for _, g in pairs]
 
     def _weight_backward(self, step: _Step, op: Op) -> None:
-        state = step.live.pop(op.micro_batch)  # its graph goes with it
+        state = step.live.pop((self._at(op), op.micro_batch))  # its graph goes with it
         assert state.weight_work is not None, f"W{op.micro_batch} before B{op.micro_batch}"
         with self.timeline.span("backward-weight", op.micro_batch):
             backward_weight(state.weight_work, state.stored.take() if state.stored else None)
 
-    def _weights(self) -> list[nn.Parameter]:
-        """What a ``W`` computes gradients for: the stage's parameters and the shared ones."""
+    def _weights(self, stage: int) -> list[nn.Parameter]:
+        """What a ``W`` of ``stage`` computes gradients for: the stage's parameters and the shared ones."""
         seen: dict[int, nn.Parameter] = {}
-        for p in (*self.module.parameters(), *self.shared_params):
+        for p in (*self._stage_parameters(stage), *self.shared_params):
             if p.requires_grad:
                 seen.setdefault(id(p), p)
         return list(seen.values())
@@ -471,6 +529,17 @@ class Pipeline:
 def _is_compiled(module: nn.Module) -> bool:
     """Whether ``module`` runs compiled: ``module.compile()``, or the wrapper ``torch.compile(module)`` returns."""
     return getattr(module, "_compiled_call_impl", None) is not None or hasattr(module, "_orig_mod")
+
+
+def _chunk_layers(plan: Plan, stages: Sequence[int], module: StageModule) -> dict[int, list[nn.Module]]:
+    """With chunks, each of the rank's stages' layers (the module holds them all, in stage order)."""
+    if plan.chunks == 1:
+        return {}
+    layers, out, at = list(module), {}, 0
+    for stage in stages:
+        out[stage] = layers[at : at + plan.stages[stage].num_layers]
+        at += plan.stages[stage].num_layers
+    return out
 
 
 class _Inbox:
@@ -498,7 +567,7 @@ class _Inbox:
         for index, op in enumerate(program):
             if op.kind in self.ACTIONS:
                 actions.append(index)
-            elif op.kind.startswith("RECV"):
+            elif op.kind.startswith("RECV") and not op.local:  # local ones are handed over, never posted
                 self.waiting.append((actions[-ahead] if len(actions) >= ahead else 0, op))
         self.posted: dict[tuple[str, int], tuple[Op, Incoming]] = {}
         self.position = 0

@@ -126,6 +126,9 @@ class StageCall:
     """The layers' paths in the model, for messages, when they come from a chain of containers."""
     next_block: int = 0
     """When the user's code calls the layers one by one: the one it must call next."""
+    layers: Sequence[nn.Module] | None = None
+    """Where the rank holds several stages (chunks) in one module: the layers of this call's stage
+    (``None``: all of the module's)."""
 
     def run(self, layers: Callable[[Activation], Any], arg: Any) -> Any:
         """Run the stage as one call (a Sequential's layers) on ``arg`` or what was received."""
@@ -226,6 +229,9 @@ class StageModule(nn.Sequential):
         :func:`~dapple_lightning.runtime.stand_in_layers`)."""
         self.names = tuple(names) if names is not None else None
         """For a chain of containers, every layer's path in the model (for messages)."""
+        self.on_call: list[Callable[[StageCall | None], None]] = []
+        """Called with each call as it begins and with ``None`` as it ends (the stand-ins of a rank
+        holding several stages switch to the call's stage's layers)."""
         self.shared: tuple[nn.Parameter, ...] = ()
         """Parameters of the stage's layers that other stages' layers or modules outside the
         containers share (tied weights): every rank holds them, and their gradients are summed
@@ -240,10 +246,14 @@ class StageModule(nn.Sequential):
     def calling(self, call: StageCall) -> Iterator[StageCall]:
         """Inside this block (one micro-batch of a pipelined step), calls of the module go through ``call``."""
         self._call = call
+        for switch in self.on_call:
+            switch(call)
         try:
             yield call
         finally:
             self._call = None
+            for switch in self.on_call:
+                switch(None)
 
     def forward(self, input: Any) -> Any:
         if torch._C._current_graph_task_id() != -1:  # called by autograd: a checkpoint recomputes
@@ -258,6 +268,11 @@ class StageModule(nn.Sequential):
         return self._call.run(self._layers, input)
 
     def _layers(self, input: Any) -> Any:
+        call = self._call
+        if call is not None and call.layers is not None:  # one of the rank's several stages
+            for layer in call.layers:
+                input = layer(input)
+            return input
         if self.offload is not None:
             return self._offloaded(input, self.offload)
         if not (self.recompute and torch.is_grad_enabled()):
@@ -295,6 +310,7 @@ class StageModule(nn.Sequential):
             self.offload.materialize()
         state = super().__getstate__()
         state["_call"] = None  # a step's tensors are not the module's state
+        state["on_call"] = []  # the stand-ins' switches belong to this module's cut
         state["offload"] = None
         return state
 

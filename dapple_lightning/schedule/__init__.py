@@ -42,8 +42,21 @@ late ones (``python -m dapple_lightning.schedule 4 8 zb-h2``; see :func:`zb_h2_s
 steady state, and each stage's last ``2s + 1`` backwards split, their ``W``s run after its last
 ``B`` while the earlier stages finish (:func:`zb_tail_schedule`). A micro-batch without a ``W``
 in its stage's list runs its whole backward in its ``B``, in the runtime and in every replay.
+
+Plans with several stages per rank group (``chunks``) run ``interleaved`` (looped layout) or
+``zb-v`` / ``v-half`` (V layout), each action naming its stage (see
+:mod:`~dapple_lightning.schedule._chunked`; ``python -m dapple_lightning.schedule 2 4 zb-v``).
+Lowered, a message between two stages of the same rank is marked local: the runtime hands it
+over in the process.
 """
 
+from dapple_lightning.schedule._chunked import (
+    chunked_schedule,
+    interleaved_schedule,
+    peak_bound,
+    v_half_schedule,
+    zb_v_schedule,
+)
 from dapple_lightning.schedule._lower import Op, Program, lower, lower_stages
 from dapple_lightning.schedule._orders import (
     Action,
@@ -65,18 +78,23 @@ __all__ = [
     "Op",
     "Program",
     "Timed",
+    "chunked_schedule",
     "dapple_schedule",
     "gpipe_schedule",
     "grid",
+    "interleaved_schedule",
     "lower",
     "lower_stages",
+    "peak_bound",
     "peak_in_flight",
     "peak_stashed",
     "schedule",
     "simulate",
     "split_backwards",
+    "v_half_schedule",
     "warmup_depth",
     "zb_h1_schedule",
     "zb_h2_schedule",
     "zb_tail_schedule",
+    "zb_v_schedule",
 ]

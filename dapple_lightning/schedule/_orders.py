@@ -17,16 +17,24 @@ class Action:
 
     kind: Literal["F", "B", "W"]
     micro_batch: int
+    stage: int = -1
+    """The stage it runs on where a rank holds several (chunks); ``-1``: the rank's one stage."""
 
     def __str__(self) -> str:
-        return f"{self.kind}{self.micro_batch}"
+        return f"{self.kind}{self.micro_batch}" + (f"@{self.stage}" if self.stage >= 0 else "")
 
     @classmethod
     def parse(cls, text: str) -> Action:
         kind, index = text[0], text[1:]
-        if kind not in "FBW" or not index.isdigit():
-            raise ValueError(f"an action is F<n>, B<n> or W<n>, got {text!r}")
-        return cls(kind, int(index))  # type: ignore[arg-type]
+        index, _, stage = index.partition("@")
+        if kind not in "FBW" or not index.isdigit() or not (stage.isdigit() or (not stage and "@" not in text)):
+            raise ValueError(f"an action is F<n>, B<n> or W<n>, with @<stage> where a rank holds several; got {text!r}")
+        return cls(kind, int(index), int(stage) if stage else -1)  # type: ignore[arg-type]
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """``(stage, micro-batch)``: what a forward leaves and its backward and ``W`` take."""
+        return self.stage, self.micro_batch
 
 
 def _check(num_stages: int, micro_batches: int, stage: int) -> None:
@@ -165,17 +173,18 @@ def split_backwards(actions: Sequence[Action]) -> frozenset[int]:
 
 
 def peak_in_flight(actions: Sequence[Action]) -> int:
-    """Most micro-batches whose forward has run and backward has not, over one stage's list.
+    """Most micro-batches whose forward has run and backward has not, over one stage's list
+    (over one rank's, chunks counted apart: a micro-batch on two of its stages counts twice).
 
     A micro-batch with a ``W`` holds its activations until that ``W`` (the weights' gradient
     needs them), not until its ``B``.
     """
-    split = split_backwards(actions)
+    split = {a.key for a in actions if a.kind == "W"}
     alive = peak = 0
     for action in actions:
         if action.kind == "F":
             alive += 1
-        elif action.kind == "W" or action.micro_batch not in split:
+        elif action.kind == "W" or action.key not in split:
             alive -= 1
         peak = max(peak, alive)
     return peak
@@ -184,10 +193,10 @@ def peak_in_flight(actions: Sequence[Action]) -> int:
 def peak_stashed(actions: Sequence[Action]) -> int:
     """Most micro-batches whose ``B`` has run and ``W`` has not, over one stage's list (a
     micro-batch without a ``W`` runs its whole backward in its ``B`` and stashes nothing)."""
-    split = split_backwards(actions)
+    split = {a.key for a in actions if a.kind == "W"}
     stashed = peak = 0
     for action in actions:
-        if action.micro_batch in split:
+        if action.key in split:
             stashed += {"B": 1, "W": -1}.get(action.kind, 0)
             peak = max(peak, stashed)
     return peak

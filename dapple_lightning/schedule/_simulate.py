@@ -41,7 +41,12 @@ class _Channels:
         if k >= len(sent):
             return None
         send, at = sent[k]
-        if send.micro_batch != op.micro_batch or _size(send) != _size(op):
+        step = 1 if op.kind == "RECV_F" else -1  # the stage a message reaches, from the one it left
+        if (
+            send.micro_batch != op.micro_batch
+            or _size(send) != _size(op)
+            or (op.stage - send.stage != step and op.stage >= 0)
+        ):
             raise RuntimeError(
                 f"schedule deadlocks: rank {rank} posts {op} but rank {op.peer}'s next message on that channel is "
                 f"{send} (messages between two ranks meet in the order both sides post them)"
@@ -104,7 +109,7 @@ def simulate(
                     start = max(clock[r], arrived[r])
                     clock[r] = start + duration(stage_of[r], op.action)
                     done[r].add(op.action)
-                    out.append(Timed(stage_of[r], op.action, start, clock[r], r))
+                    out.append(Timed(op.stage if op.stage >= 0 else stage_of[r], op.action, start, clock[r], r))
                     arrived[r], pieces[r] = 0.0, []
                 cursor[r] += 1
                 remaining -= 1
@@ -122,10 +127,10 @@ def _size(op: Op) -> int | None:
 
 
 def _check_input(rank: int, op: Op, pieces: list[Rows], done: set[Action]) -> None:
-    if op.kind == "B" and Action("F", op.micro_batch) not in done:
-        raise RuntimeError(f"rank {rank} runs {op} before F{op.micro_batch}")
-    if op.kind == "W" and Action("B", op.micro_batch) not in done:
-        raise RuntimeError(f"rank {rank} runs {op} before B{op.micro_batch}")
+    if op.kind == "B" and Action("F", op.micro_batch, op.stage) not in done:
+        raise RuntimeError(f"rank {rank} runs {op} before {Action('F', op.micro_batch, op.stage)}")
+    if op.kind == "W" and Action("B", op.micro_batch, op.stage) not in done:
+        raise RuntimeError(f"rank {rank} runs {op} before {Action('B', op.micro_batch, op.stage)}")
     for before, after in itertools.pairwise(pieces):
         if before.stop != after.start:
             raise RuntimeError(
@@ -135,13 +140,15 @@ def _check_input(rank: int, op: Op, pieces: list[Rows], done: set[Action]) -> No
 
 
 def grid(stages: Sequence[Sequence[Action]]) -> str:
-    """The schedule drawn as a table, one row per unit time slot, one column per stage."""
+    """The schedule drawn as a table, one row per unit time slot, one column per stage (per rank
+    group where the actions name their stages: ``F3@2`` is micro-batch 3's forward on stage 2)."""
     timed = simulate(stages)
     horizon = int(max((t.end for t in timed), default=0))
     cells = [[""] * len(stages) for _ in range(horizon)]
     for t in timed:
-        cells[int(t.start)][t.stage] = str(t.action)
-    header = ["t"] + [f"stage{s}" for s in range(len(stages))]
+        cells[int(t.start)][t.rank] = str(t.action)
+    chunked = any(a.stage >= 0 for order in stages for a in order)
+    header = ["t"] + [f"{'group' if chunked else 'stage'}{s}" for s in range(len(stages))]
     rows = [header] + [[str(i), *row] for i, row in enumerate(cells)]
     widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)

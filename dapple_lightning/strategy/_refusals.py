@@ -24,6 +24,7 @@ def check_before_start(
     backend: str = "gloo",
     device: Any = None,
     node_devices: Sequence[Any] = (),
+    recovering: bool = False,
 ) -> Chain:
     """The containers to pipeline, once the module, an explicit plan and the devices pass.
 
@@ -65,6 +66,8 @@ def check_before_start(
         raise ValueError(problem)
     if isinstance(plan, Plan):  # plan="auto" profiles the chain's layers and makes a plan that fits them
         plan.check(num_layers=len(chain), world_size=world_size)
+        if (problem := _chunks_refusal(plan, recovering)) is not None:
+            raise ValueError(problem)
     return chain
 
 
@@ -90,6 +93,17 @@ def shared_gpu_refusal(backend: str, node_devices: Sequence[Any], plan: Plan | s
         "process_group_backend='gloo' with a one-stage plan "
         f"(Plan.data_parallel({layers}, {len(node_devices)})), which only all-reduces"
     )
+
+
+def _chunks_refusal(plan: Plan, recovering: bool) -> str | None:
+    """What a plan with several stages per rank group cannot run with yet."""
+    if plan.chunks > 1 and recovering:
+        return (
+            f"recovery is on (torchrun --max-restarts > 0 or recovery='log') and the plan gives each rank group "
+            f"{plan.chunks} stages (chunks), which recovery does not handle yet: pass recovery=False to "
+            "DappleStrategy (and resume from checkpoints), or set chunks: 1"
+        )
+    return None
 
 
 def _gloo_on_cuda_refusal(backend: str, device_type: str, plan: Plan | str, world_size: int) -> str | None:

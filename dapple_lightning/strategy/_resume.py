@@ -53,7 +53,7 @@ def begin(recovery: Recovery, trainer: Any, plan: Plan, group: Any, parts: FitPa
         "plan": plan.to_yaml(),
         "world": world,
         "rank": rank,
-        "stage": plan.stage_of(rank),
+        "stage": plan.group_of(rank),
         "fit": _take_fit(),
         "timeout_s": parts.timeout.total_seconds(),
     }

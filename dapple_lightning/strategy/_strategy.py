@@ -276,6 +276,7 @@ class DappleStrategy(ParallelStrategy):
             backend=self._process_group_backend or default_backend_for(self.root_device),
             device=self.root_device,
             node_devices=self.parallel_devices or (),
+            recovering=is_active(self._recovery.mode),
         )
 
     @override
@@ -304,7 +305,7 @@ class DappleStrategy(ParallelStrategy):
         if self._materialized:  # this rank's part only, the same values under any plan
             materialize(module, self.root_device, self._shuffle_seed)
         self.model_to_device()
-        timeline = Timeline(rank, self.plan.stage_of(rank), enabled=self._trace_path is not None)
+        timeline = Timeline(rank, self.plan.stages_of(rank)[0], enabled=self._trace_path is not None)
         self._pipeline = pipelines.build(self.plan, self._cut.stage, timeline, track_memory=self._track_memory)
         self._buffers = Buffers(module, self._pipeline, self.plan, fitting and self._layer_sync is not None)
         self._checkpoints.attach(

@@ -37,6 +37,7 @@ from dapple_lightning.runtime._contract import StepStats, UserStep
 from dapple_lightning.runtime._linear_split import LinearStore, StoredGrads, backward_stored, storable_linears
 from dapple_lightning.runtime._recorded import Message, RecordedLink, recorded_links
 from dapple_lightning.runtime._reducer import GradientReducer
+from dapple_lightning.runtime._sharding import ShardedReducer, local_part, shard_stage
 from dapple_lightning.runtime._split_backward import WeightWork, backward_input, backward_weight
 from dapple_lightning.runtime._stage import StageCall, StageExit, StageModule, count_saved
 from dapple_lightning.runtime._timeline import Timeline
@@ -155,11 +156,14 @@ class Pipeline:
         # replicas, the parameters outside the Sequential over every rank.
         self.shared_params = list(shared_params)
         self.idle_params = list(idle_params)
-        self.reducers: list[GradientReducer] = []
-        self.stage_reducer: GradientReducer | None = None
+        self.reducers: list[GradientReducer | ShardedReducer] = []
+        self.stage_reducer: GradientReducer | ShardedReducer | None = None
+        shard = plan.stages[self.stage].shard
+        # A sharded stage's layers sum their gradients themselves, into shards (see _sharding).
+        self.sharded = None if shard is None or stage_group is None else shard_stage(module, shard, stage_group, device)
         self._trainable: tuple[bool, ...] = ()
         self._build_reducers()
-        self._param_storages = {p.untyped_storage().data_ptr() for p in module.parameters()}
+        self._param_storages = {local_part(p).untyped_storage().data_ptr() for p in module.parameters()}
         # Stage 0's B is empty (its W is the whole backward): its layers gain nothing from the store.
         plain = self.is_first or module.offload is not None
         self._linears = LinearStore([] if plain else storable_linears(module, self.shared_params))
@@ -289,7 +293,10 @@ class Pipeline:
         for reducer in self.reducers:
             reducer.remove()
         self.reducers, self.stage_reducer = [], None
-        if self.stage_group is not None:
+        if self.sharded is not None:
+            self.stage_reducer = self.sharded
+            self.reducers.append(self.sharded)
+        elif self.stage_group is not None:
             shared = {id(p) for p in self.shared_params}
             offload = self.module.offload
             shared |= {id(p) for layer in offload.layers for p in layer.params} if offload else set()

@@ -118,7 +118,9 @@ def test_sharded_stages_train_as_one_device(shape: str, optimizer: str, clip: bo
         assert results[rank][0] == pytest.approx(ref_losses, rel=1e-5)
     for rank, (_, weights, shards) in enumerate(results):
         for name, value in weights.items():
-            torch.testing.assert_close(value, ref_weights[name], rtol=1e-5, atol=1e-6, msg=f"{shape} rank {rank} {name}")
+            torch.testing.assert_close(
+                value, ref_weights[name], rtol=1e-5, atol=1e-6, msg=f"{shape} rank {rank} {name}"
+            )
         stage = plan.stages[plan.stage_of(rank)]
         if stage.shard is None:
             assert shards == {}

@@ -46,7 +46,14 @@ from dapple_lightning.runtime._offload import Offloader
 from dapple_lightning.runtime._offload_records import Residency
 from dapple_lightning.runtime._recorded import Message
 from dapple_lightning.runtime._reducer import GradientReducer
-from dapple_lightning.runtime._sharding import ShardedReducer, full_value, local_part, shard_like, sharded_layers
+from dapple_lightning.runtime._sharding import (
+    ShardedReducer,
+    full_value,
+    local_part,
+    shard_like,
+    sharded_layers,
+    unshard_stage,
+)
 from dapple_lightning.runtime._split_backward import WeightWork, backward_input, backward_weight
 from dapple_lightning.runtime._stage import StageCall, StageExit, StageModule
 from dapple_lightning.runtime._timeline import DeviceEvent, Event, Timeline, bubble_fractions, write_chrome_trace
@@ -92,5 +99,6 @@ __all__ = [
     "stand_in_layers",
     "storable_linears",
     "synchronize_batch_norms",
+    "unshard_stage",
     "write_chrome_trace",
 ]

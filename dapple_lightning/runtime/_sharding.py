@@ -33,7 +33,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-__all__ = ["ShardedReducer", "full_value", "local_part", "shard_like", "shard_stage", "sharded_layers"]
+__all__ = [
+    "ShardedReducer",
+    "full_value",
+    "local_part",
+    "shard_like",
+    "shard_stage",
+    "sharded_layers",
+    "unshard_stage",
+]
 
 
 def shard_stage(stage: nn.Module, mode: str, group: dist.ProcessGroup, device: torch.device) -> ShardedReducer:
@@ -48,9 +56,52 @@ def shard_stage(stage: nn.Module, mode: str, group: dist.ProcessGroup, device: t
     for layer in stage.children():
         if any(True for _ in layer.parameters()):
             layers.append(fully_shard(layer, mesh=mesh, reshard_after_forward=mode == "full"))
+            _post_forward_first(layer)
     if not layers:
         raise ValueError("shard is set on a stage without parameters: there is nothing to split; drop `shard`")
     return ShardedReducer(layers, mode, group, device)
+
+
+def _post_forward_first(layer: nn.Module) -> None:
+    """FSDP2's forward hook runs before the layer's others: the stage's last layer hands its output to
+    the executor in a forward hook that ends the user's step (``StageExit``), and FSDP2's hook must have
+    freed the gathered parameters and readied their gather for the backward by then."""
+    handle = layer._get_fsdp_state()._post_forward_hook_handle  # type: ignore[operator]
+    layer._forward_hooks.move_to_end(handle.id, last=False)
+
+
+def unshard_stage(stage: nn.Module) -> None:
+    """Undo :func:`shard_stage` (collective over the stage's replicas): every replica's layers hold their
+    whole parameters again, as plain tensors, and are of their own classes, without FSDP2's hooks, as the
+    user built them. FSDP2 has no public way back; this undoes what ``fully_shard`` set on the layer."""
+    from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY
+    from torch.distributed._composable_state import _module_state_mapping
+
+    for layer in sharded_layers(stage):
+        whole = {name: full_value(p.detach()) for name, p in layer.named_parameters()}
+        state = layer._get_fsdp_state()  # type: ignore[operator]
+        state._pre_forward_hook_handle.remove()
+        state._post_forward_hook_handle.remove()
+        group = state._fsdp_param_group
+        if group is not None:
+            for handles in (
+                group._module_to_pre_save_state_dict_hook_handle,
+                group._module_to_pre_load_state_dict_hook_handle,
+            ):
+                for handle in handles.values():
+                    handle.remove()
+                handles.clear()
+            for param in group.fsdp_params:
+                param._post_load_hook_handle.remove()
+        for name, p in list(layer.named_parameters()):
+            owner_path, _, attr = name.rpartition(".")
+            owner = layer.get_submodule(owner_path)
+            owner._parameters[attr] = nn.Parameter(whole[name].clone(), requires_grad=p.requires_grad)
+        for module in layer.modules():
+            for key in ("_is_fsdp_managed_module", "_fsdp_use_orig_params", STATE_KEY, REGISTRY_KEY):
+                module.__dict__.pop(key, None)
+        _module_state_mapping.pop(layer, None)
+        layer.__class__ = next(c for c in type(layer).__bases__ if not issubclass(c, FSDPModule))
 
 
 def sharded_layers(stage: nn.Module) -> list[FSDPModule]:

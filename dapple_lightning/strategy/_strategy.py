@@ -42,7 +42,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from dapple_lightning.plan import Plan
-from dapple_lightning.runtime import Pipeline, StepStats, Timeline
+from dapple_lightning.runtime import Pipeline, StepStats, Timeline, unshard_stage
 from dapple_lightning.strategy._auto import AutoSetting, choose_automatically, draw_global_batch
 from dapple_lightning.strategy._batch import SameBatch, same_order
 from dapple_lightning.strategy._checkpoint import Checkpoints, group_names
@@ -556,6 +556,7 @@ class DappleStrategy(ParallelStrategy):
         if not self._failed:
             self._checkpoints.wait()
             if self._cut is not None and distributed_is_initialized() and not self._materialized:
+                unshard_stage(self._cut.stage)  # a sharded stage's replicas each hold its whole weights again
                 # Whole containers back on every rank with every stage's weights, on the CPU (not a whole model on a GPU).
                 self._cut.restore(self._checkpoints.whole_chain(), torch.device("cpu"))
                 self._cut = None

@@ -152,3 +152,28 @@ def test_a_plan_names_what_a_stage_shards_and_refuses_what_cannot_shard() -> Non
         Plan(stages=[{"layers": [0, 7], "replicas": 2, "shard": "full", "recompute": True}])
     with pytest.raises(ValueError, match="use schedule 'dapple' or 'gpipe' with shard"):
         Plan(stages=[{"layers": [0, 7], "replicas": 2, "shard": "full"}], schedule="zb-h1")
+
+
+def test_sharding_refuses_tied_weights_recovery_and_stages_across_nodes_naming_the_fix() -> None:
+    from dapple_lightning.strategy._refusals import sharding_refusal
+    from dapple_lightning.surgery import find_chain
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = make_model()
+            self.layers[6].weight = nn.Parameter(torch.randn(4, 16))
+            self.layers[4].weight = self.layers[2].weight = nn.Parameter(torch.randn(16, 16))
+
+    module = Tied()
+    chain = find_chain(module, "layers")
+    split = [{"layers": [0, 3], "replicas": 2, "shard": "full"}, {"layers": [3, 7], "replicas": 1}]
+    tied = sharding_refusal(module, chain, Plan(stages=split), None, False)
+    assert tied is not None and "stages [0, 1] share a parameter (tied weights)" in tied and "drop `shard`" in tied
+    together = [{"layers": [0, 5], "replicas": 2}, {"layers": [5, 7], "replicas": 2, "shard": "grads"}]
+    assert sharding_refusal(module, chain, Plan(stages=together), 4, False) is None
+    across = sharding_refusal(module, chain, Plan(stages=together), 3, False)
+    assert across is not None and "hybrid sharding" in across and "on nodes [0, 1]" in across
+    recovery = sharding_refusal(module, chain, Plan(stages=together), 4, True)
+    assert recovery is not None and "recovery=False" in recovery
+    assert sharding_refusal(module, chain, Plan(stages=[{"layers": [0, 7], "replicas": 2}]), 1, True) is None

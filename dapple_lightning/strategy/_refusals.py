@@ -7,9 +7,9 @@ from typing import Any
 
 from dapple_lightning.plan import Plan
 from dapple_lightning.strategy._materialize import on_meta
-from dapple_lightning.surgery import Chain, find_chain
+from dapple_lightning.surgery import Chain, find_chain, split_ties
 
-__all__ = ["SUPPORTED_PRECISION", "check_before_start", "offload_refusal"]
+__all__ = ["SUPPORTED_PRECISION", "check_before_start", "offload_refusal", "sharding_refusal"]
 
 SUPPORTED_PRECISION = frozenset({"32-true", "32", "64-true", "64", "bf16-mixed", "bf16-true", "16-true"})
 
@@ -23,6 +23,8 @@ def check_before_start(
     *,
     backend: str = "gloo",
     device: Any = None,
+    ranks_per_node: int | None = None,
+    recovery: bool = False,
 ) -> Chain:
     """The containers to pipeline, once the module, an explicit plan and the devices pass.
 
@@ -62,7 +64,48 @@ def check_before_start(
         raise ValueError(problem)
     if isinstance(plan, Plan):  # plan="auto" profiles the chain's layers and makes a plan that fits them
         plan.check(num_layers=len(chain), world_size=world_size)
+        if (problem := sharding_refusal(module, chain, plan, ranks_per_node, recovery)) is not None:
+            raise ValueError(problem)
     return chain
+
+
+def sharding_refusal(
+    module: Any, chain: Chain, plan: Plan, ranks_per_node: int | None, recovery: bool
+) -> str | None:
+    """Why ``plan``'s sharded stages (``shard:``) cannot run here, or ``None``."""
+    sharded = [s for s, stage in enumerate(plan.stages) if stage.shard is not None]
+    if not sharded:
+        return None
+    if recovery:
+        return (
+            f"recovery is on and stages {sharded} shard their state: recovery gives a lost rank its stage's state "
+            "from a replica, and a sharded stage's replicas each hold only their own shard of it. Turn recovery "
+            "off (recovery=False; a restart then resumes from the last checkpoint) or drop `shard`"
+        )
+    if ranks_per_node:
+        for s in sharded:
+            nodes = sorted({rank // ranks_per_node for rank in plan.stage_ranks(s)})
+            if len(nodes) > 1:
+                return (
+                    f"stage {s} shards its state over ranks {list(plan.stage_ranks(s))}, on nodes {nodes}: hybrid "
+                    "sharding (shard within a node, replicate across nodes) is not built yet, and sharding across "
+                    "nodes would gather every layer over the slower link. Give the stage ranks of one node "
+                    "(`ranks:` in the plan) or drop `shard`"
+                )
+    stage_of = {index: s for s, stage in enumerate(plan.stages) for index in range(stage.start, stage.end)}
+    layers = chain.named_layers()
+    for param in split_ties(module, chain, plan):
+        held = sorted(
+            {stage_of[i] for i, (_, layer) in enumerate(layers) if any(p is param for p in layer.parameters())}
+        )
+        if any(s in sharded for s in held):
+            return (
+                f"stages {held} share a parameter (tied weights) and stage {sorted(set(held) & set(sharded))[0]} "
+                "shards its state: a tied parameter's gradient is summed over every rank, whole, and a sharded "
+                "stage holds only a shard of it. Put all the layers that share it in one stage that does not "
+                "shard, or drop `shard`"
+            )
+    return None
 
 
 def _gloo_on_cuda_refusal(backend: str, device_type: str, plan: Plan | str, world_size: int) -> str | None:

@@ -275,6 +275,8 @@ class DappleStrategy(ParallelStrategy):
             self.world_size,
             backend=self._process_group_backend or default_backend_for(self.root_device),
             device=self.root_device,
+            ranks_per_node=self.num_processes,
+            recovery=is_active(self._recovery.mode),
         )
 
     @override

@@ -310,12 +310,14 @@ class Checkpoints:
         tmp = _temporary(path)
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # what a killed save left behind
-        paths = requests.get(self.rank, [])
+        shards = self._own_shards()  # a sharded stage's replicas each write their own shard of its values
+        paths = [p for p in requests.get(self.rank, []) if _sharded.key(p) not in shards]
         values = dict(zip(map(_sharded.key, paths), self._lookup(paths, copy=self.async_save)))
         if self.rank == 0:
             values.update(_sharded.rank_zero_values(checkpoint, self._stand_ins, self.full_optimizer_names))
-            if self.async_save:
-                values = _copy_to_cpu(values, keep={})
+        values.update(shards)
+        if self.async_save and (self.rank == 0 or shards):
+            values = _copy_to_cpu(values, keep={})
         group = self._group
         if _distributed():
             dist.barrier(group=group)
@@ -326,6 +328,23 @@ class Checkpoints:
                 _replace_directory(tmp, path)
 
         self._run(write)
+
+    def _own_shards(self) -> dict[str, Tensor]:
+        """This rank's shards of a sharded stage's values (``DTensor``), by directory key; empty elsewhere."""
+        assert self.module is not None
+        shards: dict[str, Tensor] = {
+            _sharded.key(("model", k)): v for k, v in self.module.state_dict().items() if isinstance(v, DTensor)
+        }
+        if not shards:
+            return shards
+        for index, optimizer in enumerate(self.optimizers):
+            names = [n for group in self._names(optimizer) for n in group]
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            for name, param in zip(names, params):
+                for state_key, value in optimizer.state.get(param, {}).items():
+                    if isinstance(value, DTensor):
+                        shards[_sharded.key(("optim", index, name, state_key))] = value.detach()
+        return shards
 
     def _materialize(self, checkpoint: dict[str, Any], requests: dict[int, list[Path_]]) -> dict[str, Any] | None:
         """``checkpoint`` with every stand-in replaced by its tensor, on rank 0 (a full copy; for other IO plugins)."""

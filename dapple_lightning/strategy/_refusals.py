@@ -69,9 +69,7 @@ def check_before_start(
     return chain
 
 
-def sharding_refusal(
-    module: Any, chain: Chain, plan: Plan, ranks_per_node: int | None, recovery: bool
-) -> str | None:
+def sharding_refusal(module: Any, chain: Chain, plan: Plan, ranks_per_node: int | None, recovery: bool) -> str | None:
     """Why ``plan``'s sharded stages (``shard:``) cannot run here, or ``None``."""
     sharded = [s for s, stage in enumerate(plan.stages) if stage.shard is not None]
     if not sharded:

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_checkpoint import SaveAtEnd
 
 from dapple_lightning import Plan
 from dapple_lightning.strategy.consolidate import consolidate_checkpoint
 
 import models
 from harness import assert_close_tree, assert_same, fit
-from test_checkpoint import SaveAtEnd
 
 
 def plan(first: tuple[int, str | None], micro_batches: int = 3) -> Plan:

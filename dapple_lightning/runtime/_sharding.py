@@ -11,12 +11,16 @@ parameters) of its optimizer state:
   through the step's micro-batches, freed after the step's last backward; at rest between steps
   (and for the optimizer) they are sharded too.
 
-Gradients accumulate unsharded over the step's micro-batches and are summed over the replicas
-once per step, by one reduce-scatter per layer when the step's last backward reaches it: the
-replicas' sum (not their mean, as the project's own reducer sums: each micro-batch's loss is
-already its share of the global batch). :class:`ShardedReducer` takes the place of the stage's
-:class:`~dapple_lightning.runtime.GradientReducer`, so the project's reducer never sums a
-sharded parameter as well.
+Gradients are summed over the replicas by reduce-scatter, each replica keeping the sum of its
+shard: the replicas' sum (not their mean, as the project's own reducer sums: each micro-batch's loss
+is already its share of the global batch). Under ``shard: grads`` they accumulate whole over the
+step's micro-batches and are summed once per step, one reduce-scatter per layer when the step's last
+backward reaches it (as many collectives as the unsharded stage's all-reduce); under ``shard: full``
+each micro-batch's backward sums its layer's gradients into the shards at once, so that no whole
+gradient outlives its layer's backward (``M`` reduce-scatters per layer and step for ``M``
+micro-batches on the stage, the memory of one layer instead of the stage's gradients).
+:class:`ShardedReducer` takes the place of the stage's :class:`~dapple_lightning.runtime.GradientReducer`,
+so the project's reducer never sums a sharded parameter as well.
 
 Tied parameters across stages (summed over every rank) and hybrid sharding across nodes are
 refused by :func:`shard_stage`'s callers before this point (see ``strategy._refusals``).
@@ -114,8 +118,9 @@ class ShardedReducer:
     :class:`~dapple_lightning.runtime.GradientReducer`: :meth:`arm` before the step's last backward on
     this rank (its layers then reduce-scatter as that backward reaches them), :meth:`finish` after it.
 
-    Until :meth:`arm`, each backward adds to the layers' unsharded gradients without any collective,
-    and under ``shard: grads`` keeps the gathered parameters for the next micro-batch.
+    Until :meth:`arm`, under ``shard: grads`` each backward adds to the layers' whole gradients without
+    any collective and keeps the gathered parameters for the next micro-batch; under ``shard: full``
+    every backward sums into the shards (see the module's docstring).
     """
 
     def __init__(self, layers: list[FSDPModule], mode: str, group: dist.ProcessGroup, device: torch.device) -> None:
@@ -132,9 +137,13 @@ class ShardedReducer:
         return [p for layer in self.layers for p in layer.parameters() if p.requires_grad]  # type: ignore[attr-defined]
 
     def _accumulate(self) -> None:
+        """Until :meth:`arm`: under ``shard: full`` every backward sums its gradients into shards (the
+        stage never holds a whole gradient beyond a layer's); under ``shard: grads`` they accumulate
+        whole, with the gathered parameters kept, until the step's last backward sums them once."""
+        full = self.mode == "full"
         for layer in self.layers:
-            layer.set_requires_gradient_sync(False, recurse=False)
-            layer.set_reshard_after_backward(self.mode == "full", recurse=False)
+            layer.set_requires_gradient_sync(full, recurse=False)
+            layer.set_reshard_after_backward(full, recurse=False)
 
     def arm(self, extra: Callable[[], Tensor] | None = None) -> None:
         """The next backward is the step's last on this rank: its layers sum their gradients into shards."""

@@ -101,7 +101,9 @@ def worker(args: argparse.Namespace) -> None:
     model = nn.Sequential(*blocks, nn.Linear(args.hidden, 8))
     stage = partition(model, plan, rank)
     del model, blocks
-    pipe = Pipeline(plan, rank, stage, device=torch.device("cpu"), stage_group=stage_group(plan, rank), p2p_groups=p2p_groups())
+    pipe = Pipeline(
+        plan, rank, stage, device=torch.device("cpu"), stage_group=stage_group(plan, rank), p2p_groups=p2p_groups()
+    )
     optimizer = torch.optim.Adam(stage.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(args.batch, args.hidden, generator=g), torch.randn(args.batch, 8, generator=g)
@@ -176,7 +178,9 @@ def main() -> None:
                     what=f"r={r} shard={mode}",
                 )
                 results.setdefault((r, mode), []).append([rec for rec in records if rec["stage"] == 0])
-    print("| r | shard | state MiB (of unsharded) | bound: unsharded / r + one layer | tracker peak MiB | RSS growth MiB | step ms (rounds) |")
+    print(
+        "| r | shard | state MiB (of unsharded) | bound: unsharded / r + one layer | tracker peak MiB | RSS growth MiB | step ms (rounds) |"
+    )
     print("|---|---|---|---|---|---|---|")
     for r in args.replicas:
         base = max(rec["state"] for rnd in results[(r, "none")] for rec in rnd)

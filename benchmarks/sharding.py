@@ -10,11 +10,15 @@ Per stage-0 rank it reports:
 
 * **state**: the bytes this rank keeps of the stage's parameters, gradients and Adam state after a
   step (a sharded value counts its local shard);
-* **tracker**: the peak of the project's live-bytes tracker (``planner.live_bytes``) over the
-  training steps, plus the parameters held before them (as ``benchmarks/memory.py`` measures);
-* **RSS**: the process's peak resident memory over the steps (``VmHWM`` after resetting it with
-  ``/proc/self/clear_refs``) less its resident memory when the steps began;
-* **step**: the median wall time of a step after the first.
+* **tracker**: the peak of the project's live-bytes tracker (``planner.live_bytes``, following
+  FSDP2's storage resizes too) over the training steps after the first, plus the parameters held
+  before them (as ``benchmarks/memory.py`` measures);
+* **RSS**: the process's peak resident memory over the steps after the first (``VmHWM`` after
+  resetting it with ``/proc/self/clear_refs``) less its resident memory when the steps began;
+* **step**: the median wall time of a step after the first;
+* **added**: the step time over the unsharded configuration's in the same round, beside what the
+  planner's price of sharding predicts (``planner._sharding.shard_price`` on the links
+  ``planner.measure_cluster`` measures on these processes).
 
     python benchmarks/sharding.py                       # r = 2 and 3: a few minutes
     python benchmarks/sharding.py --replicas 2 --rounds 1 --steps 4
@@ -75,6 +79,34 @@ def _storage_resizes_followed(tracker):
         torch.UntypedStorage.resize_ = original
 
 
+def _predicted_cost(plan, rank: int, args: argparse.Namespace) -> float:
+    """Seconds per step that the planner's price of sharding (``planner._sharding.shard_price``) adds to
+    stage 0, on the links ``measure_cluster`` measures here (collective on every rank)."""
+    import torch
+
+    from dapple_lightning.planner import measure_cluster
+    from dapple_lightning.planner._profile import LayerProfile, ModelProfile
+    from dapple_lightning.planner._sharding import shard_price
+
+    cluster = measure_cluster(torch.device("cpu"))
+    layer = (args.hidden * args.hidden + args.hidden) * 4
+    # Only the parameter bytes enter the collectives' price; the times are placeholders.
+    layers = [LayerProfile(f"l{i}", 1.0, 1.0, 0, layer if i % 2 == 0 else 0) for i in range(2 * args.layers)]
+    stage = plan.stages[0]
+    price = shard_price(
+        ModelProfile(tuple(layers), args.batch),
+        cluster,
+        stage.start,
+        stage.end,
+        replicas=stage.replicas,
+        mode=stage.shard,
+        samples=args.batch // args.micro_batches // stage.replicas,
+        depth=1,
+        micro_batches=args.micro_batches,
+    )
+    return price.added_seconds
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
@@ -120,12 +152,16 @@ def worker(args: argparse.Namespace) -> None:
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM from here on
     rss_start = _status("VmRSS")
     with live_bytes() as tracker, _storage_resizes_followed(tracker):
-        for _ in range(args.steps):
+        for step in range(args.steps):
             start = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
             pipe.run(args.batch, LossStep(forward))
             optimizer.step()
             times.append(time.perf_counter() - start)
+            if step == 0:  # the peaks of the later steps: the first makes Adam's state and FSDP2's buffers
+                tracker.reset_peak()
+                Path("/proc/self/clear_refs").write_text("5")
+    predicted = _predicted_cost(plan, rank, args)  # collective: measures the links
     grads = [p.grad for p in stage.parameters() if p.grad is not None]
     state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
     layer_bytes = (args.hidden * args.hidden + args.hidden) * 4
@@ -138,6 +174,7 @@ def worker(args: argparse.Namespace) -> None:
             "rss": _status("VmHWM") - rss_start,
             "step": statistics.median(times[1:]),
             "layer": layer_bytes,
+            "predicted": predicted,
         },
     )
     dist.barrier()
@@ -179,9 +216,10 @@ def main() -> None:
                 )
                 results.setdefault((r, mode), []).append([rec for rec in records if rec["stage"] == 0])
     print(
-        "| r | shard | state MiB (of unsharded) | bound: unsharded / r + one layer | tracker peak MiB | RSS growth MiB | step ms (rounds) |"
+        "| r | shard | state MiB (of unsharded) | bound: unsharded / r + one layer | tracker peak MiB "
+        "| RSS growth MiB | step ms (rounds) | added ms: measured (rounds) / predicted |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for r in args.replicas:
         base = max(rec["state"] for rnd in results[(r, "none")] for rec in rnd)
         for mode in MODES:
@@ -189,11 +227,15 @@ def main() -> None:
             recs = [rec for rnd in rounds for rec in rnd]
             state = max(rec["state"] for rec in recs)
             bound = base / r + recs[0]["layer"]
-            steps = ", ".join(f"{statistics.median(rec['step'] for rec in rnd) * 1e3:.1f}" for rnd in rounds)
+            medians = [statistics.median(rec["step"] for rec in rnd) for rnd in rounds]
+            unsharded = [statistics.median(rec["step"] for rec in rnd) for rnd in results[(r, "none")]]
+            steps = ", ".join(f"{m * 1e3:.1f}" for m in medians)
+            added = ", ".join(f"{(m - u) * 1e3:.1f}" for m, u in zip(medians, unsharded))
+            predicted = statistics.median(rec["predicted"] for rec in recs) * 1e3
             print(
                 f"| {r} | {mode} | {state / MiB:.1f} ({state / base:.2f}) | {bound / MiB:.1f} "
                 f"| {max(rec['tracker'] for rec in recs) / MiB:.1f} | {max(rec['rss'] for rec in recs) / MiB:.1f} "
-                f"| {steps} |"
+                f"| {steps} | {added} / {predicted:.1f} |"
             )
     print(json.dumps({f"{r}:{m}": v for (r, m), v in results.items()}))
 

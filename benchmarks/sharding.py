@@ -84,9 +84,7 @@ def _predicted_cost(plan, rank: int, args: argparse.Namespace) -> float:
     stage 0, on the links ``measure_cluster`` measures here (collective on every rank)."""
     import torch
 
-    from dapple_lightning.planner import measure_cluster
-    from dapple_lightning.planner._profile import LayerProfile, ModelProfile
-    from dapple_lightning.planner._sharding import shard_price
+    from dapple_lightning.planner import LayerProfile, ModelProfile, measure_cluster, shard_price
 
     cluster = measure_cluster(torch.device("cpu"))
     layer = (args.hidden * args.hidden + args.hidden) * 4

@@ -22,7 +22,7 @@ def sharded(first: str | None, replicas: int = 2) -> Plan:
 
 @pytest.fixture(scope="module")
 def single_device(tmp_path_factory):
-    return fit(Llama, tmp_path_factory.mktemp("ref"), loader=tokens, gradient_clip_val=0.5)
+    return fit(Llama, tmp_path_factory.mktemp("ref"), loader=tokens, val=True, gradient_clip_val=0.5)
 
 
 # Llama's SGD with momentum, not Adam: Adam's first steps turn float rounding into visible weight
@@ -31,6 +31,12 @@ def single_device(tmp_path_factory):
 def test_a_sharded_llama_stage_trains_as_one_device(mode, tmp_path, single_device):
     plan = sharded(mode)
     got = fit(
-        Llama, tmp_path, plan=plan, loader=tokens, gradient_clip_val=0.5, strategy_kwargs={"sequential": CONTAINER}
+        Llama,
+        tmp_path,
+        plan=plan,
+        loader=tokens,
+        val=True,
+        gradient_clip_val=0.5,
+        strategy_kwargs={"sequential": CONTAINER},
     )
     assert_same(got, single_device)

@@ -230,6 +230,8 @@ class Pipeline:
         if train:
             for p in self.idle_params:
                 p.grad = None
+        if self.sharded is not None:
+            self.sharded.begin(train)
         rows = self.rows(batch_rows)
         program = self.program(batch_rows, train=train)
         if not self._replaying and (fresh := self._pairs[(batch_rows, train)] - self._connected):

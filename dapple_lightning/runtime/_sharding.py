@@ -145,6 +145,14 @@ class ShardedReducer:
             layer.set_requires_gradient_sync(full, recurse=False)
             layer.set_reshard_after_backward(full, recurse=False)
 
+    def begin(self, train: bool) -> None:
+        """A step starts. An evaluation step gathers each layer for its forward and frees it after, under
+        either mode: nothing it gathers (under Lightning, in inference mode) outlives it; a training step
+        under ``shard: grads`` keeps what its forwards gather until its last backward."""
+        for layer in self.layers:
+            layer.reshard()
+            layer.set_reshard_after_forward(not train or self.mode == "full", recurse=False)
+
     def arm(self, extra: Callable[[], Tensor] | None = None) -> None:
         """The next backward is the step's last on this rank: its layers sum their gradients into shards."""
         self._extra = extra

@@ -13,7 +13,9 @@ ranks (see :func:`~dapple_lightning.runtime._comm.connect_pairs`).
 Gradients accumulate in ``.grad`` over the micro-batches; :class:`GradientReducer` sums them
 once per step, bucket by bucket while the step's last backward runs: a stage's over its
 replicas, the parameters outside the Sequential over every rank. The last stage's replicas sum
-their :meth:`~dapple_lightning.runtime.UserStep.replica_share` along with their gradients.
+their :meth:`~dapple_lightning.runtime.UserStep.replica_share` along with their gradients. A stage
+whose replicas shard their state (``shard:``) sums its gradients into the shards with FSDP2 instead
+(:class:`~dapple_lightning.runtime.ShardedReducer`).
 
 For recovery, a pipeline can show a callback every message it sends (:meth:`Pipeline.record_sends`)
 and run steps again on a record of its receives, alone (:meth:`Pipeline.replay`).

@@ -40,3 +40,16 @@ def test_a_sharded_llama_stage_trains_as_one_device(mode, tmp_path, single_devic
         strategy_kwargs={"sequential": CONTAINER},
     )
     assert_same(got, single_device)
+
+
+def test_three_replicas_sharding_only_the_first_stage_accumulate_batches_as_one_device(tmp_path):
+    import models
+
+    plan = Plan(
+        stages=[{"layers": [0, 4], "replicas": 3, "shard": "full"}, {"layers": [4, 7], "replicas": 1}],
+        micro_batches=2,
+    )
+    options = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05, "max_steps": 3}
+    want = fit(models.ScheduledMLP, tmp_path / "one", **options)
+    got = fit(models.ScheduledMLP, tmp_path / "dapple", plan=plan, **options)
+    assert_same(got, want)

@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from dapple_lightning.plan import Plan
-from dapple_lightning.runtime import Pipeline, full_value, p2p_groups, stage_group
+from dapple_lightning.runtime import Pipeline, full_value, p2p_groups, stage_group, unshard_stage
 from dapple_lightning.strategy._step import clip_grad_norm_over_stages
 from dapple_lightning.surgery import partition
 
@@ -86,6 +86,14 @@ def trained(rank: int, world_size: int, plan: Plan, optimizer: str, clip: bool) 
                 pipe.run(BATCH, LossStep(forward), train=False)
     shards = {n: tuple(p.to_local().shape) for n, p in stage.named_parameters() if isinstance(p, DTensor)}
     weights = {n: full_value(v).detach().clone() for n, v in stage.state_dict().items()}
+    # Undone, the stage is the user's layers again, whole on every replica, and runs as they do.
+    unshard_stage(stage)
+    assert all(type(layer) in (nn.Linear, nn.Tanh) for layer in stage)
+    assert not any(isinstance(p, DTensor) for p in stage.parameters())
+    for name, value in stage.state_dict().items():
+        torch.testing.assert_close(value, weights[name], rtol=0, atol=0)
+    first = next(layer for layer in stage if isinstance(layer, nn.Linear))
+    assert stage(torch.randn(2, first.in_features)).isfinite().all()
     dist.barrier()
     return losses, weights, shards
 

@@ -19,7 +19,9 @@ a placement other than "consecutive ranks" is written; by default stage ``s`` ta
 recompute its activations in the backward (each layer under ``torch.utils.checkpoint``): it keeps
 only each layer's input per micro-batch, for one more forward per micro-batch. ``offload: 2`` keeps
 the stage's parameters, gradients and optimizer state in files, with a working window of 2 layers
-in memory (see :mod:`dapple_lightning.runtime._offload`).
+in memory (see :mod:`dapple_lightning.runtime._offload`). ``shard: grads`` or ``shard: full`` makes a
+stage's replicas split its state among themselves instead of each holding all of it (see
+:mod:`dapple_lightning.runtime._sharding`).
 
 ``chunks: 2`` (with ``layout: looped`` or ``v``) gives every rank group several stages: ``stages``
 then lists ``groups x chunks`` stages in pipeline order, the stages of one group naming the same
@@ -37,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ALL_SCHEDULES", "CHUNKED_SCHEDULES", "LAYOUTS", "SCHEDULES", "ZERO_BUBBLE", "Plan", "Stage"]
+__all__ = ["ALL_SCHEDULES", "CHUNKED_SCHEDULES", "LAYOUTS", "SCHEDULES", "SHARDING", "ZERO_BUBBLE", "Plan", "Stage"]
 
 SCHEDULES = ("dapple", "gpipe")
 """The schedules the planner's cost model knows and the search tries."""
@@ -51,6 +53,10 @@ LAYOUTS = {"looped": ("interleaved",), "v": ("zb-v", "v-half")}
 ``looped`` gives group ``g`` stages ``g, g + G, g + 2G, ...``; ``v`` gives it ``g`` and ``2G - 1 - g``."""
 CHUNKED_SCHEDULES = tuple(name for names in LAYOUTS.values() for name in names)
 """The schedules of plans with several chunks (stages) per rank group."""
+SHARDING = ("grads", "full")
+"""What a stage's replicas may split among themselves (``shard:``): ``"grads"``, the gradients and the
+optimizer state (parameters gathered once per step and kept through it); ``"full"``, the parameters too
+(gathered per layer for each forward and each backward, freed after)."""
 
 
 def _as_int(value: Any, what: str) -> int:
@@ -81,9 +87,13 @@ class Stage:
     working window of this many layers in memory that moves forward, then backward, through the
     stage per micro-batch; ``"auto"``: the smallest window whose transfers hide behind compute, from
     what the first training step measures (``None``: everything stays in memory)."""
+    shard: str | None = None
+    """What the stage's replicas split among themselves over their group: ``None`` (each holds everything),
+    ``"grads"`` (gradients and optimizer state) or ``"full"`` (parameters too); see :data:`SHARDING`."""
 
     def __post_init__(self) -> None:
         _as_int(self.start, "stage start layer")
+        self._check_shard()
         if not isinstance(self.recompute, bool):
             raise TypeError(f"stage `recompute` must be true or false, got {self.recompute!r}")
         if self.offload is not None and self.offload != "auto":
@@ -118,6 +128,21 @@ class Stage:
             if len(set(ranks)) != len(ranks) or min(ranks) < 0:
                 raise ValueError(f"stage ranks must be distinct non-negative integers, got {list(ranks)}")
 
+    def _check_shard(self) -> None:
+        if self.shard is None:
+            return
+        where = f"stage [{self.start}, {self.end})"
+        if self.shard not in SHARDING:
+            raise ValueError(f"{where}: `shard` must be one of {list(SHARDING)} or left out, got {self.shard!r}")
+        if not isinstance(self.replicas, int) or isinstance(self.replicas, bool) or self.replicas < 2:
+            raise ValueError(
+                f"{where} sets shard: {self.shard} on {self.replicas!r} replica(s): one replica has no one to split its "
+                "state with; give the stage 2 or more replicas or drop `shard`"
+            )
+        if self.recompute or self.offload is not None:
+            lever = "recompute" if self.recompute else "offload"
+            raise ValueError(f"{where} sets both shard and {lever}; choose one of them")
+
     @property
     def num_layers(self) -> int:
         return self.end - self.start
@@ -130,6 +155,8 @@ class Stage:
             out["recompute"] = True
         if self.offload is not None:
             out["offload"] = self.offload
+        if self.shard is not None:
+            out["shard"] = self.shard
         return out
 
     @classmethod
@@ -140,10 +167,11 @@ class Stage:
             raise TypeError(
                 f"a stage must be a mapping like {{layers: [0, 4], replicas: 1}}, got {type(data).__name__}"
             )
-        unknown = set(data) - {"layers", "replicas", "ranks", "recompute", "offload"}
+        unknown = set(data) - {"layers", "replicas", "ranks", "recompute", "offload", "shard"}
         if unknown:
             raise ValueError(
-                f"unknown stage keys {sorted(map(str, unknown))}; allowed: layers, replicas, ranks, recompute, offload"
+                f"unknown stage keys {sorted(map(str, unknown))}; allowed: layers, replicas, ranks, recompute, offload, "
+                "shard"
             )
         if "layers" not in data:
             raise ValueError("a stage needs `layers: [start, end)`, e.g. {layers: [0, 4], replicas: 1}")
@@ -160,6 +188,7 @@ class Stage:
             ranks=None if ranks is None else tuple(ranks),
             recompute=data.get("recompute", False),
             offload=data.get("offload"),
+            shard=data.get("shard"),
         )
 
 
@@ -214,6 +243,12 @@ class Plan:
             raise ValueError(
                 f"a stage with offload moves its window with each backward, and schedule {self.schedule!r} computes "
                 "the weights' gradients later, apart from it; use schedule 'dapple' or 'gpipe' with offload"
+            )
+        if self.schedule in ZERO_BUBBLE and any(s.shard is not None for s in stages):
+            # A sharded layer reduce-scatters its gradient when its backward ends; W computes it later.
+            raise ValueError(
+                f"a stage with shard sums its weights' gradients as each layer's backward ends, and schedule "
+                f"{self.schedule!r} computes them later, apart from it; use schedule 'dapple' or 'gpipe' with shard"
             )
         if stages[0].start != 0:
             raise ValueError(f"the first stage must start at layer 0, got [{stages[0].start}, {stages[0].end})")
@@ -340,9 +375,10 @@ class Plan:
                 f"a plan with chunks: {chunks} lists chunks x (rank groups) stages in pipeline order; got "
                 f"{len(stages)} stages, which {chunks} does not divide: add or merge stages"
             )
-        if any(s.recompute or s.offload is not None for s in stages):
+        if any(s.recompute or s.offload is not None or s.shard is not None for s in stages):
             raise ValueError(
-                "recompute and offload are not supported with chunks yet; remove them from the stages or set chunks: 1"
+                "recompute, offload and shard are not supported with chunks yet; remove them from the stages or set "
+                "chunks: 1"
             )
         groups = len(stages) // chunks
         if name == "interleaved" and self.micro_batches % groups:
@@ -458,11 +494,13 @@ class Plan:
         offload = ",".join(f"{k}:{s.offload}" for k, s in enumerate(self.stages) if s.offload is not None)
         tail += f" offload={offload}" if offload else ""
         tail += f" chunks={self.chunks} {self.layout}" if self.chunks > 1 else ""
+        shard = ",".join(f"{k}:{s.shard}" for k, s in enumerate(self.stages) if s.shard is not None)
+        tail += f" shard={shard}" if shard else ""
         return f"{self.notation} cuts={cuts} M={self.micro_batches} {self.schedule}{tail}"
 
     def table(self) -> str:
-        """The plan as an aligned text table (``recompute`` and ``offload`` columns when a stage uses them)."""
-        extra = [name for name in ("recompute", "offload") if any(getattr(s, name) for s in self.stages)]
+        """The plan as an aligned text table (``recompute``, ``offload`` and ``shard`` columns when a stage uses them)."""
+        extra = [name for name in ("recompute", "offload", "shard") if any(getattr(s, name) for s in self.stages)]
         extra = (["group", "chunk"] if self.chunks > 1 else []) + extra
         rows = [("stage", "layers", "replicas", "ranks", *extra)]
         for index, stage in enumerate(self.stages):
@@ -472,6 +510,7 @@ class Plan:
             cells = {
                 "recompute": "yes" if stage.recompute else "",
                 "offload": _window(stage.offload),
+                "shard": stage.shard or "",
                 "group": str(group),
                 "chunk": str(chunk),
             }

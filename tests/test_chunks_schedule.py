@@ -128,7 +128,7 @@ def test_a_chunked_plan_has_no_single_stage_per_rank():
                 "micro_batches": 2,
                 "stages": [[0, 1, 1], [1, 2, 1], [2, 3, 1, True], [3, 4, 1]],
             },
-            "recompute and offload are not supported with chunks",
+            "recompute, offload and shard are not supported with chunks",
         ),
     ],
 )

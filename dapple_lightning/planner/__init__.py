@@ -53,6 +53,7 @@ from dapple_lightning.planner._select import (
     refine_allreduce,
     shortlist,
 )
+from dapple_lightning.planner._sharding import ShardPrice, shard_price, sharded_plan
 from dapple_lightning.planner._simulator import Event, Simulation, simulate_plan
 from dapple_lightning.planner._window import AUTO_WINDOW_MOST, WindowChoice, choose_window, replay_window
 
@@ -84,6 +85,7 @@ __all__ = [
     "PlanChoice",
     "PlannedPlan",
     "SearchRecord",
+    "ShardPrice",
     "Simulation",
     "Stopwatch",
     "Trial",
@@ -128,6 +130,8 @@ __all__ = [
     "relative_spread",
     "replay_window",
     "replica_candidates",
+    "shard_price",
+    "sharded_plan",
     "shortlist",
     "shortlist_with_levers",
     "simulate_plan",

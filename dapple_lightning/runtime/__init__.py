@@ -12,6 +12,7 @@
   (the blocks of an ``nn.ModuleList`` it loops over, a chain of containers; other stages' layers
   become :class:`Placeholder` modules);
 - :class:`GradientReducer` sums gradients over a group while backward still runs;
+  :class:`ShardedReducer` does it for a stage whose replicas shard their state (``shard:``, FSDP2);
 - :class:`Link` and :func:`share` move tensors and values between ranks, on the groups of
   :class:`P2PGroups`;
 - :class:`Offloader` keeps an offloaded stage's layers on disk with a working window in memory;
@@ -45,6 +46,14 @@ from dapple_lightning.runtime._offload import Offloader
 from dapple_lightning.runtime._offload_records import Residency
 from dapple_lightning.runtime._recorded import Message
 from dapple_lightning.runtime._reducer import GradientReducer
+from dapple_lightning.runtime._sharding import (
+    ShardedReducer,
+    full_value,
+    local_part,
+    shard_like,
+    sharded_layers,
+    unshard_stage,
+)
 from dapple_lightning.runtime._split_backward import WeightWork, backward_input, backward_weight
 from dapple_lightning.runtime._stage import StageCall, StageExit, StageModule
 from dapple_lightning.runtime._timeline import DeviceEvent, Event, Timeline, bubble_fractions, write_chrome_trace
@@ -63,6 +72,7 @@ __all__ = [
     "Placeholder",
     "Recorder",
     "Residency",
+    "ShardedReducer",
     "Signature",
     "StageCall",
     "StageExit",
@@ -78,7 +88,11 @@ __all__ = [
     "backward_weight",
     "broadcast",
     "bubble_fractions",
+    "full_value",
+    "local_part",
     "p2p_groups",
+    "shard_like",
+    "sharded_layers",
     "share",
     "stage_group",
     "stand_in_blocks",
@@ -86,5 +100,6 @@ __all__ = [
     "stand_in_layers",
     "storable_linears",
     "synchronize_batch_norms",
+    "unshard_stage",
     "write_chrome_trace",
 ]

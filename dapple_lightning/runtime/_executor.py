@@ -13,7 +13,9 @@ ranks (see :func:`~dapple_lightning.runtime._comm.connect_pairs`).
 Gradients accumulate in ``.grad`` over the micro-batches; :class:`GradientReducer` sums them
 once per step, bucket by bucket while the step's last backward runs: a stage's over its
 replicas, the parameters outside the Sequential over every rank. The last stage's replicas sum
-their :meth:`~dapple_lightning.runtime.UserStep.replica_share` along with their gradients.
+their :meth:`~dapple_lightning.runtime.UserStep.replica_share` along with their gradients. A stage
+whose replicas shard their state (``shard:``) sums its gradients into the shards with FSDP2 instead
+(:class:`~dapple_lightning.runtime.ShardedReducer`).
 
 Where the plan gives a rank several stages (chunks), its one program runs them all: each op
 names its stage, a micro-batch's state is kept per stage, a message between two of the rank's
@@ -44,6 +46,7 @@ from dapple_lightning.runtime._contract import StepStats, UserStep
 from dapple_lightning.runtime._linear_split import LinearStore, StoredGrads, backward_stored, storable_linears
 from dapple_lightning.runtime._recorded import Message, RecordedLink, recorded_links
 from dapple_lightning.runtime._reducer import GradientReducer
+from dapple_lightning.runtime._sharding import ShardedReducer, local_part, shard_stage
 from dapple_lightning.runtime._split_backward import WeightWork, backward_input, backward_weight
 from dapple_lightning.runtime._stage import StageCall, StageExit, StageModule, count_saved
 from dapple_lightning.runtime._timeline import Timeline
@@ -170,14 +173,17 @@ class Pipeline:
         # replicas, the parameters outside the Sequential over every rank.
         self.shared_params = list(shared_params)
         self.idle_params = list(idle_params)
-        self.reducers: list[GradientReducer] = []
-        self.stage_reducer: GradientReducer | None = None
+        self.reducers: list[GradientReducer | ShardedReducer] = []
+        self.stage_reducer: GradientReducer | ShardedReducer | None = None
         self._stage_reducers: dict[int, GradientReducer] = {}
         """With chunks, each stage's reducer over the replicas, armed before that stage's last backward."""
         self._shared_reducer: GradientReducer | None = None
+        shard = plan.stages[self.stage].shard
+        # A sharded stage's layers sum their gradients themselves, into shards (see _sharding).
+        self.sharded = None if shard is None or stage_group is None else shard_stage(module, shard, stage_group, device)
         self._trainable: tuple[bool, ...] = ()
         self._build_reducers()
-        self._param_storages = {p.untyped_storage().data_ptr() for p in module.parameters()}
+        self._param_storages = {local_part(p).untyped_storage().data_ptr() for p in module.parameters()}
         # Stage 0's B is empty (its W is the whole backward): its layers gain nothing from the store.
         plain = (self.is_first and plan.chunks == 1) or module.offload is not None
         linears = [] if plain else storable_linears(module, self.shared_params)
@@ -248,6 +254,8 @@ class Pipeline:
         if train:
             for p in self.idle_params:
                 p.grad = None
+        if self.sharded is not None:
+            self.sharded.begin(train)
         rows = self.rows(batch_rows)
         program = self.program(batch_rows, train=train)
         if not self._replaying and (fresh := self._pairs[(batch_rows, train)] - self._connected):
@@ -316,7 +324,10 @@ class Pipeline:
         for reducer in self.reducers:
             reducer.remove()
         self.reducers, self.stage_reducer, self._stage_reducers, self._shared_reducer = [], None, {}, None
-        if self.stage_group is not None:
+        if self.sharded is not None:
+            self.stage_reducer = self.sharded
+            self.reducers.append(self.sharded)
+        elif self.stage_group is not None:
             shared = {id(p) for p in self.shared_params}
             offload = self.module.offload
             shared |= {id(p) for layer in offload.layers for p in layer.params} if offload else set()

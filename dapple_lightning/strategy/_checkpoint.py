@@ -37,11 +37,12 @@ import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from dapple_lightning.checkpoint import by_name, to_local, to_single_device
 from dapple_lightning.plan import Plan
-from dapple_lightning.runtime import broadcast
+from dapple_lightning.runtime import broadcast, full_value, shard_like
 from dapple_lightning.strategy import _sharded
 from dapple_lightning.strategy._failures import HOST_WAIT
 from dapple_lightning.strategy._stream import StreamingFile, write_atomically
@@ -73,6 +74,10 @@ class Checkpoints:
         self._stand_ins: dict[int, tuple[Tensor, int, Path_]] = {}
         self._group: Any = None
         self._pending: _Background | None = None
+        self._whole_model: dict[str, Tensor] | None = None
+        """A sharded stage's state dict made whole for the save in progress (see :meth:`model_state`)."""
+        self._whole_optimizers: dict[int, dict[str, dict[str, Any]]] = {}
+        """Likewise, per optimizer, its state by parameter name."""
 
     # ------------------------------------------------------------------ who owns what
 
@@ -164,6 +169,9 @@ class Checkpoints:
         assert self.module is not None
         self._stand_ins = {}
         local = self.module.state_dict()
+        if any(isinstance(v, DTensor) for v in local.values()):
+            # A sharded stage: its replicas gather each entry together, so that its owner saves it whole.
+            local = self._whole_model = {k: full_value(v) for k, v in local.items()}
         sharded = self.state_dict_type == "sharded"
         if self.rank != 0 or not _distributed() or (self.cut is None and not sharded):
             return local
@@ -180,10 +188,12 @@ class Checkpoints:
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """The single-device ``state_dict`` of ``optimizer`` on rank 0, with stand-ins; the local one elsewhere."""
-        local = optimizer.state_dict()
+        local = _whole_optimizer_state(optimizer.state_dict())
         if not _distributed() or dist.get_world_size() == 1:
             return local
         index = next(i for i, o in enumerate(self.optimizers) if o is optimizer)
+        if any(isinstance(p, DTensor) for group in optimizer.param_groups for p in group["params"]):
+            self._whole_optimizers[index] = by_name(local, self._names(optimizer))
         mine = {n: s for n, s in by_name(local, self._names(optimizer)).items() if n in self._owned_optimizer_state}
         described = gather_on_zero({n: {k: _describe(v) for k, v in s.items()} for n, s in mine.items()})
         if described is None:
@@ -223,6 +233,8 @@ class Checkpoints:
         if self.rank == 0 and not _is_url(path):
             Path(path).parent.mkdir(parents=True, exist_ok=True)
         requests = self._requests(checkpoint)
+        if not requests.get(self.rank):  # the whole values were only for this rank's own entries
+            self._whole_model, self._whole_optimizers = None, {}
         if self.state_dict_type == "sharded":
             self._save_sharded(checkpoint, Path(path), requests)
         elif _streams(checkpoint_io, path, storage_options):
@@ -249,12 +261,18 @@ class Checkpoints:
     def _lookup(self, paths: list[Path_], copy: bool) -> list[Tensor]:
         """This rank's live tensors at ``paths`` (copied to CPU when the write runs in the background)."""
         assert self.module is not None
-        model = self.module.state_dict()
+        model = self._whole_model if self._whole_model is not None else self.module.state_dict()
         params = dict(self.module.named_parameters())
         out = []
         for path in paths:
-            tensor = model[path[1]] if path[0] == "model" else self.optimizers[path[1]].state[params[path[2]]][path[3]]
+            if path[0] == "model":
+                tensor = model[path[1]]
+            elif path[1] in self._whole_optimizers:
+                tensor = self._whole_optimizers[path[1]][path[2]][path[3]]
+            else:
+                tensor = self.optimizers[path[1]].state[params[path[2]]][path[3]]
             out.append(tensor.detach().to("cpu", copy=True) if copy else tensor.detach().contiguous())
+        self._whole_model, self._whole_optimizers = None, {}
         return out
 
     def _save_streaming(self, checkpoint: dict[str, Any], path: Path, requests: dict[int, list[Path_]]) -> None:
@@ -292,12 +310,14 @@ class Checkpoints:
         tmp = _temporary(path)
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # what a killed save left behind
-        paths = requests.get(self.rank, [])
+        shards = self._own_shards()  # a sharded stage's replicas each write their own shard of its values
+        paths = [p for p in requests.get(self.rank, []) if _sharded.key(p) not in shards]
         values = dict(zip(map(_sharded.key, paths), self._lookup(paths, copy=self.async_save)))
         if self.rank == 0:
             values.update(_sharded.rank_zero_values(checkpoint, self._stand_ins, self.full_optimizer_names))
-            if self.async_save:
-                values = _copy_to_cpu(values, keep={})
+        values.update(shards)
+        if self.async_save and (self.rank == 0 or shards):
+            values = _copy_to_cpu(values, keep={})
         group = self._group
         if _distributed():
             dist.barrier(group=group)
@@ -308,6 +328,23 @@ class Checkpoints:
                 _replace_directory(tmp, path)
 
         self._run(write)
+
+    def _own_shards(self) -> dict[str, Tensor]:
+        """This rank's shards of a sharded stage's values (``DTensor``), by directory key; empty elsewhere."""
+        assert self.module is not None
+        shards: dict[str, Tensor] = {
+            _sharded.key(("model", k)): v for k, v in self.module.state_dict().items() if isinstance(v, DTensor)
+        }
+        if not shards:
+            return shards
+        for index, optimizer in enumerate(self.optimizers):
+            names = [n for group in self._names(optimizer) for n in group]
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            for name, param in zip(names, params):
+                for state_key, value in optimizer.state.get(param, {}).items():
+                    if isinstance(value, DTensor):
+                        shards[_sharded.key(("optim", index, name, state_key))] = value.detach()
+        return shards
 
     def _materialize(self, checkpoint: dict[str, Any], requests: dict[int, list[Path_]]) -> dict[str, Any] | None:
         """``checkpoint`` with every stand-in replaced by its tensor, on rank 0 (a full copy; for other IO plugins)."""
@@ -364,11 +401,13 @@ class Checkpoints:
                     f"Error(s) in loading state_dict: missing keys {missing}, unexpected keys {unexpected}"
                 )
         local = self.module.state_dict()
-        self.module.load_state_dict({k: v for k, v in state.items() if k in local}, strict=False)
+        # A sharded stage's replica keeps its own shard of each whole value (no collective).
+        self.module.load_state_dict({k: shard_like(v, local[k]) for k, v in state.items() if k in local}, strict=False)
 
     def load_optimizers(self, checkpoint: Mapping[str, Any]) -> None:
         for index, (optimizer, single) in enumerate(zip(self.optimizers, checkpoint["optimizer_states"])):
-            optimizer.load_state_dict(to_local(single, self.full_optimizer_names[index], self._names(optimizer)))
+            local = to_local(single, self.full_optimizer_names[index], self._names(optimizer))
+            optimizer.load_state_dict(_sharded_optimizer_state(local, optimizer))
 
     def remove(self, path: Any, checkpoint_io: CheckpointIO) -> None:
         self.wait()
@@ -377,6 +416,29 @@ class Checkpoints:
 
 
 _SHAPE = "dapple:tensor"
+
+
+def _whole_optimizer_state(state: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer's ``state_dict`` with a sharded parameter's state gathered whole (collective over the
+    stage's replicas, which hold the same parameters in the same order); unchanged without sharding."""
+    per_param = state["state"]
+    if not any(isinstance(v, DTensor) for entries in per_param.values() for v in entries.values()):
+        return state
+    whole = {i: {k: full_value(v) for k, v in entries.items()} for i, entries in sorted(per_param.items())}
+    return {**state, "state": whole}
+
+
+def _sharded_optimizer_state(state: dict[str, Any], optimizer: Optimizer) -> dict[str, Any]:
+    """``state`` (whole values) with each sharded parameter's state cut as the parameter is (no collective)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    out = {}
+    for index, entries in state["state"].items():
+        param = params[index]
+        out[index] = {
+            k: shard_like(v, param) if isinstance(v, Tensor) and v.shape == param.shape else v
+            for k, v in entries.items()
+        }
+    return {**state, "state": out}
 
 
 def _describe(value: Any) -> Any:

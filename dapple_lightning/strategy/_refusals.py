@@ -7,9 +7,9 @@ from typing import Any
 
 from dapple_lightning.plan import Plan
 from dapple_lightning.strategy._materialize import on_meta
-from dapple_lightning.surgery import Chain, find_chain
+from dapple_lightning.surgery import Chain, find_chain, split_ties
 
-__all__ = ["SUPPORTED_PRECISION", "check_before_start", "offload_refusal", "shared_gpu_refusal"]
+__all__ = ["SUPPORTED_PRECISION", "check_before_start", "offload_refusal", "shared_gpu_refusal", "sharding_refusal"]
 
 SUPPORTED_PRECISION = frozenset({"32-true", "32", "64-true", "64", "bf16-mixed", "bf16-true", "16-true"})
 
@@ -24,6 +24,7 @@ def check_before_start(
     backend: str = "gloo",
     device: Any = None,
     node_devices: Sequence[Any] = (),
+    ranks_per_node: int | None = None,
     recovering: bool = False,
 ) -> Chain:
     """The containers to pipeline, once the module, an explicit plan and the devices pass.
@@ -68,6 +69,8 @@ def check_before_start(
         plan.check(num_layers=len(chain), world_size=world_size)
         if (problem := _chunks_refusal(plan, recovering)) is not None:
             raise ValueError(problem)
+        if (problem := sharding_refusal(module, chain, plan, ranks_per_node, recovering)) is not None:
+            raise ValueError(problem)
     return chain
 
 
@@ -103,6 +106,43 @@ def _chunks_refusal(plan: Plan, recovering: bool) -> str | None:
             f"{plan.chunks} stages (chunks), which recovery does not handle yet: pass recovery=False to "
             "DappleStrategy (and resume from checkpoints), or set chunks: 1"
         )
+    return None
+
+
+def sharding_refusal(module: Any, chain: Chain, plan: Plan, ranks_per_node: int | None, recovery: bool) -> str | None:
+    """Why ``plan``'s sharded stages (``shard:``) cannot run here, or ``None``."""
+    sharded = [s for s, stage in enumerate(plan.stages) if stage.shard is not None]
+    if not sharded:
+        return None
+    if recovery:
+        return (
+            f"recovery is on and stages {sharded} shard their state: recovery gives a lost rank its stage's state "
+            "from a replica, and a sharded stage's replicas each hold only their own shard of it. Turn recovery "
+            "off (recovery=False; a restart then resumes from the last checkpoint) or drop `shard`"
+        )
+    if ranks_per_node:
+        for s in sharded:
+            nodes = sorted({rank // ranks_per_node for rank in plan.stage_ranks(s)})
+            if len(nodes) > 1:
+                return (
+                    f"stage {s} shards its state over ranks {list(plan.stage_ranks(s))}, on nodes {nodes}: hybrid "
+                    "sharding (shard within a node, replicate across nodes) is not built yet, and sharding across "
+                    "nodes would gather every layer over the slower link. Give the stage ranks of one node "
+                    "(`ranks:` in the plan) or drop `shard`"
+                )
+    stage_of = {index: s for s, stage in enumerate(plan.stages) for index in range(stage.start, stage.end)}
+    layers = chain.named_layers()
+    for param in split_ties(module, chain, plan):
+        held = sorted(
+            {stage_of[i] for i, (_, layer) in enumerate(layers) if any(p is param for p in layer.parameters())}
+        )
+        if any(s in sharded for s in held):
+            return (
+                f"stages {held} share a parameter (tied weights) and stage {sorted(set(held) & set(sharded))[0]} "
+                "shards its state: a tied parameter's gradient is summed over every rank, whole, and a sharded "
+                "stage holds only a shard of it. Put all the layers that share it in one stage that does not "
+                "shard, or drop `shard`"
+            )
     return None
 
 

@@ -29,10 +29,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from dapple_lightning.microbatch import Rows, batch_size_of, concat_slices, map_tensors, slice_batch
-from dapple_lightning.runtime import Pending, Pipeline, StageCall, StageModule, share
+from dapple_lightning.runtime import Pending, Pipeline, StageCall, StageModule, local_part, share
 from dapple_lightning.strategy._checkpoint import keep_local
 from dapple_lightning.strategy._lightning import Patches, shadowed_log, transfer_batch
 
@@ -396,14 +397,15 @@ def clip_grad_norm_over_stages(
     optimizer: torch.optim.Optimizer, clip_val: float, *, owned: Callable[[], set[int]], device: torch.device
 ) -> None:
     """Clip by the norm of the whole model's gradients (every stage's, each parameter counted once:
-    by the rank ``owned()`` says speaks for it), as clipping on one device does (collective)."""
-    grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    by the rank ``owned()`` says speaks for it, or a sharded one by each replica for its own shard),
+    as clipping on one device does (collective)."""
+    grads = [local_part(p.grad) for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
     mine = owned()
     square = torch.zeros((), dtype=torch.float64, device=device)
     for g in optimizer.param_groups:
         for p in g["params"]:
-            if p.grad is not None and id(p) in mine:
-                square += p.grad.detach().double().pow(2).sum()
+            if p.grad is not None and (id(p) in mine or isinstance(p.grad, DTensor)):
+                square += local_part(p.grad).detach().double().pow(2).sum()
     dist.all_reduce(square)
     # min(clip / (norm + eps), 1) in float64 as on the host, but computed where the norm is: no wait for it.
     coef = torch.clamp(torch.full_like(square, float(clip_val)) / (square.sqrt() + 1e-6), max=1.0)

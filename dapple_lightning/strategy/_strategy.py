@@ -42,7 +42,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from dapple_lightning.plan import Plan
-from dapple_lightning.runtime import Pipeline, StepStats, Timeline
+from dapple_lightning.runtime import Pipeline, StepStats, Timeline, unshard_stage
 from dapple_lightning.strategy._auto import AutoSetting, choose_automatically, draw_global_batch
 from dapple_lightning.strategy._batch import SameBatch, same_order
 from dapple_lightning.strategy._checkpoint import Checkpoints, group_names
@@ -276,6 +276,7 @@ class DappleStrategy(ParallelStrategy):
             backend=self._process_group_backend or default_backend_for(self.root_device),
             device=self.root_device,
             node_devices=self.parallel_devices or (),
+            ranks_per_node=self.num_processes,
             recovering=is_active(self._recovery.mode),
         )
 
@@ -557,6 +558,8 @@ class DappleStrategy(ParallelStrategy):
             self._buffers.close()
         if not self._failed:
             self._checkpoints.wait()
+            if self._cut is not None and distributed_is_initialized():
+                unshard_stage(self._cut.stage)  # a sharded stage's replicas each hold its whole weights again
             if self._cut is not None and distributed_is_initialized() and not self._materialized:
                 # Whole containers back on every rank with every stage's weights, on the CPU (not a whole model on a GPU).
                 self._cut.restore(self._checkpoints.whole_chain(), torch.device("cpu"))

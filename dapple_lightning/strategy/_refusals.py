@@ -9,7 +9,7 @@ from dapple_lightning.plan import Plan
 from dapple_lightning.strategy._materialize import on_meta
 from dapple_lightning.surgery import Chain, find_chain, split_ties
 
-__all__ = ["SUPPORTED_PRECISION", "check_before_start", "offload_refusal", "shared_gpu_refusal", "sharding_refusal"]
+__all__ = ["SUPPORTED_PRECISION", "check_before_start", "offload_refusal", "sharding_refusal", "shared_gpu_refusal"]
 
 SUPPORTED_PRECISION = frozenset({"32-true", "32", "64-true", "64", "bf16-mixed", "bf16-true", "16-true"})
 

@@ -53,3 +53,28 @@ def test_three_replicas_sharding_only_the_first_stage_accumulate_batches_as_one_
     want = fit(models.ScheduledMLP, tmp_path / "one", **options)
     got = fit(models.ScheduledMLP, tmp_path / "dapple", plan=plan, **options)
     assert_same(got, want)
+
+
+@pytest.mark.parametrize("mode", ["full", "grads"])
+def test_gpt2_with_tied_embeddings_across_stages_and_a_sharded_stage_trains_as_one_device(mode, tmp_path):
+    """GPT-2's token embedding (used before the first block) is tied to its LM head (after the last
+    block): one parameter, its gradient summed over every rank, while the first stage's blocks shard."""
+    from test_modulelist import HFGPT2
+    from test_modulelist import tokens as gpt2_tokens
+
+    model = HFGPT2()
+    assert model.model.lm_head.weight is model.model.transformer.wte.weight  # tied, as built
+    plan = Plan(
+        stages=[{"layers": [0, 2], "replicas": 2, "shard": mode}, {"layers": [2, 4], "replicas": 1}],
+        micro_batches=2,
+    )
+    want = fit(HFGPT2, tmp_path / "one", loader=gpt2_tokens, gradient_clip_val=0.5)
+    got = fit(
+        HFGPT2,
+        tmp_path / "dapple",
+        plan=plan,
+        loader=gpt2_tokens,
+        gradient_clip_val=0.5,
+        strategy_kwargs={"sequential": "model.transformer.h"},
+    )
+    assert_same(got, want)

@@ -49,9 +49,11 @@ from dapple_lightning.planner._select import (
     Trial,
     measure_and_choose,
     measure_in_turns,
+    predicted_step,
     refine,
     refine_allreduce,
     shortlist,
+    shortlist_offering,
 )
 from dapple_lightning.planner._simulator import Event, Simulation, simulate_plan
 from dapple_lightning.planner._window import AUTO_WINDOW_MOST, WindowChoice, choose_window, replay_window
@@ -121,6 +123,7 @@ __all__ = [
     "pipedream_plan",
     "place",
     "plan_dapple",
+    "predicted_step",
     "profile_layers",
     "read_pipedream",
     "refine",
@@ -129,6 +132,7 @@ __all__ = [
     "replay_window",
     "replica_candidates",
     "shortlist",
+    "shortlist_offering",
     "shortlist_with_levers",
     "simulate_plan",
     "stage_memory_lines",

@@ -9,7 +9,7 @@ from dapple_lightning.plan import Plan
 from dapple_lightning.strategy._materialize import on_meta
 from dapple_lightning.surgery import Chain, find_chain
 
-__all__ = ["SUPPORTED_PRECISION", "check_before_start", "offload_refusal", "shared_gpu_refusal"]
+__all__ = ["SUPPORTED_PRECISION", "auto_chunks_refusal", "check_before_start", "offload_refusal", "shared_gpu_refusal"]
 
 SUPPORTED_PRECISION = frozenset({"32-true", "32", "64-true", "64", "bf16-mixed", "bf16-true", "16-true"})
 
@@ -102,6 +102,15 @@ def _chunks_refusal(plan: Plan, recovering: bool) -> str | None:
             f"recovery is on (torchrun --max-restarts > 0 or recovery='log') and the plan gives each rank group "
             f"{plan.chunks} stages (chunks), which recovery does not handle yet: pass recovery=False to "
             "DappleStrategy (and resume from checkpoints), or set chunks: 1"
+        )
+    return None
+
+
+def auto_chunks_refusal(recovering: bool) -> str | None:
+    """Why ``plan="auto"`` must not offer plans with several stages per rank group to this run, or ``None``."""
+    if recovering:
+        return (
+            "recovery is on (torchrun --max-restarts > 0 or recovery='log'), and it does not handle chunked plans yet"
         )
     return None
 

@@ -87,3 +87,72 @@ def test_trials_measure_chunked_plans_per_stage_and_put_the_model_back(model_nam
     assert results[0]["measured"][0].forward_s == results[1]["measured"][0].forward_s
     if model_name == "modulelist":
         assert BLOCKS == 4 and plans[0].stages_of(0) == (0, 2) and plans[1].stages_of(0) == (0, 3)
+
+
+def choose_with_a_chunked_offer(rank: int, world_size: int, chunks_refused: str | None) -> dict:
+    """``autoplan.choose_plan`` with real trials on MLP's layers, the shortlist made from a profile in
+    which a chunked plan is predicted as fast as the best pipeline (what the CPU's timings say of
+    this tiny model depends on the machine's load; the trials, refining and report do not)."""
+    import contextlib
+
+    import dapple_lightning.autoplan as autoplan
+    from dapple_lightning.autoplan import choose_plan, optimizer_factory
+    from dapple_lightning.planner import GB, Cluster, LayerProfile, ModelProfile
+    from dapple_lightning.strategy._auto import AutoSetting, Trials
+    from dapple_lightning.strategy._pipelines import PipelineBuilder
+    from dapple_lightning.strategy._step import PipelinedSteps
+
+    crafted = ModelProfile(tuple(LayerProfile(f"l{i}", 1e-3, 2e-3, 10**3, 10**9, weight_s=1e-3) for i in range(7)), 4)
+    cluster = Cluster.v100(1, 2, memory_bytes=1e12, intra_p2p_bw=10**6 * GB)
+    real = autoplan.shortlist_with_levers
+    autoplan.shortlist_with_levers = lambda _profile, _cluster, batch, **options: real(
+        crafted, cluster, batch, **options
+    )
+    model, device = MLP(), torch.device("cpu")
+    batch = next(iter(loader(12)))
+    pipelines = PipelineBuilder(model, rank, device, timedelta(seconds=60))
+    setting = AutoSetting(model, rank, device, 1, pipelines, PipelinedSteps(model, device), contextlib.nullcontext)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with unchanged(model):
+        trials = Trials(setting, batch, Chain.of("layers", model.layers), optimizer_factory(model))
+        try:
+            chosen = choose_plan(
+                list(model.layers),
+                batch[0][:6],
+                device,
+                global_batch=12,
+                trial=trials,
+                optimizer=optimizer_factory(model),
+                chunks_refused=chunks_refused,
+            )
+        finally:
+            trials.close()
+    return {
+        "chosen": chosen,
+        "report": chosen.report(),
+        "unchanged": all(torch.equal(v, before[k]) for k, v in model.state_dict().items()),
+    }
+
+
+def test_auto_measures_an_offered_chunked_plan_and_says_why():
+    results = run_ranks(choose_with_a_chunked_offer, 2, None)
+    chosen = results[0]["chosen"]
+    assert results[1]["chosen"].plan == chosen.plan  # rank 0's choice, on every rank
+    offered = [t for t in chosen.trials if t.plan.chunks > 1]
+    assert len(offered) == 1 and offered[0].measured_step_s > 0, [t.plan.describe() for t in chosen.trials]
+    plan = offered[0].plan
+    assert plan.schedule == "zb-v" and plan.layout == "v" and plan.num_groups == 2
+    ((offer, why),) = chosen.offers
+    assert offer == plan and "zb-v with 2 stages per group (v): predicted" in why
+    state = "chosen" if chosen.plan == plan else "offered"
+    assert f"{state} {plan.describe()}: {why}" in results[0]["report"]
+    # The refined profile and the prediction price whichever plan was chosen, chunked or not.
+    assert chosen.predicted_step_s > 0 and len(chosen.stage_memory_bytes) == chosen.plan.num_stages
+    assert all(r["unchanged"] for r in results)
+
+
+def test_auto_offers_no_chunked_plan_to_a_run_that_cannot_train_one():
+    results = run_ranks(choose_with_a_chunked_offer, 2, "recovery is on")
+    chosen = results[0]["chosen"]
+    assert chosen.trials and all(t.plan.chunks == 1 for t in chosen.trials) and chosen.offers == ()
+    assert "plans with several stages per rank group were not offered: recovery is on" in results[0]["report"]

@@ -165,8 +165,7 @@ def chunked_offers(
     ``planner._chunks.offer_chunks``), with its predicted step and the sentence saying why; each
     plan once. The space has no parameters for such plans, so the search reports them rather than
     seeding them (``enqueue_planner_seeds``)."""
-    from dapple_lightning.planner import CostModel, ModelProfile
-    from dapple_lightning.planner._chunks import offer_chunks
+    from dapple_lightning.planner import CostModel, ModelProfile, offer_chunks
 
     cluster = local_cluster(space.world_size, units, memory_limit)
     model = CostModel(ModelProfile.from_dict(profile), cluster, space.global_batch)

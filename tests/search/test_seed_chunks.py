@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import optuna
 
-from dapple_lightning.planner import CostModel, LayerProfile, ModelProfile
-from dapple_lightning.planner._chunks import estimate_chunked
+from dapple_lightning.planner import CostModel, LayerProfile, ModelProfile, estimate_chunked
 from dapple_lightning.search import PlanSpace, local_cluster, planner_seeds
 from dapple_lightning.search._seed import chunked_offers, enqueue_planner_seeds
 

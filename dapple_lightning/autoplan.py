@@ -56,6 +56,7 @@ from dapple_lightning.planner import (
     measure_and_choose,
     measure_cluster,
     message_sizes,
+    predicted_step,
     profile_layers,
     refine,
     refine_allreduce,
@@ -287,16 +288,18 @@ def small_batch_of(rows: int) -> int | None:
 
 def _shortlist_on_rank_zero(
     profile: ModelProfile, cluster: Cluster, global_batch: int, **options: Any
-) -> tuple[list[tuple[Plan, float]], float | None, str | None]:
+) -> tuple[list[tuple[Plan, float]], float | None, str | None, dict[Plan, str]]:
     """``planner.shortlist_with_levers`` with ``options``, run on rank 0 alone and broadcast: the
     search runs once, and every rank trials the same plans in the same order."""
     box: list[Any] = [None]
     if not dist.is_initialized() or dist.get_rank() == 0:
-        close, dp_step, lever = shortlist_with_levers(profile, cluster, global_batch, **options)
-        box = [([(plan.to_dict(), predicted) for plan, predicted in close], dp_step, lever)]
+        close, dp_step, lever, offers = shortlist_with_levers(profile, cluster, global_batch, **options)
+        plans = [(plan.to_dict(), predicted) for plan, predicted in close]
+        box = [(plans, dp_step, lever, [(plan.to_dict(), why) for plan, why in offers.items()])]
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(box, 0)
-    return [(Plan.coerce(plan), predicted) for plan, predicted in box[0][0]], box[0][1], box[0][2]
+    close = [(Plan.coerce(plan), predicted) for plan, predicted in box[0][0]]
+    return close, box[0][1], box[0][2], {Plan.coerce(plan): why for plan, why in box[0][3]}
 
 
 def windows(param_bytes: Sequence[int], window_bytes: int | None) -> list[range]:
@@ -373,6 +376,7 @@ def choose_plan(
     memory_margin: float = 0.1,
     memory_limit: float | None = None,
     offload_refused: str | None = None,
+    chunks_refused: str | None = None,
 ) -> AutoPlan:
     """Profile, measure and plan (collective on every rank); the plan is rank 0's choice.
 
@@ -400,13 +404,13 @@ def choose_plan(
     (``"time-within-memory"``); ``plan="auto"`` runs under ``"time"``. No plan is chosen over
     ``memory_limit`` bytes per rank (``None``: the device's memory, see ``planner.device_memory``);
     when none fits, stages recompute, else are offloaded (``planner.shortlist_with_levers``; not when
-    ``offload_refused`` says why the runtime cannot offload here), and the report says which and why."""
+    ``offload_refused`` says why the runtime cannot offload here), and the report says which and why;
+    chunked plans where ``planner.shortlist`` offers them (unless ``chunks_refused`` says why not), likewise."""
     start = time.perf_counter()
     if not 0.0 <= margin < 1.0:  # before the profiling, not after
         raise ValueError(f"margin must be in [0, 1), got {margin!r}")
     check_objective(objective, memory_margin)
-    rows = _batch_rows(sample_input)
-    small = small_batch_of(rows)
+    small = small_batch_of(rows := _batch_rows(sample_input))
     together = dist.barrier if dist.is_initialized() and dist.get_world_size() > 1 else None
     timing = dict(repeats=5, warmup=2, small_batch=small, optimizer=optimizer, in_step=together, split_backward=True)
     profile = profile_in_windows(list(layers), sample_input, hold=hold, window_bytes=window_bytes, **timing)
@@ -417,9 +421,8 @@ def choose_plan(
     sizes = message_sizes(profile, global_batch)  # the links timed at what plans of this model send
     cluster = _within(measure_cluster(device, nodes=nodes, sizes=sizes), memory_limit)
     options = dict(optimizer_factor=optimizer_factor, margin=margin, objective=objective, memory_margin=memory_margin)
-    close, dp_step, lever = _shortlist_on_rank_zero(
-        profile, cluster, global_batch, offload_refused=offload_refused, **options
-    )
+    options.update(offload_refused=offload_refused, chunks=chunks_refused is None)
+    close, dp_step, lever, offers = _shortlist_on_rank_zero(profile, cluster, global_batch, **options)
     trials: tuple[Trial, ...] = ()
     plan, predicted = close[0]
     reason: str | None = None
@@ -428,13 +431,13 @@ def choose_plan(
         plan, reason = choice.chosen.plan, choice.reason
         profile = refine(profile, cluster, global_batch, runs, optimizer_factor=optimizer_factor)
         cluster = refine_allreduce(profile, cluster, global_batch, runs, optimizer_factor=optimizer_factor)
-        predicted = estimate(plan, profile, cluster, global_batch, optimizer_factor=optimizer_factor).step_s
+        predicted = predicted_step(plan, profile, cluster, global_batch, optimizer_factor=optimizer_factor)[0]
         if dp_step is not None:
             dp_plan = Plan.data_parallel(profile.num_layers, cluster.world_size)
             dp_step = estimate(dp_plan, profile, cluster, global_batch, optimizer_factor=optimizer_factor).step_s
     spent = time.perf_counter() - start
     decided = _decided(plan, predicted, dp_step, profile, cluster, spent, trials, global_batch, optimizer_factor)
-    return replace(decided, lever=lever, reason=reason)
+    return replace(decided, lever=lever, reason=reason, offers=tuple(offers.items()), chunks_refused=chunks_refused)
 
 
 def _decided(
@@ -450,7 +453,7 @@ def _decided(
 ) -> AutoPlan:
     """The decision with what its report explains: each stage's predicted peak, and for a zero-bubble plan
     the same stages' step under DAPPLE's 1F1B."""
-    memory = estimate(plan, profile, cluster, global_batch, optimizer_factor=optimizer_factor).memory_bytes
+    memory = predicted_step(plan, profile, cluster, global_batch, optimizer_factor=optimizer_factor)[1]
     one_f_one_b = None
     if plan.schedule in ZERO_BUBBLE:
         same_split = replace(plan, schedule="dapple")

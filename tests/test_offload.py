@@ -203,7 +203,7 @@ def test_auto_offloads_a_stage_only_when_no_plan_fits_in_memory(tmp_path):
     def within(limit: float) -> Cluster:
         return Cluster(1, 2, 1e9, 1e9, 1e9, 1e9, latency_s=0.0, memory_bytes=limit)
 
-    close, _, lever = shortlist_with_levers(profile, within(2**30), len(x))
+    close, _, lever, _ = shortlist_with_levers(profile, within(2**30), len(x))
     assert lever is None and all(s.offload is None for plan, _ in close for s in plan.stages)
     with pytest.raises(ValueError, match="no plan fits in"):
         plan_dapple(profile, within(TIGHT), len(x), recompute=True)

@@ -11,6 +11,7 @@ which times the process group's links (both import torch only when called).
 from dapple_lightning.planner._baselines import baselines, data_parallel_plan, pipedream_plan, straight_plan
 from dapple_lightning.planner._budget import format_bytes, over_budget, parse_memory, stage_memory_lines
 from dapple_lightning.planner._choice import MIN_SPREAD, MeasuredPlan, PlanChoice, choose_measured, relative_spread
+from dapple_lightning.planner._chunks import ChunkedEstimate, chunked_variants, estimate_chunked, offer_chunks
 from dapple_lightning.planner._clock import DeviceEvent, Stopwatch, device_clock
 from dapple_lightning.planner._cluster import GB, Cluster
 from dapple_lightning.planner._cost import CostModel, Estimate, Placement, estimate
@@ -49,9 +50,11 @@ from dapple_lightning.planner._select import (
     Trial,
     measure_and_choose,
     measure_in_turns,
+    predicted_step,
     refine,
     refine_allreduce,
     shortlist,
+    shortlist_offering,
 )
 from dapple_lightning.planner._sharding import ShardPrice, shard_price, sharded_plan
 from dapple_lightning.planner._simulator import Event, Simulation, simulate_plan
@@ -72,6 +75,7 @@ __all__ = [
     "TRIAL_MARGIN",
     "TRIAL_ROUNDS",
     "AutoPlan",
+    "ChunkedEstimate",
     "Cluster",
     "CostModel",
     "DeviceEvent",
@@ -96,12 +100,14 @@ __all__ = [
     "check_objective",
     "choose_measured",
     "choose_window",
+    "chunked_variants",
     "compute_units",
     "cores",
     "data_parallel_plan",
     "device_clock",
     "device_memory",
     "estimate",
+    "estimate_chunked",
     "fit_link",
     "fixed_part",
     "format_bytes",
@@ -116,6 +122,7 @@ __all__ = [
     "message_sizes",
     "micro_batch_candidates",
     "node_ranks",
+    "offer_chunks",
     "offloaded_plan",
     "over_budget",
     "parse_memory",
@@ -123,6 +130,7 @@ __all__ = [
     "pipedream_plan",
     "place",
     "plan_dapple",
+    "predicted_step",
     "profile_layers",
     "read_pipedream",
     "refine",
@@ -133,6 +141,7 @@ __all__ = [
     "shard_price",
     "sharded_plan",
     "shortlist",
+    "shortlist_offering",
     "shortlist_with_levers",
     "simulate_plan",
     "stage_memory_lines",

@@ -37,6 +37,10 @@ class AutoPlan:
     """When no plan fitted the budget as it was: which stages recompute or are offloaded, and why."""
     reason: str | None = None
     """Why the choice rule took ``plan`` from the trials (``PlanChoice.reason``); ``None`` without trials."""
+    offers: tuple[tuple[Plan, str], ...] = ()
+    """The plans with several stages per rank group that were shortlisted, each with why (``planner.shortlist_offering``)."""
+    chunks_refused: str | None = None
+    """Why no plan with several stages per rank group was offered for this run, when none could be."""
 
     def report(self) -> str:
         lines = [
@@ -91,6 +95,11 @@ class AutoPlan:
                 f"{self.one_f_one_b_step_s * 1e3:.1f} ms under DAPPLE's 1F1B on the same stages"
                 + (" (both measured above)" if any(t.plan.schedule == "dapple" for t in self.trials) else "")
             )
+        for plan, why in self.offers:
+            state = "chosen" if plan == self.plan else "offered"
+            lines.append(f"{state} {plan.describe()}: {why}")
+        if self.chunks_refused is not None:
+            lines.append(f"plans with several stages per rank group were not offered: {self.chunks_refused}")
         if self.lever is not None:
             lines.append(self.lever)
         if self.stage_memory_bytes:

@@ -31,7 +31,7 @@ from dapple_lightning.planner._cluster import Cluster
 from dapple_lightning.planner._cost import estimate
 from dapple_lightning.planner._dp import plan_dapple
 from dapple_lightning.planner._profile import ModelProfile
-from dapple_lightning.planner._select import shortlist
+from dapple_lightning.planner._select import shortlist_offering
 
 __all__ = ["OFFLOAD_CANDIDATES", "offloaded_plan", "shortlist_with_levers"]
 
@@ -40,8 +40,9 @@ OFFLOAD_CANDIDATES = 16
 
 _LIFTED = 1e30  # bytes: a budget no stage reaches (the cluster wants a finite one)
 
-Shortlist = tuple[list[tuple[Plan, float]], float | None, str | None]
-"""Close plans with their predicted steps, data parallelism's predicted step, and the lever's note."""
+Shortlist = tuple[list[tuple[Plan, float]], float | None, str | None, dict[Plan, str]]
+"""Close plans with their predicted steps, data parallelism's predicted step, the lever's note, and
+why each chunked plan among them was offered."""
 
 
 def _no_fit(error: ValueError) -> bool:
@@ -57,7 +58,7 @@ def shortlist_with_levers(
     offload_refused: str | None = None,
     **options: Any,
 ) -> Shortlist:
-    """:func:`~._select.shortlist` (``options`` are its own), or, when no plan fits the budget, the
+    """:func:`~._select.shortlist_offering` (``options`` are its own), or, when no plan fits the budget, the
     fastest plan that recomputes, else the offloaded plan of :func:`offloaded_plan`, with a note
     saying what was changed and why (``None`` when nothing was). ``offload_refused``: why the
     runtime cannot offload here (then offload is not tried, and the error says why).
@@ -67,8 +68,10 @@ def shortlist_with_levers(
             levers did not help.
     """
     try:
-        close, dp_step = shortlist(profile, cluster, global_batch, optimizer_factor=optimizer_factor, **options)
-        return close, dp_step, None
+        close, dp_step, offers = shortlist_offering(
+            profile, cluster, global_batch, optimizer_factor=optimizer_factor, **options
+        )
+        return close, dp_step, None, offers
     except ValueError as error:
         if not _no_fit(error):
             raise
@@ -82,14 +85,14 @@ def shortlist_with_levers(
     else:
         stages = ", ".join(f"stage {k}" for k, s in enumerate(lean.plan.stages) if s.recompute)
         note = f"no plan fits memory_limit {budget} keeping every activation: {stages} recompute theirs"
-        return [(lean.plan, lean.predicted_step_s)], None, note
+        return [(lean.plan, lean.predicted_step_s)], None, note, {}
     if offload_refused is not None:
         raise ValueError(f"{first}; recomputing does not fit either, and offload cannot run here: {offload_refused}")
     found = offloaded_plan(profile, cluster, global_batch, optimizer_factor=optimizer_factor)
     if found is None:
         raise ValueError(f"{first}; neither recomputing nor offloading the stages over it (offload: auto) fits")
     plan, predicted, note = found
-    return [(plan, predicted)], None, note
+    return [(plan, predicted)], None, note, {}
 
 
 def offloaded_plan(

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 from dapple_lightning.plan import ZERO_BUBBLE, Plan
 from dapple_lightning.planner._choice import MeasuredPlan, PlanChoice, choose_measured
+from dapple_lightning.planner._chunks import estimate_chunked, offer_chunks
 from dapple_lightning.planner._cluster import Cluster
-from dapple_lightning.planner._cost import Placement, estimate
+from dapple_lightning.planner._cost import CostModel, Placement, estimate
 from dapple_lightning.planner._dp import plan_dapple
 from dapple_lightning.planner._profile import ModelProfile
 
@@ -28,9 +29,11 @@ __all__ = [
     "Trial",
     "measure_and_choose",
     "measure_in_turns",
+    "predicted_step",
     "refine",
     "refine_allreduce",
     "shortlist",
+    "shortlist_offering",
 ]
 
 
@@ -90,16 +93,47 @@ def shortlist(
     limit: int = TRIAL_LIMIT,
     objective: str = "time",
     memory_margin: float = 0.1,
+    chunks: bool = True,
 ) -> tuple[list[tuple[Plan, float]], float | None]:
     """The planner's best plan and the others predicted within ``margin`` of it (a share of the
     best's step), pure data parallelism (M = 1) among them when it is that close, at most
     ``limit``, fastest predicted first; and data parallelism's predicted step (``None`` when it
     does not fit in memory or the batch). A pipeline the model prices faster under ``zb-h1``
-    (or ``zb-h2``, ``zb-tail``) than under DAPPLE's schedule comes in both (:func:`_zero_bubble_variants`).
+    (or ``zb-h2``, ``zb-tail``) than under DAPPLE's schedule comes in both (:func:`_zero_bubble_variants`);
+    with ``chunks``, its variants with two stages per rank group that are priced faster within the
+    memory budget come in too (:func:`_chunked_variants`).
 
     ``objective`` and ``memory_margin`` are :func:`plan_dapple`'s: under a memory objective
     every plan shortlisted, data parallelism included, keeps within the peak it allows, and
     the trials only choose among those."""
+    close, dp_step, _ = shortlist_offering(
+        profile,
+        cluster,
+        global_batch,
+        optimizer_factor=optimizer_factor,
+        margin=margin,
+        limit=limit,
+        objective=objective,
+        memory_margin=memory_margin,
+        chunks=chunks,
+    )
+    return close, dp_step
+
+
+def shortlist_offering(
+    profile: ModelProfile,
+    cluster: Cluster,
+    global_batch: int,
+    *,
+    optimizer_factor: float = 2.0,
+    margin: float = TRIAL_MARGIN,
+    limit: int = TRIAL_LIMIT,
+    objective: str = "time",
+    memory_margin: float = 0.1,
+    chunks: bool = True,
+) -> tuple[list[tuple[Plan, float]], float | None, dict[Plan, str]]:
+    """:func:`shortlist`, and for each chunked plan it shortlisted the sentence that says why it
+    was offered (the plain plan it was made from, bubble, messages and memory against it)."""
     if not 0.0 <= margin < 1.0:
         raise ValueError(f"margin must be in [0, 1), got {margin!r}")
     if limit < 1:
@@ -115,7 +149,10 @@ def shortlist(
     )
     candidates = [(p.plan, p.predicted_step_s) for p in found]
     allowed = found[0].peak_limit_bytes
+    plain = list(candidates)
     candidates += _zero_bubble_variants(candidates, profile, cluster, global_batch, optimizer_factor, allowed)
+    offered = _chunked_variants(plain, profile, cluster, global_batch, optimizer_factor, allowed) if chunks else []
+    candidates += [(plan, step) for plan, step, _ in offered]
     dp_plan = Plan.data_parallel(profile.num_layers, cluster.world_size)
     try:
         dp = estimate(dp_plan, profile, cluster, global_batch, optimizer_factor=optimizer_factor)
@@ -132,7 +169,36 @@ def shortlist(
     # Data parallelism is worth a measurement more than a third variant of one pipeline.
     if limit > 1 and within and (dp_plan, dp_step) in close[limit:]:
         chosen[-1] = (dp_plan, dp_step)
-    return chosen, dp_step
+    reasons = {plan: reason for plan, _, reason in offered}
+    return chosen, dp_step, {plan: reasons[plan] for plan, _ in chosen if plan in reasons}
+
+
+def _chunked_variants(
+    candidates: Sequence[tuple[Plan, float]],
+    profile: ModelProfile,
+    cluster: Cluster,
+    global_batch: int,
+    optimizer_factor: float,
+    allowed: float | None,
+) -> list[tuple[Plan, float, str]]:
+    """The fastest chunked variant (:func:`~._chunks.offer_chunks`) of each pipeline of ``candidates``
+    under DAPPLE's schedule whose stages neither recompute nor are offloaded (chunked plans run
+    neither), priced faster than it within the memory budget (and ``allowed``, when given), with
+    the sentence saying why. One per pipeline: its other layouts and schedules are priced slower,
+    and the trials have a few turns to spend."""
+    model = CostModel(profile, cluster, global_batch, optimizer_factor)
+    out: list[tuple[Plan, float, str]] = []
+    for plan, _ in candidates:
+        if plan.num_stages < 2 or plan.schedule != "dapple" or plan.chunks != 1:
+            continue
+        if any(stage.recompute or stage.offload is not None for stage in plan.stages):
+            continue
+        for chunked, reason in offer_chunks(model, model.estimate(plan)):
+            if allowed is None or max(chunked.memory_bytes) <= allowed:
+                if all(chunked.plan != offered for offered, _, _ in out):  # two pipelines, one re-cut
+                    out.append((chunked.plan, chunked.step_s, reason))
+                break
+    return out
 
 
 def _zero_bubble_variants(
@@ -250,10 +316,11 @@ def refine(
     measured").
     """
     ratios: list[tuple[list[float], list[float]]] = [([], []) for _ in profile.layers]
+    model = CostModel(profile, cluster, global_batch, optimizer_factor)
     for plan, measured in runs:
-        predicted = estimate(plan, profile, cluster, global_batch, optimizer_factor=optimizer_factor)
+        forward_s, backward_s = _predicted_passes(model, plan)
         for stage, f_real, b_real, f_model, b_model in zip(
-            plan.stages, measured.forward_s, measured.backward_s, predicted.forward_s, predicted.backward_s
+            plan.stages, measured.forward_s, measured.backward_s, forward_s, backward_s
         ):
             for layer in range(stage.start, stage.end):
                 if f_model > 0 and f_real > 0:
@@ -269,6 +336,30 @@ def refine(
             if layer.get(key) is not None:
                 layer[key] *= factor
     return ModelProfile.from_dict(data)
+
+
+def _predicted_passes(model: CostModel, plan: Plan) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Each stage's predicted forward and backward of one micro-batch: the estimate's, or for a
+    chunked plan (which :meth:`CostModel.estimate` does not price) the passes its replay times."""
+    if plan.chunks == 1:
+        predicted = model.estimate(plan)
+        return predicted.forward_s, predicted.backward_s
+    m = plan.micro_batches
+    passes = [model.passes(s.start, s.end, m, model.samples(m, s.replicas)) for s in plan.stages]
+    return tuple(f for f, _ in passes), tuple(b for _, b in passes)
+
+
+def predicted_step(
+    plan: Plan, profile: ModelProfile, cluster: Cluster, global_batch: int, *, optimizer_factor: float = 2.0
+) -> tuple[float, tuple[float, ...]]:
+    """``plan``'s predicted step and peak bytes per rank of each stage, chunked plans included
+    (:func:`~._chunks.estimate_chunked`, whose peaks are per rank group: each stage gets its group's)."""
+    model = CostModel(profile, cluster, global_batch, optimizer_factor)
+    if plan.chunks == 1:
+        predicted = model.estimate(plan)
+        return predicted.step_s, predicted.memory_bytes
+    chunked = estimate_chunked(model, plan)
+    return chunked.step_s, tuple(chunked.memory_bytes[plan.group_of_stage(s)] for s in range(plan.num_stages))
 
 
 def refine_allreduce(

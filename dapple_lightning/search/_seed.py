@@ -27,6 +27,7 @@ __all__ = [
     "BASELINES",
     "SeedPlan",
     "baseline_plans",
+    "chunked_offers",
     "compute_units",
     "enqueue_planner_seeds",
     "local_cluster",
@@ -152,6 +153,32 @@ def planner_seeds(
     return out[:top]
 
 
+def chunked_offers(
+    profile: dict[str, Any],
+    space: PlanSpace,
+    seeds: list[SeedPlan],
+    units: int | None = None,
+    memory_limit: float | None = None,
+) -> list[tuple[Plan, float, str]]:
+    """For each pipeline among ``seeds`` under DAPPLE's schedule, its fastest variant with two stages
+    per rank group that the cost model predicts faster within the memory budget (see
+    ``planner._chunks.offer_chunks``), with its predicted step and the sentence saying why; each
+    plan once. The space has no parameters for such plans, so the search reports them rather than
+    seeding them (``enqueue_planner_seeds``)."""
+    from dapple_lightning.planner import CostModel, ModelProfile, offer_chunks
+
+    cluster = local_cluster(space.world_size, units, memory_limit)
+    model = CostModel(ModelProfile.from_dict(profile), cluster, space.global_batch)
+    out: list[tuple[Plan, float, str]] = []
+    for seed in seeds:
+        if seed.plan.num_stages < 2 or seed.plan.schedule != "dapple":
+            continue
+        for chunked, why in offer_chunks(model, model.estimate(seed.plan))[:1]:
+            if all(chunked.plan != plan for plan, _, _ in out):
+                out.append((chunked.plan, chunked.step_s, why))
+    return out
+
+
 def memory_refusal(profile: dict[str, Any], space: PlanSpace, memory_limit: float) -> Callable[[Plan], str | None]:
     """For each plan, why it is predicted over ``memory_limit`` bytes per rank, or ``None`` when it fits.
 
@@ -194,6 +221,14 @@ def enqueue_planner_seeds(
                 study.enqueue_trial(space.params(s.plan), user_attrs=attrs, skip_if_exists=True)
                 say(f"planner pick #{s.rank}: {describe_plan(s.plan)} (predicted {s.predicted_step_s:.3g} s/step)")
             study.set_user_attr("planner_seeded", [describe_plan(s.plan) for s in seeds])
+            offers = chunked_offers(profile, space, seeds, units, memory_limit)
+            for plan, step, why in offers:
+                say(
+                    f"planner offers {plan.describe()} (predicted {step:.3g} s/step), not seeded: the search space "
+                    f"has no parameters for plans with several stages per rank group yet; train it as a given plan "
+                    f"to measure it. Why: {why}"
+                )
+            study.set_user_attr("planner_chunked_offers", [plan.to_dict() for plan, _, _ in offers])
             return
     say(f"not seeding with the planner: {reason}")
     study.set_user_attr("planner_seeded", reason)

@@ -26,7 +26,7 @@ from dapple_lightning.autoplan import AutoPlan, choose_plan, draw_batch, optimiz
 from dapple_lightning.microbatch import Rows, batch_size_of, slice_batch
 from dapple_lightning.plan import Plan
 from dapple_lightning.planner import SETTLE_STEPS, Measured
-from dapple_lightning.runtime import Pipeline, StageModule, Timeline, stand_in_layers
+from dapple_lightning.runtime import Pipeline, StageModule, Timeline, stand_in_chunks, stand_in_layers
 from dapple_lightning.strategy._auto_blocks import BlockChain, put_in_place
 from dapple_lightning.strategy._lightning import training_loader
 from dapple_lightning.strategy._pipelines import PipelineBuilder
@@ -53,6 +53,8 @@ class AutoSetting:
     """The precision plugin's training-step context."""
     memory_limit: float | None = None
     """Bytes per rank no chosen plan may be predicted to exceed (``None``: the device's memory)."""
+    chunks_refused: str | None = None
+    """Why this run cannot train plans with several stages per rank group (then none is offered)."""
 
 
 def choose_automatically(setting: AutoSetting, batch: Any, chain: Chain) -> AutoPlan:
@@ -121,6 +123,7 @@ def choose_automatically(setting: AutoSetting, batch: Any, chain: Chain) -> Auto
                 trial=trials,
                 memory_limit=setting.memory_limit,
                 offload_refused=offload_refusal(module.trainer, chain, setting.device),
+                chunks_refused=setting.chunks_refused,
             )
         finally:
             trials.close()
@@ -207,7 +210,7 @@ class Trials:
         self._stand_in(plan, stage)
         params = [p for p in setting.module.parameters() if p.requires_grad]
         self._cover(params)
-        pipeline = setting.pipelines.build(plan, stage, Timeline(rank, plan.stage_of(rank)))
+        pipeline = setting.pipelines.build(plan, stage, Timeline(rank, plan.stages_of(rank)[0]))
         self._pipelines.append(pipeline)
         dist.barrier()
         once = step_seconds(lambda: self._train_step(pipeline, params), partial(_clock, setting.device))
@@ -244,16 +247,18 @@ class Trials:
         }
         passes = [median["forward"], median["backward"] + median["backward-input"] + median["backward-weight"]]
         # Every rank's step time and passes; a step lasts until its slowest rank is done, and a
-        # stage's pass until its slowest replica's.
-        mine = torch.tensor([[plan.stage_of(rank), seconds, *passes]], dtype=torch.float64, device=setting.device)
+        # stage's pass until its slowest replica's. The timeline labels a rank's passes with its
+        # group, not the stage: a chunked plan's stages of one group (cut to equal compute) each
+        # get the median over all of the group's passes.
+        mine = torch.tensor([[plan.group_of(rank), seconds, *passes]], dtype=torch.float64, device=setting.device)
         everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(everyone, mine)
         table = torch.cat(everyone).cpu()  # one copy to the host, read below
-        stages = range(plan.num_stages)
+        groups = [plan.group_of_stage(s) for s in range(plan.num_stages)]
         return Measured(
             step_s=float(table[:, 1].max()),
-            forward_s=tuple(float(table[table[:, 0] == s, 2].max()) for s in stages),
-            backward_s=tuple(float(table[table[:, 0] == s, 3].max()) for s in stages),
+            forward_s=tuple(float(table[table[:, 0] == g, 2].max()) for g in groups),
+            backward_s=tuple(float(table[table[:, 0] == g, 3].max()) for g in groups),
         )
 
     def close(self) -> None:
@@ -271,12 +276,17 @@ class Trials:
         """Put ``plan``'s stage of this rank where the containers are."""
         self._unhook()
         self._unhook = lambda: None
-        layers = plan.stages[plan.stage_of(self._setting.rank)]
-        self.resident.hold(range(layers.start, layers.end))  # the stage on the device, the other layers home
+        ranges = {s: (plan.stages[s].start, plan.stages[s].end) for s in plan.stages_of(self._setting.rank)}
+        # The rank's stages on the device, the other layers home.
+        self.resident.hold([i for start, end in ranges.values() for i in range(start, end)])
         if self._chain.called_whole:
             self._put((stage,))
             return
-        stand_ins, self._unhook = stand_in_layers(self._chain.containers, stage, layers.start, layers.end)
+        if plan.chunks > 1:
+            stand_ins, self._unhook = stand_in_chunks(self._chain.containers, stage, ranges)
+        else:
+            ((start, end),) = ranges.values()
+            stand_ins, self._unhook = stand_in_layers(self._chain.containers, stage, start, end)
         self._put(stand_ins)
 
 

@@ -9,7 +9,14 @@ from dapple_lightning.plan import Plan
 from dapple_lightning.strategy._materialize import on_meta
 from dapple_lightning.surgery import Chain, find_chain, split_ties
 
-__all__ = ["SUPPORTED_PRECISION", "check_before_start", "offload_refusal", "sharding_refusal", "shared_gpu_refusal"]
+__all__ = [
+    "SUPPORTED_PRECISION",
+    "auto_chunks_refusal",
+    "check_before_start",
+    "offload_refusal",
+    "sharding_refusal",
+    "shared_gpu_refusal",
+]
 
 SUPPORTED_PRECISION = frozenset({"32-true", "32", "64-true", "64", "bf16-mixed", "bf16-true", "16-true"})
 
@@ -143,6 +150,15 @@ def sharding_refusal(module: Any, chain: Chain, plan: Plan, ranks_per_node: int 
                 "stage holds only a shard of it. Put all the layers that share it in one stage that does not "
                 "shard, or drop `shard`"
             )
+    return None
+
+
+def auto_chunks_refusal(recovering: bool) -> str | None:
+    """Why ``plan="auto"`` must not offer plans with several stages per rank group to this run, or ``None``."""
+    if recovering:
+        return (
+            "recovery is on (torchrun --max-restarts > 0 or recovery='log'), and it does not handle chunked plans yet"
+        )
     return None
 
 

@@ -4,7 +4,8 @@ Usage: torchrun --nproc_per_node 3 --max-restarts 1 recovering.py OUT_DIR WHERE 
 WHERE: none (the uninterrupted reference) | forward | backward | allreduce | optimizer | step (at
 the start of training_step, in any stage) | validation (in the validation run after step 5's
 update), or stop (SIGSTOP in the forward: a hung rank, which only the heartbeat detects). With
-``auto``, the plan is ``plan="auto"``'s. With ``log``, the plan is 1:2, rank 0 (stage 0, which has
+``auto``, the plan is ``plan="auto"``'s under ``recovery="log"`` (with a checkpoint after step 2), so that
+rank 1 recovers whatever plan auto chose: from a replica where its stage has one, else by replay. With ``log``, the plan is 1:2, rank 0 (stage 0, which has
 no replica) is the victim, ``recovery="log"``, and every rank saves a checkpoint after step 2: the
 restarted rank 0 replays steps 2-4 from its neighbours' log. With ``offload``, both stages keep
 their layers on disk (``offload: 1``): the survivors' state and the replica's hand-over are read
@@ -38,7 +39,7 @@ out, where = Path(sys.argv[1]), sys.argv[2]
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
 AUTO, LOG, OFFLOAD = (sys.argv[3:] == [option] for option in ("auto", "log", "offload"))
 KILL_AT = 5  # the sixth optimizer step
-victim = 0 if LOG else 1  # a replica of stage 0 (plan="auto": the last rank of the first replicated stage)
+victim = 0 if LOG else 1  # a replica of stage 0 (plan="auto": whatever rank 1 holds)
 STEPS = 10
 step = 0  # the global step being trained
 
@@ -92,11 +93,8 @@ class Model(models.MLP):
         self.layers = nn.Sequential(*layers[:2], Trap(), *layers[2:6], nn.Dropout(0.2), layers[6])
 
     def training_step(self, batch, batch_idx):
-        global step, victim
+        global step
         step = self.trainer.global_step
-        plan = self.trainer.strategy.plan  # None while plan="auto" profiles
-        if AUTO and plan is not None:
-            victim = next((plan.stage_ranks(s)[-1] for s, st in enumerate(plan.stages) if st.replicas > 1), None)
         if armed("step"):
             die()
         return super().training_step(batch, batch_idx)
@@ -119,7 +117,7 @@ class Losses(Callback):
             with open(out / "losses.txt", "a") as f:
                 f.write(f"{ATTEMPT} {trainer.global_step - 1} {float(outputs['loss']):.10g}\n")
 
-        if LOG and trainer.global_step == 2:
+        if (LOG or AUTO) and trainer.global_step == 2:
             trainer.save_checkpoint(out / "step2.ckpt")
 
     def on_validation_end(self, trainer, pl_module):
@@ -140,7 +138,7 @@ if OFFLOAD:
 trainer = Trainer(
     accelerator="cpu",
     devices=3,
-    strategy=DappleStrategy("auto" if AUTO else plan, recovery="log" if LOG else "auto"),
+    strategy=DappleStrategy("auto" if AUTO else plan, recovery="log" if LOG or AUTO else "auto"),
     max_steps=STEPS,
     logger=False,
     enable_progress_bar=False,

@@ -22,7 +22,8 @@ that brings it under (and only then: ``_objective`` says why the search stays ex
 
 The search runs per (micro-batch count, placement policy): first with cuts at 16 points only
 (cheap, and its plans bound the rest), then in full, best-looking pairs first, then, for
-``top > 1``, once more keeping the runners-up. Up to 16 devices (or with ``exact=True``) it is
+``top > 1``, once more keeping the runners-up (after a beam pass over the pairs whose best plan
+is among the ``top``, whose runners-up bound that search). Up to 16 devices (or with ``exact=True``) it is
 exact; beyond, each state keeps only its 8 partial plans of lowest ``Z`` (a beam), which is
 fast but may miss the optimum.
 
@@ -421,16 +422,34 @@ def _search(
     # second search from the start; and a run is skipped when the first search found all of
     # its plans below that bound (its own bound never fell under it) and none was.
     seen = search.top.seen
-    first = search
-    search = _Search(model, top, counts, schedule, beam, memory_cap, recompute)
-    search.continues(first)
-    for key, (z, payload) in seen.items():
-        search.top.offer(z, key, payload)
+    runs.sort(key=lambda run: rank[run])
+    # A beam pass over the runs whose best plan is among the `top` so far finds runners-up
+    # cheaply. They are real plans, so their `top`-th latency bounds the exact passes from the
+    # start; only that bound is passed on: offered there as plans, they would change which of
+    # plans tied on latency the exact passes return.
+    scout = _again(search, seen, top, top if beam is None else min(top, beam))
+    for m, policy in runs:
+        if rank[(m, policy)] <= scout.top.bound:
+            scout.run(policy, m, cuts)
+    search = _again(scout, seen, top, beam)
+    if len(scout.top.items) >= top:
+        search.top.limit(scout.top.bound)
     bound = search.top.bound
-    for m, policy in sorted(runs, key=lambda run: rank[run]):
+    for m, policy in runs:
         if rank[(m, policy)] > bound and done[(m, policy)] >= bound:
             continue
         search.run(policy, m, cuts)
+    return search
+
+
+def _again(earlier: _Search, seen: dict[tuple[Any, ...], tuple[float, Any]], top: int, beam: int | None) -> _Search:
+    """A search for the ``top`` best that continues ``earlier``'s work, ``seen``'s plans offered."""
+    search = _Search(
+        earlier.model, top, earlier.replicas, earlier.schedule, beam, earlier.memory_cap, earlier.recompute
+    )
+    search.continues(earlier)
+    for key, (z, payload) in seen.items():
+        search.top.offer(z, key, payload)
     return search
 
 

@@ -51,6 +51,8 @@ class _Suffix:
     replicas: int
     recompute: bool
     rest: _Suffix | None
+    beaten: int = 0
+    """How many suffixes kept in its front beat it in all numbers when they came (it leaves at ``top``)."""
 
 
 _Candidate = tuple[int, int, bool, Link | None, _Suffix | None]
@@ -74,6 +76,8 @@ class _Top:
     def __init__(self, k: int) -> None:
         self.k = k
         self.bound = math.inf
+        self.cap = math.inf
+        """A bound from ``k`` plans found elsewhere (see :meth:`limit`)."""
         self.items: list[tuple[float, tuple[Any, ...], Any]] = []
         self.seen: dict[tuple[Any, ...], tuple[float, Any]] = {}
         """Every plan offered, kept or not (valid plans, so bounds for a later search)."""
@@ -88,7 +92,13 @@ class _Top:
         if len(self.items) >= self.k:
             # A hair above the k-th latency: bounds summed in another order of float
             # operations must not cut a plan that ties with it.
-            self.bound = self.items[-1][0] * (1 + 1e-12)
+            self.bound = min(self.cap, self.items[-1][0] * (1 + 1e-12))
+
+    def limit(self, bound: float) -> None:
+        """Bound the search by ``bound`` from now on: the ``k``-th latency (a hair above) of
+        ``k`` distinct plans of the space that are not offered here."""
+        self.cap = min(self.cap, bound)
+        self.bound = min(self.bound, self.cap)
 
 
 _z = operator.attrgetter("z")
@@ -97,9 +107,11 @@ _z = operator.attrgetter("z")
 def _insert(front: list[_Suffix], new: _Suffix, k: int, beam: int | None) -> bool:
     """Add ``new`` to ``front`` (sorted by Z) unless ``k`` kept suffixes beat it in all numbers.
 
-    With ``k = 1`` the suffixes ``new`` beats leave; with ``k > 1`` they stay (counting who
-    beats whom again costs more than carrying a few extra suffixes). With a ``beam``, only that
-    many suffixes of lowest Z stay: a heuristic, for large searches.
+    The suffixes ``new`` beats count it; one that ``k`` suffixes have beaten leaves: each of
+    them, with any stages in front, makes a distinct plan at least as fast, so it cannot be
+    among the ``k`` best. (A counted suffix that left later was beaten by ``k`` others that beat
+    these too.) With a ``beam``, only that many suffixes of lowest Z stay: a heuristic, for
+    large searches.
     """
     z, d, x, round_trip, passes, stages = new.z, new.d, new.x, new.round_trip, new.passes, new.stages
     stop = bisect.bisect_right(front, z, key=_z)
@@ -110,22 +122,17 @@ def _insert(front: list[_Suffix], new: _Suffix, k: int, beam: int | None) -> boo
             beaten += 1
             if beaten >= k:
                 return False
-    if k == 1:
-        start = bisect.bisect_left(front, z, key=_z)
-        # The suffixes that `new` beats in all numbers leave.
-        front[start:] = [
-            old
-            for old in front[start:]
-            if not (
-                passes <= old.passes
-                and x <= old.x
-                and round_trip <= old.round_trip
-                and d <= old.d
-                and z <= old.z
-                and stages == old.stages
-            )
-        ]
-        stop = bisect.bisect_right(front, z, key=_z)
+    new.beaten = beaten
+    start = bisect.bisect_left(front, z, key=_z)
+    kept: list[_Suffix] = []
+    for old in front[start:]:
+        if passes <= old.passes and x <= old.x and round_trip <= old.round_trip and d <= old.d and stages == old.stages:
+            old.beaten += 1
+            if old.beaten >= k:
+                continue
+        kept.append(old)
+    front[start:] = kept
+    stop = bisect.bisect_right(front, z, key=_z)
     front.insert(stop, new)
     if beam is not None and len(front) > beam:
         del front[beam:]

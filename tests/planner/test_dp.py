@@ -147,6 +147,8 @@ def test_planner_matches_brute_force(profile, shape, batch, memory_gb, top, sche
     got = plan_dapple(profile, cluster, batch, **kwargs)
     assert [p.predicted_step_s for p in got] == pytest.approx(expected[:top], rel=1e-9, abs=1e-15)
     assert len({(p.plan.stages, p.plan.micro_batches) for p in got}) == len(got)
+    # The record's lower bound is one: no plan of the space is faster.
+    assert got[0].search is not None and got[0].search.lower_bound_s <= expected[0] * (1 + 1e-12)
 
 
 def test_scatter_keeps_heavy_activations_inside_servers():

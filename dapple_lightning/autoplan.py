@@ -373,6 +373,7 @@ def choose_plan(
     memory_margin: float = 0.1,
     memory_limit: float | None = None,
     offload_refused: str | None = None,
+    shard_refused: Callable[[Plan], str | None] | None = None,
 ) -> AutoPlan:
     """Profile, measure and plan (collective on every rank); the plan is rank 0's choice.
 
@@ -399,8 +400,9 @@ def choose_plan(
     memory (``"memory"``), or the fastest within ``memory_margin`` of that least peak
     (``"time-within-memory"``); ``plan="auto"`` runs under ``"time"``. No plan is chosen over
     ``memory_limit`` bytes per rank (``None``: the device's memory, see ``planner.device_memory``);
-    when none fits, stages recompute, else are offloaded (``planner.shortlist_with_levers``; not when
-    ``offload_refused`` says why the runtime cannot offload here), and the report says which and why."""
+    when none fits, stages recompute, else shard their state over their replicas (not on the plans
+    ``shard_refused`` names a reason for), else are offloaded (``planner.shortlist_with_levers``; not
+    when ``offload_refused`` says why the runtime cannot offload here), and the report says which and why."""
     start = time.perf_counter()
     if not 0.0 <= margin < 1.0:  # before the profiling, not after
         raise ValueError(f"margin must be in [0, 1), got {margin!r}")
@@ -418,7 +420,7 @@ def choose_plan(
     cluster = _within(measure_cluster(device, nodes=nodes, sizes=sizes), memory_limit)
     options = dict(optimizer_factor=optimizer_factor, margin=margin, objective=objective, memory_margin=memory_margin)
     close, dp_step, lever = _shortlist_on_rank_zero(
-        profile, cluster, global_batch, offload_refused=offload_refused, **options
+        profile, cluster, global_batch, offload_refused=offload_refused, shard_refused=shard_refused, **options
     )
     trials: tuple[Trial, ...] = ()
     plan, predicted = close[0]

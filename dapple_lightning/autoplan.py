@@ -399,10 +399,8 @@ def choose_plan(
     ``planner.plan_dapple``): the fastest plan that fits (``"time"``), the least per-device peak
     memory (``"memory"``), or the fastest within ``memory_margin`` of that least peak
     (``"time-within-memory"``); ``plan="auto"`` runs under ``"time"``. No plan is chosen over
-    ``memory_limit`` bytes per rank (``None``: the device's memory, see ``planner.device_memory``);
-    when none fits, stages recompute, else shard their state over their replicas (not on the plans
-    ``shard_refused`` names a reason for), else are offloaded (``planner.shortlist_with_levers``; not
-    when ``offload_refused`` says why the runtime cannot offload here), and the report says which and why."""
+    ``memory_limit`` bytes per rank (``None``: the device's memory); when none fits, stages recompute, shard
+    or are offloaded, not where ``shard_refused(plan)`` or ``offload_refused`` refuses (``shortlist_with_levers``)."""
     start = time.perf_counter()
     if not 0.0 <= margin < 1.0:  # before the profiling, not after
         raise ValueError(f"margin must be in [0, 1), got {margin!r}")

@@ -7,8 +7,9 @@ activations and their layers in memory. When none fits ``Cluster.memory_bytes`` 
 1. **recomputation**: ``plan_dapple(recompute=True)``'s fastest plan, in which a stage recomputes
    its activations only where it would not fit otherwise;
 2. **sharding** (``Stage.shard``), where the runtime accepts it: the same candidates as offload's
-   below, with the budget lifted, each with its stages over the budget sharded over their replicas
-   (:func:`~._sharding.sharded_plan`: ``grads`` where that fits, else ``full``); a candidate is
+   below and data parallelism (:data:`DATA_PARALLEL_MICRO_BATCHES`), with the budget lifted, each
+   with its stages over the budget sharded over their replicas (:func:`~._sharding.sharded_plan`:
+   ``grads`` where that fits, else ``full``); a candidate is
    dropped when a stage over the budget has one replica, when it has chunks or a zero-bubble
    schedule (which the runtime does not shard under), or when the caller's ``shard_refused`` names
    a reason (recovery on, tied weights across stages, a stage across nodes). The fastest predicted,
@@ -43,11 +44,21 @@ from dapple_lightning.planner._profile import ModelProfile
 from dapple_lightning.planner._select import shortlist
 from dapple_lightning.planner._sharding import sharded_plan
 
-__all__ = ["OFFLOAD_CANDIDATES", "ShardRefusal", "offloaded_plan", "sharded_lever", "shortlist_with_levers"]
+__all__ = [
+    "DATA_PARALLEL_MICRO_BATCHES",
+    "OFFLOAD_CANDIDATES",
+    "ShardRefusal",
+    "offloaded_plan",
+    "sharded_lever",
+    "shortlist_with_levers",
+]
 
 OFFLOAD_CANDIDATES = 16
 """How many of the planner's fastest plans, and of its least-memory ones, :func:`sharded_lever` shards and
 :func:`offloaded_plan` offloads in turn."""
+
+DATA_PARALLEL_MICRO_BATCHES = (1, 2, 4)
+"""The micro-batch counts of the data-parallel plans :func:`sharded_lever` shards besides the planner's."""
 
 ShardRefusal = Callable[[Plan], str | None]
 """Why the runtime cannot run a plan's sharded stages here (``strategy._refusals.sharding_refusal``), or ``None``."""
@@ -145,10 +156,16 @@ def sharded_lever(
     fits no candidate the runtime accepts."""
     budget = cluster.memory_bytes
     best: tuple[float, Plan, str] | None = None
-    for plan in _candidates(profile, cluster, global_batch, optimizer_factor):
+    # Data parallelism too: the planner's fastest plans and its least-memory ones may all leave the
+    # stage that holds most of the state on one replica (when the all-reduce is slow, or a pipeline is leaner).
+    widest = [Plan.data_parallel(profile.num_layers, cluster.world_size, m) for m in DATA_PARALLEL_MICRO_BATCHES]
+    for plan in dict.fromkeys([*_candidates(profile, cluster, global_batch, optimizer_factor), *widest]):
         if plan.chunks > 1 or plan.schedule in ZERO_BUBBLE:
             continue
-        whole = estimate(plan, profile, cluster, global_batch, optimizer_factor=optimizer_factor)
+        try:
+            whole = estimate(plan, profile, cluster, global_batch, optimizer_factor=optimizer_factor)
+        except ValueError:  # more micro-batches or replicas than the batch has rows for
+            continue
         depths = [
             min(len(plan.stages) - k, plan.micro_batches) if plan.schedule == "dapple" else plan.micro_batches
             for k in range(len(plan.stages))

@@ -104,8 +104,12 @@ def _tracker_class() -> type:
     subtracts its bytes when it is freed (storage objects are kept one per storage, so the
     finalizer fires when the memory goes, not when a tensor's view of it does). Storages made
     before it was entered (the inputs, parameters) are the baseline: never counted, also when
-    freed. A counted storage that ``resize_`` grows counts its new size. Not seen: scratch
-    memory a kernel allocates and frees inside itself without returning it as a tensor.
+    freed. A counted storage that ``resize_`` grows counts its new size. ``UntypedStorage.resize_``
+    called on a storage (not a tensor op, so not dispatched: FSDP2 frees a gathered parameter's
+    memory and takes it back that way) is followed too while it is entered, on any storage: one made
+    before counts its change from its size then (a baseline storage resized to 0 takes its bytes off
+    ``live``, and back when regrown). Not seen: scratch memory a kernel allocates and frees inside
+    itself without returning it as a tensor.
     """
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -125,7 +129,9 @@ def _tracker_class() -> type:
             self.live = 0
             self.peak = 0
             self._sizes: dict[int, int] = {}
+            self._baseline: dict[int, int] = {}  # a storage made before entering: its size then
             self._finalizers: dict[int, weakref.finalize] = {}
+            self._resize: Any = None
 
         def reset_peak(self) -> int:
             """Start a new peak from what is live now, and return that."""
@@ -149,11 +155,34 @@ def _tracker_class() -> type:
                 self._add(size - self._sizes[key])
                 self._sizes[key] = size
             elif key not in inputs and size:
-                self._sizes[key] = size
-                finalizer = weakref.finalize(storage, self._freed, key)
-                finalizer.atexit = False
-                self._finalizers[key] = finalizer
+                self._follow(storage, key, size)
                 self._add(size)
+
+        def _follow(self, storage: Any, key: int, size: int) -> None:
+            self._sizes[key] = size
+            finalizer = weakref.finalize(storage, self._freed, key)
+            finalizer.atexit = False
+            self._finalizers[key] = finalizer
+
+        def _resized(self, storage: Any, before: int) -> None:
+            key = id(storage)
+            if key not in self._sizes:  # made before entering: counted from its size then
+                self._baseline[key] = before
+                self._follow(storage, key, before)
+            self._add(storage.nbytes() - self._sizes[key])
+            self._sizes[key] = storage.nbytes()
+
+        def __enter__(self) -> Any:
+            resize, resized = torch.UntypedStorage.resize_, self._resized
+
+            def resize_(storage: Any, size: int) -> Any:
+                before = storage.nbytes()
+                out = resize(storage, size)
+                resized(storage, before)
+                return out
+
+            self._resize, torch.UntypedStorage.resize_ = resize, resize_
+            return super().__enter__()
 
         def _add(self, delta: int) -> None:
             self.live += delta
@@ -161,14 +190,17 @@ def _tracker_class() -> type:
 
         def _freed(self, key: int) -> None:
             self._finalizers.pop(key, None)
-            self.live -= self._sizes.pop(key, 0)
+            self.live -= self._sizes.pop(key, 0) - self._baseline.pop(key, 0)
 
         def __exit__(self, *exc: object) -> None:
             # Storages still alive stay counted in ``live``; nothing follows them any more.
+            if self._resize is not None:
+                torch.UntypedStorage.resize_, self._resize = self._resize, None
             for finalizer in self._finalizers.values():
                 finalizer.detach()
             self._finalizers.clear()
             self._sizes.clear()
+            self._baseline.clear()
             super().__exit__(*exc)
 
     return LiveBytes

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -90,13 +90,7 @@ def _unpack(t: torch.Tensor) -> torch.Tensor:
 
 
 def live_bytes() -> Any:
-    """A new live-bytes tracker (see :func:`_tracker_class`); enter it to track, once."""
-    return _tracker_class()()
-
-
-@functools.cache
-def _tracker_class() -> type:
-    """The tracker's class, built on first use so that importing the planner does not import torch.
+    """A new live-bytes tracker; enter it to track, once.
 
     While entered, every op's outputs pass through ``__torch_dispatch__``. An output storage is
     new, and counted, unless it is one of the op's inputs' storages (views, in-place ops, ``out=``
@@ -111,8 +105,31 @@ def _tracker_class() -> type:
     ``live``, and back when regrown). Not seen: scratch memory a kernel allocates and frees inside
     itself without returning it as a tensor.
     """
+    return _tracker_class()()
+
+
+@contextmanager
+def _storage_resizes(seen: Callable[[Any, int], None]) -> Iterator[None]:
+    """While entered, ``UntypedStorage.resize_`` calls ``seen(storage, its bytes before)`` after resizing."""
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
+
+    resize = torch.UntypedStorage.resize_
+
+    def resize_(storage: Any, size: int) -> Any:
+        before = storage.nbytes()
+        out = resize(storage, size)
+        seen(storage, before)
+        return out
+
+    torch.UntypedStorage.resize_ = resize_
+    try:
+        yield
+    finally:
+        torch.UntypedStorage.resize_ = resize
+
+
+def _check_one_object_per_storage() -> None:
+    import torch
 
     probe = torch.empty(1)
     if probe.untyped_storage() is not probe.untyped_storage():
@@ -121,17 +138,25 @@ def _tracker_class() -> type:
             "tracker needs it to learn when a storage is freed"
         )
 
+
+@functools.cache
+def _tracker_class() -> type:
+    """The tracker's class (see :func:`live_bytes`), built on first use so that importing the planner
+    does not import torch."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    _check_one_object_per_storage()
+
     class LiveBytes(TorchDispatchMode):
         """Bytes allocated while entered and still alive (``live``), and their maximum (``peak``)."""
 
         def __init__(self) -> None:
             super().__init__()
-            self.live = 0
-            self.peak = 0
+            self.live = self.peak = 0
             self._sizes: dict[int, int] = {}
             self._baseline: dict[int, int] = {}  # a storage made before entering: its size then
             self._finalizers: dict[int, weakref.finalize] = {}
-            self._resize: Any = None
+            self._resizes: Any = None
 
         def reset_peak(self) -> int:
             """Start a new peak from what is live now, and return that."""
@@ -169,19 +194,11 @@ def _tracker_class() -> type:
             if key not in self._sizes:  # made before entering: counted from its size then
                 self._baseline[key] = before
                 self._follow(storage, key, before)
-            self._add(storage.nbytes() - self._sizes[key])
-            self._sizes[key] = storage.nbytes()
+            self._saw(storage, set())
 
         def __enter__(self) -> Any:
-            resize, resized = torch.UntypedStorage.resize_, self._resized
-
-            def resize_(storage: Any, size: int) -> Any:
-                before = storage.nbytes()
-                out = resize(storage, size)
-                resized(storage, before)
-                return out
-
-            self._resize, torch.UntypedStorage.resize_ = resize, resize_
+            self._resizes = _storage_resizes(self._resized)
+            self._resizes.__enter__()
             return super().__enter__()
 
         def _add(self, delta: int) -> None:
@@ -194,8 +211,7 @@ def _tracker_class() -> type:
 
         def __exit__(self, *exc: object) -> None:
             # Storages still alive stay counted in ``live``; nothing follows them any more.
-            if self._resize is not None:
-                torch.UntypedStorage.resize_, self._resize = self._resize, None
+            self._resizes.__exit__(None, None, None)
             for finalizer in self._finalizers.values():
                 finalizer.detach()
             self._finalizers.clear()

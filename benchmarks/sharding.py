@@ -32,7 +32,6 @@ import os
 import statistics
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 if "--worker" in sys.argv:  # before torch is imported: one intra-op thread per rank
@@ -54,29 +53,6 @@ def _status(field: str) -> int:
         if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
     raise RuntimeError(f"/proc/self/status has no {field}")
-
-
-@contextmanager
-def _storage_resizes_followed(tracker):
-    """The tracker sees tensor ops only; FSDP2 frees a gathered parameter's memory, and takes it back,
-    by resizing its storage (``UntypedStorage.resize_``, not a tensor op): count those too."""
-    import torch
-
-    original = torch.UntypedStorage.resize_
-
-    def resize_(storage, size):
-        out = original(storage, size)
-        key = id(storage)
-        if key in tracker._sizes:
-            tracker._add(storage.nbytes() - tracker._sizes[key])
-            tracker._sizes[key] = storage.nbytes()
-        return out
-
-    torch.UntypedStorage.resize_ = resize_
-    try:
-        yield
-    finally:
-        torch.UntypedStorage.resize_ = original
 
 
 def _predicted_cost(plan, rank: int, args: argparse.Namespace) -> float:
@@ -149,7 +125,7 @@ def worker(args: argparse.Namespace) -> None:
     times = []
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM from here on
     rss_start = _status("VmRSS")
-    with live_bytes() as tracker, _storage_resizes_followed(tracker):
+    with live_bytes() as tracker:
         for step in range(args.steps):
             start = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)

@@ -377,6 +377,7 @@ def choose_plan(
     memory_limit: float | None = None,
     offload_refused: str | None = None,
     chunks_refused: str | None = None,
+    shard_refused: Callable[[Plan], str | None] | None = None,
 ) -> AutoPlan:
     """Profile, measure and plan (collective on every rank); the plan is rank 0's choice.
 
@@ -403,9 +404,10 @@ def choose_plan(
     memory (``"memory"``), or the fastest within ``memory_margin`` of that least peak
     (``"time-within-memory"``); ``plan="auto"`` runs under ``"time"``. No plan is chosen over
     ``memory_limit`` bytes per rank (``None``: the device's memory, see ``planner.device_memory``);
-    when none fits, stages recompute, else are offloaded (``planner.shortlist_with_levers``; not when
-    ``offload_refused`` says why the runtime cannot offload here), and the report says which and why;
-    chunked plans where ``planner.shortlist`` offers them (unless ``chunks_refused`` says why not), likewise."""
+    when none fits, stages recompute, shard or are offloaded (``planner.shortlist_with_levers``; not where
+    ``shard_refused(plan)`` or ``offload_refused`` says why the runtime cannot), and the report says which
+    and why; chunked plans where ``planner.shortlist`` offers them (unless ``chunks_refused`` says why not),
+    likewise."""
     start = time.perf_counter()
     if not 0.0 <= margin < 1.0:  # before the profiling, not after
         raise ValueError(f"margin must be in [0, 1), got {margin!r}")
@@ -421,7 +423,7 @@ def choose_plan(
     sizes = message_sizes(profile, global_batch)  # the links timed at what plans of this model send
     cluster = _within(measure_cluster(device, nodes=nodes, sizes=sizes), memory_limit)
     options = dict(optimizer_factor=optimizer_factor, margin=margin, objective=objective, memory_margin=memory_margin)
-    options.update(offload_refused=offload_refused, chunks=chunks_refused is None)
+    options.update(offload_refused=offload_refused, shard_refused=shard_refused, chunks=chunks_refused is None)
     close, dp_step, lever, offers = _shortlist_on_rank_zero(profile, cluster, global_batch, **options)
     trials: tuple[Trial, ...] = ()
     plan, predicted = close[0]

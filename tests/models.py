@@ -307,6 +307,22 @@ class DeepMLP(MLP):
         self.layers = nn.Sequential(nn.Linear(IN, 16), *hidden, nn.Linear(16, OUT))
 
 
+class WideMiddleMLP(MLP):
+    """Five layers, the third a 16 -> 256 -> 256 -> 16 block that holds nearly all the parameters and
+    hands on 16 features: no pipeline cut splits its state, and its replicas can (``shard:``). Adam,
+    whose state (twice the parameters') sharding splits; its ``eps`` well above float rounding, so that
+    gradients near zero do not turn a sum's rounding into a step of ``lr``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        wide = nn.Sequential(nn.Linear(16, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 16))
+        self.layers = nn.Sequential(nn.Linear(IN, 16), nn.Tanh(), wide, nn.Tanh(), nn.Linear(16, OUT))
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=0.01, eps=1e-4)
+
+
 class _T5LikeBlock(nn.Module):
     """Returns ``(hidden, position_bias, None)`` as T5's blocks do: the first block makes the bias
     (one row, shared by every row of the batch) and the loop hands it to the next blocks."""

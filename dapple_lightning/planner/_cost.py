@@ -79,6 +79,7 @@ from dapple_lightning.planner import _zero_bubble
 from dapple_lightning.planner._cluster import Cluster
 from dapple_lightning.planner._profile import ModelProfile
 from dapple_lightning.planner._recurrence import Tail, combine, stage_chain
+from dapple_lightning.planner._sharding import shard_price
 from dapple_lightning.planner._stage_memory import MemoryParts, StageMemory, cumulative
 
 __all__ = ["CostModel", "Estimate", "Placement", "chains", "estimate"]
@@ -361,6 +362,9 @@ class CostModel:
             self.stage_memory(s.start, s.end, samples[k], depth[k], s.replicas, m, s.recompute, s.offload)
             for k, s in enumerate(stages)
         )
+        if any(s.shard is not None for s in stages):
+            memory, ar = self._sharded(plan, samples, depth, memory, ar)
+            closing = tuple(a + u for a, u in zip(ar, update))
         tail: Tail | None = None
         for k in range(count - 1, -1, -1):
             sf = send[k] if k < count - 1 else 0.0
@@ -391,6 +395,36 @@ class CostModel:
             pipeline_s=pipeline,
             shared_compute_s=shared,
         )
+
+    def _sharded(
+        self,
+        plan: Plan,
+        samples: Sequence[int],
+        depth: Sequence[int],
+        memory: tuple[float, ...],
+        ar: tuple[float, ...],
+    ) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """``memory`` and ``ar`` with each sharded stage's peak per rank and its collectives' time (its
+        all-reduce plus what sharding adds) from ``_sharding.shard_price``."""
+        memory, ar = list(memory), list(ar)
+        for k, s in enumerate(plan.stages):
+            if s.shard is None:
+                continue
+            price = shard_price(
+                self.profile,
+                self.cluster,
+                s.start,
+                s.end,
+                replicas=s.replicas,
+                mode=s.shard,
+                samples=samples[k],
+                depth=depth[k],
+                micro_batches=plan.micro_batches,
+                optimizer_factor=self.optimizer_factor,
+                nodes_spanned=self.cluster.span(plan.stage_ranks(k)),
+            )
+            memory[k], ar[k] = price.bytes, ar[k] + price.added_seconds
+        return tuple(memory), tuple(ar)
 
     def _shared_compute(
         self, plan: Plan, fwd: Sequence[float], bwd: Sequence[float], closing: Sequence[float]

@@ -1,4 +1,4 @@
-"""When no plan fits the memory budget: recomputation, then offload (``plan="auto"``'s last levers).
+"""When no plan fits the memory budget: recomputation, sharding, then offload (``plan="auto"``'s last levers).
 
 ``plan="auto"`` asks the planner (:func:`~._select.shortlist`) for plans whose stages keep their
 activations and their layers in memory. When none fits ``Cluster.memory_bytes`` that way,
@@ -6,7 +6,16 @@ activations and their layers in memory. When none fits ``Cluster.memory_bytes`` 
 
 1. **recomputation**: ``plan_dapple(recompute=True)``'s fastest plan, in which a stage recomputes
    its activations only where it would not fit otherwise;
-2. **offload** (STRONGHOLD, ``Stage.offload``), where the runtime can offload (one
+2. **sharding** (``Stage.shard``), where the runtime accepts it: the same candidates as offload's
+   below and data parallelism (:data:`DATA_PARALLEL_MICRO_BATCHES`), with the budget lifted, each
+   with its stages over the budget sharded over their replicas (:func:`~._sharding.sharded_plan`:
+   ``grads`` where that fits, else ``full``); a candidate is
+   dropped when a stage over the budget has one replica, when it has chunks or a zero-bubble
+   schedule (which the runtime does not shard under), or when the caller's ``shard_refused`` names
+   a reason (recovery on, tied weights across stages, a stage across nodes). The fastest predicted,
+   collectives included, wins: sharding only adds messages, which the cost model prices, so it
+   comes before offload, whose disk transfers it does not;
+3. **offload** (STRONGHOLD, ``Stage.offload``), where the runtime can offload (one
    ``nn.Sequential`` on CPU: the caller says when it cannot): the planner's
    :data:`OFFLOAD_CANDIDATES` fastest plans and as many of least peak memory (mCAP's objective:
    the fastest put most layers on the first stages, whose activations then fill the budget), with
@@ -17,26 +26,42 @@ activations and their layers in memory. When none fits ``Cluster.memory_bytes`` 
    step, which then picks a window that hides them where it can), so its predicted step is the
    in-memory one, and fewer layers moved is the cheaper side of that unknown.
 
-Each lever comes with a note for the setup report: which stages recompute or are offloaded, and why.
+Each lever comes with a note for the setup report: which stages recompute, shard or are offloaded, and why.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
-from dapple_lightning.plan import Plan
+from dapple_lightning.plan import ZERO_BUBBLE, Plan
 from dapple_lightning.planner._budget import format_bytes
 from dapple_lightning.planner._cluster import Cluster
 from dapple_lightning.planner._cost import estimate
 from dapple_lightning.planner._dp import plan_dapple
 from dapple_lightning.planner._profile import ModelProfile
 from dapple_lightning.planner._select import shortlist_offering
+from dapple_lightning.planner._sharding import sharded_plan
 
-__all__ = ["OFFLOAD_CANDIDATES", "offloaded_plan", "shortlist_with_levers"]
+__all__ = [
+    "DATA_PARALLEL_MICRO_BATCHES",
+    "OFFLOAD_CANDIDATES",
+    "ShardRefusal",
+    "offloaded_plan",
+    "sharded_lever",
+    "shortlist_with_levers",
+]
 
 OFFLOAD_CANDIDATES = 16
-"""How many of the planner's fastest plans, and of its least-memory ones, :func:`offloaded_plan` offloads in turn."""
+"""How many of the planner's fastest plans, and of its least-memory ones, :func:`sharded_lever` shards and
+:func:`offloaded_plan` offloads in turn."""
+
+DATA_PARALLEL_MICRO_BATCHES = (1, 2, 4)
+"""The micro-batch counts of the data-parallel plans :func:`sharded_lever` shards besides the planner's."""
+
+ShardRefusal = Callable[[Plan], str | None]
+"""Why the runtime cannot run a plan's sharded stages here (``strategy._refusals.sharding_refusal``), or ``None``."""
 
 _LIFTED = 1e30  # bytes: a budget no stage reaches (the cluster wants a finite one)
 
@@ -56,12 +81,14 @@ def shortlist_with_levers(
     *,
     optimizer_factor: float = 2.0,
     offload_refused: str | None = None,
+    shard_refused: ShardRefusal | None = None,
     **options: Any,
 ) -> Shortlist:
     """:func:`~._select.shortlist_offering` (``options`` are its own), or, when no plan fits the budget, the
-    fastest plan that recomputes, else the offloaded plan of :func:`offloaded_plan`, with a note
-    saying what was changed and why (``None`` when nothing was). ``offload_refused``: why the
-    runtime cannot offload here (then offload is not tried, and the error says why).
+    fastest plan that recomputes, else the sharded plan of :func:`sharded_lever`, else the offloaded
+    plan of :func:`offloaded_plan`, with a note saying what was changed and why (``None`` when
+    nothing was). ``offload_refused``: why the runtime cannot offload here (then offload is not
+    tried, and the error says why); ``shard_refused``: why it cannot run a given sharded plan here.
 
     Raises:
         ValueError: When no plan fits with either lever; the planner's message, then why the
@@ -86,6 +113,10 @@ def shortlist_with_levers(
         stages = ", ".join(f"stage {k}" for k, s in enumerate(lean.plan.stages) if s.recompute)
         note = f"no plan fits memory_limit {budget} keeping every activation: {stages} recompute theirs"
         return [(lean.plan, lean.predicted_step_s)], None, note, {}
+    sharded = sharded_lever(profile, cluster, global_batch, optimizer_factor=optimizer_factor, refused=shard_refused)
+    if sharded is not None:
+        plan, predicted, note = sharded
+        return [(plan, predicted)], None, note, {}
     if offload_refused is not None:
         raise ValueError(f"{first}; recomputing does not fit either, and offload cannot run here: {offload_refused}")
     found = offloaded_plan(profile, cluster, global_batch, optimizer_factor=optimizer_factor)
@@ -95,15 +126,10 @@ def shortlist_with_levers(
     return [(plan, predicted)], None, note, {}
 
 
-def offloaded_plan(
-    profile: ModelProfile, cluster: Cluster, global_batch: int, *, optimizer_factor: float = 2.0
-) -> tuple[Plan, float, str] | None:
-    """The plan that fits ``cluster``'s budget with the fewest offloaded layers (see the module
-    docstring), its predicted step (the in-memory one) and a note naming the offloaded stages with
-    their peaks in memory and offloaded; ``None`` when offloading fits no candidate."""
-    budget = cluster.memory_bytes
+def _candidates(profile: ModelProfile, cluster: Cluster, global_batch: int, optimizer_factor: float) -> list[Plan]:
+    """The planner's :data:`OFFLOAD_CANDIDATES` fastest plans and as many of least peak memory, with
+    ``cluster``'s budget lifted (the levers then bring them under it)."""
     lifted = dataclasses.replace(cluster, memory_bytes=_LIFTED)
-    best: tuple[tuple[int, float], Plan, str] | None = None
     candidates = [
         planned.plan
         for objective in ("time", "memory")
@@ -116,7 +142,69 @@ def offloaded_plan(
             objective=objective,
         )
     ]
-    for plan in dict.fromkeys(candidates):
+    return list(dict.fromkeys(candidates))
+
+
+def sharded_lever(
+    profile: ModelProfile,
+    cluster: Cluster,
+    global_batch: int,
+    *,
+    optimizer_factor: float = 2.0,
+    refused: ShardRefusal | None = None,
+) -> tuple[Plan, float, str] | None:
+    """The fastest predicted plan that fits ``cluster``'s budget with its stages over it sharded
+    (see the module docstring), its predicted step (sharding's collectives included) and a note
+    naming each sharded stage with its peak per rank unsharded and sharded; ``None`` when sharding
+    fits no candidate the runtime accepts."""
+    budget = cluster.memory_bytes
+    best: tuple[float, Plan, str] | None = None
+    # Data parallelism too: the planner's fastest plans and its least-memory ones may all leave the
+    # stage that holds most of the state on one replica (when the all-reduce is slow, or a pipeline is leaner).
+    widest = [Plan.data_parallel(profile.num_layers, cluster.world_size, m) for m in DATA_PARALLEL_MICRO_BATCHES]
+    for plan in dict.fromkeys([*_candidates(profile, cluster, global_batch, optimizer_factor), *widest]):
+        if plan.chunks > 1 or plan.schedule in ZERO_BUBBLE:
+            continue
+        try:
+            whole = estimate(plan, profile, cluster, global_batch, optimizer_factor=optimizer_factor)
+        except ValueError:  # more micro-batches or replicas than the batch has rows for
+            continue
+        depths = [
+            min(len(plan.stages) - k, plan.micro_batches) if plan.schedule == "dapple" else plan.micro_batches
+            for k in range(len(plan.stages))
+        ]
+        found = sharded_plan(
+            plan, profile, cluster, budget, samples=whole.samples, depths=depths, optimizer_factor=optimizer_factor
+        )
+        if found is None or found[0] == plan or (refused is not None and refused(found[0]) is not None):
+            continue
+        priced = estimate(found[0], profile, cluster, global_batch, optimizer_factor=optimizer_factor)
+        if not priced.fits or (best is not None and priced.step_s >= best[0]):
+            continue
+        named = "; ".join(
+            f"stage {k} (layers {stage.start}-{stage.end - 1}) shards its state over its {stage.replicas} replicas "
+            f"(shard: {stage.shard}): {format_bytes(whole.memory_bytes[k])} per rank whole, "
+            f"{format_bytes(priced.memory_bytes[k])} sharded"
+            for k, stage in enumerate(found[0].stages)
+            if stage.shard is not None
+        )
+        note = (
+            f"no plan fits memory_limit {format_bytes(budget)} keeping its state whole, nor recomputing: {named}; "
+            "the predicted step includes the gathers and reduce-scatters"
+        )
+        best = (priced.step_s, found[0], note)
+    return None if best is None else (best[1], best[0], best[2])
+
+
+def offloaded_plan(
+    profile: ModelProfile, cluster: Cluster, global_batch: int, *, optimizer_factor: float = 2.0
+) -> tuple[Plan, float, str] | None:
+    """The plan that fits ``cluster``'s budget with the fewest offloaded layers (see the module
+    docstring), its predicted step (the in-memory one) and a note naming the offloaded stages with
+    their peaks in memory and offloaded; ``None`` when offloading fits no candidate."""
+    budget = cluster.memory_bytes
+    best: tuple[tuple[int, float], Plan, str] | None = None
+    for plan in _candidates(profile, cluster, global_batch, optimizer_factor):
         whole = estimate(plan, profile, cluster, global_batch, optimizer_factor=optimizer_factor).memory_bytes
         over = [k for k, peak in enumerate(whole) if peak > budget]
         stages = [dataclasses.replace(s, offload="auto") if k in over else s for k, s in enumerate(plan.stages)]

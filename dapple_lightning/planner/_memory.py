@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -90,13 +90,7 @@ def _unpack(t: torch.Tensor) -> torch.Tensor:
 
 
 def live_bytes() -> Any:
-    """A new live-bytes tracker (see :func:`_tracker_class`); enter it to track, once."""
-    return _tracker_class()()
-
-
-@functools.cache
-def _tracker_class() -> type:
-    """The tracker's class, built on first use so that importing the planner does not import torch.
+    """A new live-bytes tracker; enter it to track, once.
 
     While entered, every op's outputs pass through ``__torch_dispatch__``. An output storage is
     new, and counted, unless it is one of the op's inputs' storages (views, in-place ops, ``out=``
@@ -104,11 +98,38 @@ def _tracker_class() -> type:
     subtracts its bytes when it is freed (storage objects are kept one per storage, so the
     finalizer fires when the memory goes, not when a tensor's view of it does). Storages made
     before it was entered (the inputs, parameters) are the baseline: never counted, also when
-    freed. A counted storage that ``resize_`` grows counts its new size. Not seen: scratch
-    memory a kernel allocates and frees inside itself without returning it as a tensor.
+    freed. A counted storage that ``resize_`` grows counts its new size. ``UntypedStorage.resize_``
+    called on a storage (not a tensor op, so not dispatched: FSDP2 frees a gathered parameter's
+    memory and takes it back that way) is followed too while it is entered, on any storage: one made
+    before counts its change from its size then (a baseline storage resized to 0 takes its bytes off
+    ``live``, and back when regrown). Not seen: scratch memory a kernel allocates and frees inside
+    itself without returning it as a tensor.
     """
+    return _tracker_class()()
+
+
+@contextmanager
+def _storage_resizes(seen: Callable[[Any, int], None]) -> Iterator[None]:
+    """While entered, ``UntypedStorage.resize_`` calls ``seen(storage, its bytes before)`` after resizing."""
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
+
+    resize = torch.UntypedStorage.resize_
+
+    def resize_(storage: Any, size: int) -> Any:
+        before = storage.nbytes()
+        out = resize(storage, size)
+        seen(storage, before)
+        return out
+
+    torch.UntypedStorage.resize_ = resize_
+    try:
+        yield
+    finally:
+        torch.UntypedStorage.resize_ = resize
+
+
+def _check_one_object_per_storage() -> None:
+    import torch
 
     probe = torch.empty(1)
     if probe.untyped_storage() is not probe.untyped_storage():
@@ -117,15 +138,25 @@ def _tracker_class() -> type:
             "tracker needs it to learn when a storage is freed"
         )
 
+
+@functools.cache
+def _tracker_class() -> type:
+    """The tracker's class (see :func:`live_bytes`), built on first use so that importing the planner
+    does not import torch."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    _check_one_object_per_storage()
+
     class LiveBytes(TorchDispatchMode):
         """Bytes allocated while entered and still alive (``live``), and their maximum (``peak``)."""
 
         def __init__(self) -> None:
             super().__init__()
-            self.live = 0
-            self.peak = 0
+            self.live = self.peak = 0
             self._sizes: dict[int, int] = {}
+            self._baseline: dict[int, int] = {}  # a storage made before entering: its size then
             self._finalizers: dict[int, weakref.finalize] = {}
+            self._resizes: Any = None
 
         def reset_peak(self) -> int:
             """Start a new peak from what is live now, and return that."""
@@ -149,11 +180,26 @@ def _tracker_class() -> type:
                 self._add(size - self._sizes[key])
                 self._sizes[key] = size
             elif key not in inputs and size:
-                self._sizes[key] = size
-                finalizer = weakref.finalize(storage, self._freed, key)
-                finalizer.atexit = False
-                self._finalizers[key] = finalizer
+                self._follow(storage, key, size)
                 self._add(size)
+
+        def _follow(self, storage: Any, key: int, size: int) -> None:
+            self._sizes[key] = size
+            finalizer = weakref.finalize(storage, self._freed, key)
+            finalizer.atexit = False
+            self._finalizers[key] = finalizer
+
+        def _resized(self, storage: Any, before: int) -> None:
+            key = id(storage)
+            if key not in self._sizes:  # made before entering: counted from its size then
+                self._baseline[key] = before
+                self._follow(storage, key, before)
+            self._saw(storage, set())
+
+        def __enter__(self) -> Any:
+            self._resizes = _storage_resizes(self._resized)
+            self._resizes.__enter__()
+            return super().__enter__()
 
         def _add(self, delta: int) -> None:
             self.live += delta
@@ -161,14 +207,16 @@ def _tracker_class() -> type:
 
         def _freed(self, key: int) -> None:
             self._finalizers.pop(key, None)
-            self.live -= self._sizes.pop(key, 0)
+            self.live -= self._sizes.pop(key, 0) - self._baseline.pop(key, 0)
 
         def __exit__(self, *exc: object) -> None:
             # Storages still alive stay counted in ``live``; nothing follows them any more.
+            self._resizes.__exit__(None, None, None)
             for finalizer in self._finalizers.values():
                 finalizer.detach()
             self._finalizers.clear()
             self._sizes.clear()
+            self._baseline.clear()
             super().__exit__(*exc)
 
     return LiveBytes

@@ -25,7 +25,8 @@ Every collective is counted as exposed (on CPU FSDP2 runs them on the compute th
 prefetching hides part of them, which this errs against).
 
 :func:`sharded_plan` is the lever: the stages of replicas over the budget, sharded ``grads`` where
-that fits, else ``full``. It is not wired into ``planner._levers`` yet (see docs/plans.md).
+that fits, else ``full``; ``planner._levers`` tries it after recomputation and before offload, and
+``_cost.estimate`` prices a plan's sharded stages with :func:`shard_price`.
 """
 
 from __future__ import annotations

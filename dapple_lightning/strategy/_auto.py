@@ -55,6 +55,8 @@ class AutoSetting:
     """Bytes per rank no chosen plan may be predicted to exceed (``None``: the device's memory)."""
     chunks_refused: str | None = None
     """Why this run cannot train plans with several stages per rank group (then none is offered)."""
+    shard_refused: Callable[[Plan], str | None] | None = None
+    """Why this run cannot train a given plan's sharded stages (then the sharding lever skips it)."""
 
 
 def choose_automatically(setting: AutoSetting, batch: Any, chain: Chain) -> AutoPlan:
@@ -124,6 +126,7 @@ def choose_automatically(setting: AutoSetting, batch: Any, chain: Chain) -> Auto
                 memory_limit=setting.memory_limit,
                 offload_refused=offload_refusal(module.trainer, chain, setting.device),
                 chunks_refused=setting.chunks_refused,
+                shard_refused=setting.shard_refused,
             )
         finally:
             trials.close()

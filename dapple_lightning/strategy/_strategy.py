@@ -67,7 +67,7 @@ from dapple_lightning.strategy._memory import parse_memory, warn_if_over_budget,
 from dapple_lightning.strategy._parts import FitParts
 from dapple_lightning.strategy._pipelines import Buffers, PipelineBuilder, broadcast_module
 from dapple_lightning.strategy._recovery import Recovery, RecoveryMode, is_active
-from dapple_lightning.strategy._refusals import auto_chunks_refusal, check_before_start
+from dapple_lightning.strategy._refusals import auto_chunks_refusal, check_before_start, sharding_refusal
 from dapple_lightning.strategy._resume import RECOVERED, begin, kept_plan, load_optimizers
 from dapple_lightning.strategy._rng import RngStates, share_rng_states
 from dapple_lightning.strategy._step import PipelinedSteps, clip_grad_norm_over_stages, local_optimizers
@@ -368,6 +368,13 @@ class DappleStrategy(ParallelStrategy):
             self.precision_plugin.train_step_context,
             self._memory_limit,
             auto_chunks_refusal(is_active(self._recovery.mode)),
+            functools.partial(
+                sharding_refusal,
+                self.lightning_module,
+                chain,
+                ranks_per_node=self.num_processes,
+                recovery=is_active(self._recovery.mode),
+            ),
         )
         batch = draw_global_batch(trainer, super().batch_to_device)
         with silenced_log(self.lightning_module):  # the user's step runs outside Lightning's loops

@@ -70,6 +70,27 @@ def test_a_counted_storage_that_grows_counts_its_new_size():
         assert tracker.live == 1000 * F32
 
 
+def test_storage_resizes_are_followed_on_baseline_and_new_storages_and_undone_on_exit():
+    # FSDP2 frees a gathered parameter and takes its memory back by resizing its storage, not by an op.
+    before, torchs_own = torch.zeros(1000), torch.UntypedStorage.resize_  # 4000 bytes, the baseline
+    with live_bytes() as tracker:
+        assert torch.UntypedStorage.resize_ is not torchs_own
+        before.untyped_storage().resize_(0)
+        assert tracker.live == -4000
+        before.untyped_storage().resize_(6000)
+        assert (tracker.live, tracker.peak) == (2000, 2000)
+        made = torch.zeros(500)
+        made.untyped_storage().resize_(0)
+        assert tracker.live == 2000
+        made.untyped_storage().resize_(8000)
+        assert tracker.live == 10000
+        del made
+        assert tracker.live == 2000
+        del before
+        assert tracker.live == 0
+    assert torch.UntypedStorage.resize_ is torchs_own
+
+
 def test_what_only_the_graph_holds_is_freed_with_it():
     leaf = torch.randn(1000, requires_grad=True)
     with live_bytes() as tracker:

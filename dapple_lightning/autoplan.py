@@ -381,9 +381,8 @@ def choose_plan(
 ) -> AutoPlan:
     """Profile, measure and plan (collective on every rank); the plan is rank 0's choice.
 
-    ``layers`` run as a chain, each on the previous one's output: a Sequential's layers, or the
-    blocks of a ModuleList or the layers of a chain of containers, wrapped to run that way (see
-    ``strategy._auto_blocks``).
+    ``layers`` run as a chain, each on the previous one's output: a Sequential's layers, or the blocks of
+    a ModuleList or the layers of a chain of containers, wrapped to (``strategy._auto_blocks``).
     ``sample_input``, the first layer's input, should have about as many rows as a device runs per
     micro-batch at most; the layers are timed on it and on :func:`small_batch_of` its rows (an
     eighth). ``optimizer`` (:func:`optimizer_factory`) lets the profile include each layer's optimizer
@@ -404,10 +403,9 @@ def choose_plan(
     memory (``"memory"``), or the fastest within ``memory_margin`` of that least peak
     (``"time-within-memory"``); ``plan="auto"`` runs under ``"time"``. No plan is chosen over
     ``memory_limit`` bytes per rank (``None``: the device's memory, see ``planner.device_memory``);
-    when none fits, stages recompute, shard or are offloaded (``planner.shortlist_with_levers``; not where
-    ``shard_refused(plan)`` or ``offload_refused`` says why the runtime cannot), and the report says which
-    and why; chunked plans where ``planner.shortlist`` offers them (unless ``chunks_refused`` says why not),
-    likewise."""
+    when none fits, stages recompute, shard or are offloaded (``planner.shortlist_with_levers``), and chunked
+    plans come where ``planner.shortlist`` offers them, each unless ``shard_refused(plan)``, ``offload_refused``
+    or ``chunks_refused`` says why the runtime cannot; the report says which and why."""
     start = time.perf_counter()
     if not 0.0 <= margin < 1.0:  # before the profiling, not after
         raise ValueError(f"margin must be in [0, 1), got {margin!r}")

@@ -27,7 +27,7 @@ def budget(megabytes: int) -> Cluster:
 
 def test_a_budget_only_sharding_meets_gets_the_sharded_plan_and_the_note_names_it() -> None:
     cluster = budget(110)
-    close, dp_step, note = shortlist_with_levers(embedding_heavy(), cluster, 8, offload_refused="not here")
+    close, dp_step, note, _ = shortlist_with_levers(embedding_heavy(), cluster, 8, offload_refused="not here")
     [(plan, predicted)] = close
     assert dp_step is None
     sharded = [(k, s) for k, s in enumerate(plan.stages) if s.shard is not None]
@@ -72,7 +72,7 @@ def test_sharding_is_offered_only_where_the_sharded_stage_meets_the_budget() -> 
     # 2 ranks: a cut leaves the big layer's stage on one replica (128 MiB, nothing to split with); one
     # stage on both ranks sharded by grads holds 2 x 35 + 70 / 2 = 105 MiB (full: 70 + 64 = 134 MiB).
     ranks = Cluster.v100(1, 2)
-    close, _, note = shortlist_with_levers(
+    close, _, note, _ = shortlist_with_levers(
         embedding_heavy(), dataclasses.replace(ranks, memory_bytes=106 * MiB), 8, offload_refused="not here"
     )
     [(plan, _)] = close

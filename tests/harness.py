@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.pytorch import Trainer
+from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.loggers import CSVLogger
 
 from dapple_lightning import DappleStrategy, Plan
@@ -114,3 +114,22 @@ def assert_same(got, want) -> None:
         )
     assert list(got_state) == list(want_state)
     assert_close_tree(dict(got_state), dict(want_state))
+
+
+class SaveAtEnd(Callback):
+    """Saves a checkpoint with ``trainer.save_checkpoint`` when training ends, as a user would."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer: Trainer, pl_module) -> None:
+        trainer.save_checkpoint(self.path)
+
+
+def single_device_resumed(root: Path):
+    """Single-device Lightning on ScheduledMLP: 4 steps and a checkpoint, then resumed from it to 8
+    steps; (the checkpoint, the first run, the resumed run)."""
+    ckpt = root / "single.ckpt"
+    first = fit(models.ScheduledMLP, root / "a", callbacks=(SaveAtEnd(ckpt),))
+    resumed = fit(models.ScheduledMLP, root / "b", max_steps=8, ckpt_path=str(ckpt))
+    return ckpt, first, resumed

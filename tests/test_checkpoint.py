@@ -6,20 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightning.pytorch import Callback, Trainer
 
 from dapple_lightning import Plan
 
 import models
-from harness import assert_close_tree, assert_same, fit
-
-
-class SaveAtEnd(Callback):
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def on_train_end(self, trainer: Trainer, pl_module) -> None:
-        trainer.save_checkpoint(self.path)
+from harness import SaveAtEnd, assert_close_tree, assert_same, fit, single_device_resumed
 
 
 def plan(*stages, micro_batches=3) -> Plan:
@@ -33,11 +24,7 @@ PLAN_1_1 = plan(((0, 3), 1), ((3, 7), 1), micro_batches=2)
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """Single-device Lightning: 4 steps, checkpoint, then resumed to 8 steps."""
-    root = tmp_path_factory.mktemp("single")
-    ckpt = root / "single.ckpt"
-    first = fit(models.ScheduledMLP, root / "a", callbacks=(SaveAtEnd(ckpt),))
-    resumed = fit(models.ScheduledMLP, root / "b", max_steps=8, ckpt_path=str(ckpt))
-    return ckpt, first, resumed
+    return single_device_resumed(tmp_path_factory.mktemp("single"))
 
 
 @pytest.fixture(scope="module")

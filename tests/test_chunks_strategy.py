@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
-from lightning.pytorch import Callback, Trainer
 
 from dapple_lightning import Plan
 from dapple_lightning.strategy._refusals import _chunks_refusal
 
 import models
-from harness import assert_close_tree, assert_same, fit
+from harness import SaveAtEnd, assert_close_tree, assert_same, fit, single_device_resumed
 
 INTERLEAVED_2_1 = Plan(
     stages=[
@@ -30,22 +28,10 @@ ZB_V_1_1 = Plan.chunked(7, "1:1", layout="v", micro_batches=4)
 PLAIN_1_1 = Plan(stages=[{"layers": [0, 3]}, {"layers": [3, 7]}], micro_batches=2)
 
 
-class SaveAtEnd(Callback):
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def on_train_end(self, trainer: Trainer, pl_module) -> None:
-        trainer.save_checkpoint(self.path)
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """Single-device Lightning: 4 steps, checkpoint, then resumed to 8 steps."""
-    root = tmp_path_factory.mktemp("single")
-    ckpt = root / "single.ckpt"
-    first = fit(models.ScheduledMLP, root / "a", callbacks=(SaveAtEnd(ckpt),))
-    resumed = fit(models.ScheduledMLP, root / "b", max_steps=8, ckpt_path=str(ckpt))
-    return ckpt, first, resumed
+    return single_device_resumed(tmp_path_factory.mktemp("single"))
 
 
 @pytest.mark.parametrize("plan", [INTERLEAVED_2_1, ZB_V_1_1], ids=["interleaved-2:1", "zb-v-1:1"])

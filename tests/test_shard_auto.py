@@ -27,7 +27,9 @@ def test_auto_shards_a_replicated_stage_when_no_plan_fits_whole_and_trains_as_on
     lifted = Cluster(1, RANKS, 1e9, 1e9, 1e9, 1e9, latency_s=0.0, memory_bytes=1e12)
     leanest = plan_dapple(profile, lifted, len(x), objective="memory")[0].plan
     whole = max(estimate(leanest, profile, lifted, len(x)).memory_bytes)  # the least any whole-state plan needs
-    [(sharded, _)], _, _, _ = shortlist_with_levers(profile, dataclasses.replace(lifted, memory_bytes=whole - 1), len(x))
+    [(sharded, _)], _, _, _ = shortlist_with_levers(
+        profile, dataclasses.replace(lifted, memory_bytes=whole - 1), len(x)
+    )
     least = max(estimate(sharded, profile, lifted, len(x)).memory_bytes)
     assert least < 0.8 * whole, (least, whole)
     limit = (least + whole) / 2  # halfway: the profile plan='auto' takes again may measure a little differently

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_checkpoint import SaveAtEnd
 
 from dapple_lightning import Plan
 from dapple_lightning.strategy.consolidate import consolidate_checkpoint
 
 import models
-from harness import assert_close_tree, assert_same, fit
+from harness import SaveAtEnd, assert_close_tree, assert_same, fit, single_device_resumed
 
 
 def plan(first: tuple[int, str | None], micro_batches: int = 3) -> Plan:
@@ -23,11 +22,7 @@ def plan(first: tuple[int, str | None], micro_batches: int = 3) -> Plan:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """Single-device Lightning: 4 steps, checkpoint, then resumed to 8 steps."""
-    root = tmp_path_factory.mktemp("single")
-    ckpt = root / "single.ckpt"
-    first = fit(models.ScheduledMLP, root / "a", callbacks=(SaveAtEnd(ckpt),))
-    resumed = fit(models.ScheduledMLP, root / "b", max_steps=8, ckpt_path=str(ckpt))
-    return ckpt, first, resumed
+    return single_device_resumed(tmp_path_factory.mktemp("single"))
 
 
 @pytest.mark.parametrize("state_dict_type", ["full", "sharded"])

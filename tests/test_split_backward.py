@@ -123,9 +123,12 @@ def _stash_faults(env: dict[str, str]) -> tuple[bool, list[int]]:
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="needs glibc's malloc")
 def test_freed_memory_stays_in_the_process_unless_malloc_is_tuned_by_the_user() -> None:
     # Left to itself, glibc hands such a freed stash back to the OS and faults it in again on
-    # later steps (about as many pages as the first step here); kept, later steps reuse it.
+    # later steps (about as many pages as the first step here); kept, later steps reuse it. Kept,
+    # the four later steps fault a few hundred pages at most (glibc now and then maps a block
+    # afresh), untuned about four times the first step's: the bound sits far from both.
     kept, faults = _stash_faults({})
     assert kept and faults[0] > 5000
-    assert sum(faults[1:]) < 0.05 * faults[0], faults
+    assert sum(faults[1:]) < 0.2 * faults[0], faults
     kept, faults = _stash_faults({"MALLOC_TRIM_THRESHOLD_": str(1 << 20)})
     assert not kept
+    assert sum(faults[1:]) > 2 * faults[0], faults

@@ -84,6 +84,13 @@ def test_the_file_saved_after_fit_is_complete(single, full):
     _assert_single_device_file(full / "after_fit.ckpt", single[0])
 
 
+@pytest.mark.parametrize("mode", ["full", "grads"])
+def test_the_file_saved_after_fit_with_a_sharded_stage_is_complete(single, mode, tmp_path):
+    """After fit the sharded stage's replicas hold its whole weights again, and the optimizers follow them."""
+    plan = Plan(stages=[{"layers": [0, 4], "replicas": 2, "shard": mode}, {"layers": [4, 7], "replicas": 1}])
+    _assert_single_device_file(save_after_fit(tmp_path, plan) / "after_fit.ckpt", single[0])
+
+
 def test_validate_after_fit_keeps_the_optimizer_state(single, full):
     want = torch.load(full / "after_fit.ckpt", weights_only=False)
     got = torch.load(full / "after_validate.ckpt", weights_only=False)

@@ -28,7 +28,8 @@ refused by :func:`shard_stage`'s callers before this point (see ``strategy._refu
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import defaultdict
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -74,13 +75,15 @@ def _post_forward_first(layer: nn.Module) -> None:
     layer._forward_hooks.move_to_end(handle.id, last=False)
 
 
-def unshard_stage(stage: nn.Module) -> None:
+def unshard_stage(stage: nn.Module, optimizers: Sequence[torch.optim.Optimizer] = ()) -> None:
     """Undo :func:`shard_stage` (collective over the stage's replicas): every replica's layers hold their
     whole parameters again, as plain tensors, and are of their own classes, without FSDP2's hooks, as the
-    user built them. FSDP2 has no public way back; this undoes what ``fully_shard`` set on the layer."""
+    user built them; ``optimizers`` then hold those parameters and their whole state (a save after
+    ``fit`` reads both). FSDP2 has no public way back; this undoes what ``fully_shard`` set on the layer."""
     from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY
     from torch.distributed._composable_state import _module_state_mapping
 
+    replaced: dict[nn.Parameter, nn.Parameter] = {}
     for layer in sharded_layers(stage):
         whole = {name: full_value(p.detach()) for name, p in layer.named_parameters()}
         state = layer._get_fsdp_state()  # type: ignore[operator]
@@ -100,12 +103,28 @@ def unshard_stage(stage: nn.Module) -> None:
         for name, p in list(layer.named_parameters()):
             owner_path, _, attr = name.rpartition(".")
             owner = layer.get_submodule(owner_path)
-            owner._parameters[attr] = nn.Parameter(whole[name].clone(), requires_grad=p.requires_grad)
+            replaced[p] = owner._parameters[attr] = nn.Parameter(whole[name].clone(), requires_grad=p.requires_grad)
         for module in layer.modules():
             for key in ("_is_fsdp_managed_module", "_fsdp_use_orig_params", STATE_KEY, REGISTRY_KEY):
                 module.__dict__.pop(key, None)
         _module_state_mapping.pop(layer, None)
         layer.__class__ = next(c for c in type(layer).__bases__ if not issubclass(c, FSDPModule))
+    for optimizer in optimizers:
+        _follow(optimizer, replaced)
+
+
+def _follow(optimizer: torch.optim.Optimizer, replaced: dict[nn.Parameter, nn.Parameter]) -> None:
+    """``optimizer`` on the whole parameters that ``replaced`` its shards, with each shard's state
+    gathered whole (collective over the stage's replicas, which hold the same parameters in one order)."""
+    for group in optimizer.param_groups:
+        group["params"] = [replaced.get(p, p) for p in group["params"]]
+    state: dict[Tensor, dict] = {}
+    for param, values in optimizer.state.items():
+        whole = replaced.get(param)
+        state[whole if whole is not None else param] = (
+            values if whole is None else {k: full_value(v) if isinstance(v, Tensor) else v for k, v in values.items()}
+        )
+    optimizer.state = defaultdict(dict, state)
 
 
 def sharded_layers(stage: nn.Module) -> list[FSDPModule]:

@@ -567,7 +567,7 @@ class DappleStrategy(ParallelStrategy):
         if not self._failed:
             self._checkpoints.wait()
             if self._cut is not None and distributed_is_initialized():
-                unshard_stage(self._cut.stage)  # a sharded stage's replicas each hold its whole weights again
+                unshard_stage(self._cut.stage, self.optimizers)  # each replica holds its whole weights again
             if self._cut is not None and distributed_is_initialized() and not self._materialized:
                 # Whole containers back on every rank with every stage's weights, on the CPU (not a whole model on a GPU).
                 self._cut.restore(self._checkpoints.whole_chain(), torch.device("cpu"))

@@ -25,5 +25,7 @@ trainer = quiet_trainer(
 )
 trainer.fit(model, train_dataloaders=models.loader())
 trainer.save_checkpoint(f"{out}/after_fit.ckpt")
+if any(stage.shard is not None for stage in plan.stages):
+    sys.exit(0)  # validate after fit does not work yet with a sharded stage (docs/memory.md, limits)
 trainer.validate(model, models.loader(), verbose=False)
 trainer.save_checkpoint(f"{out}/after_validate.ckpt")

@@ -54,7 +54,6 @@ from dapple_lightning.planner._select import (
     refine,
     refine_allreduce,
     shortlist,
-    shortlist_offering,
 )
 from dapple_lightning.planner._sharding import ShardPrice, shard_price, sharded_plan
 from dapple_lightning.planner._simulator import Event, Simulation, simulate_plan
@@ -141,7 +140,6 @@ __all__ = [
     "shard_price",
     "sharded_plan",
     "shortlist",
-    "shortlist_offering",
     "shortlist_with_levers",
     "simulate_plan",
     "stage_memory_lines",

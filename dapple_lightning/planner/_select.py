@@ -33,7 +33,6 @@ __all__ = [
     "refine",
     "refine_allreduce",
     "shortlist",
-    "shortlist_offering",
 ]
 
 
@@ -94,11 +93,13 @@ def shortlist(
     objective: str = "time",
     memory_margin: float = 0.1,
     chunks: bool = True,
-) -> tuple[list[tuple[Plan, float]], float | None]:
+) -> tuple[list[tuple[Plan, float]], float | None, dict[Plan, str]]:
     """The planner's best plan and the others predicted within ``margin`` of it (a share of the
     best's step), pure data parallelism (M = 1) among them when it is that close, at most
     ``limit``, fastest predicted first; and data parallelism's predicted step (``None`` when it
-    does not fit in memory or the batch). A pipeline the model prices faster under ``zb-h1``
+    does not fit in memory or the batch); and for each chunked plan shortlisted, the sentence that
+    says why it was offered (the plain plan it was made from, bubble, messages and memory against
+    it). A pipeline the model prices faster under ``zb-h1``
     (or ``zb-h2``, ``zb-tail``) than under DAPPLE's schedule comes in both (:func:`_zero_bubble_variants`);
     with ``chunks``, its variants with two stages per rank group that are priced faster within the
     memory budget come in too (:func:`_chunked_variants`).
@@ -106,34 +107,6 @@ def shortlist(
     ``objective`` and ``memory_margin`` are :func:`plan_dapple`'s: under a memory objective
     every plan shortlisted, data parallelism included, keeps within the peak it allows, and
     the trials only choose among those."""
-    close, dp_step, _ = shortlist_offering(
-        profile,
-        cluster,
-        global_batch,
-        optimizer_factor=optimizer_factor,
-        margin=margin,
-        limit=limit,
-        objective=objective,
-        memory_margin=memory_margin,
-        chunks=chunks,
-    )
-    return close, dp_step
-
-
-def shortlist_offering(
-    profile: ModelProfile,
-    cluster: Cluster,
-    global_batch: int,
-    *,
-    optimizer_factor: float = 2.0,
-    margin: float = TRIAL_MARGIN,
-    limit: int = TRIAL_LIMIT,
-    objective: str = "time",
-    memory_margin: float = 0.1,
-    chunks: bool = True,
-) -> tuple[list[tuple[Plan, float]], float | None, dict[Plan, str]]:
-    """:func:`shortlist`, and for each chunked plan it shortlisted the sentence that says why it
-    was offered (the plain plan it was made from, bubble, messages and memory against it)."""
     if not 0.0 <= margin < 1.0:
         raise ValueError(f"margin must be in [0, 1), got {margin!r}")
     if limit < 1:

@@ -52,6 +52,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dapple_lightning.plan import whole
+
 __all__ = ["PEAK_SOURCES", "PROFILE_FORMAT", "PROFILE_VERSION", "LayerProfile", "ModelProfile"]
 
 PROFILE_FORMAT = "dapple-lightning-profile"
@@ -276,11 +278,7 @@ class ModelProfile:
         if not layers:
             raise ValueError("a profile needs at least one layer")
         object.__setattr__(self, "layers", layers)
-        pbs = self.profile_batch_size
-        if isinstance(pbs, bool) or not isinstance(pbs, int):
-            raise TypeError(f"profile_batch_size must be an integer, got {pbs!r}")
-        if pbs < 1:
-            raise ValueError(f"profile_batch_size must be >= 1, got {pbs}")
+        whole(self.profile_batch_size, "profile_batch_size")
         if not isinstance(self.device, str):
             raise TypeError(f"device must be a string, got {self.device!r}")
         if self.cut_bytes == () or self.cut_bytes is None:

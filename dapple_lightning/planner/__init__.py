@@ -36,7 +36,7 @@ from dapple_lightning.planner._links import (
     message_sizes,
     node_ranks,
 )
-from dapple_lightning.planner._measure import SETTLE_STEPS, fixed_part, fresh_leaves, map_tensors, profile_layers
+from dapple_lightning.planner._measure import SETTLE_STEPS, fixed_part, fresh_leaves, profile_layers
 from dapple_lightning.planner._memory import live_bytes
 from dapple_lightning.planner._objective import OBJECTIVES, check_objective, least_memory, peak_limit
 from dapple_lightning.planner._pipedream import REFERENCE_PROFILES, load_profile, read_pipedream
@@ -57,7 +57,7 @@ from dapple_lightning.planner._select import (
 )
 from dapple_lightning.planner._sharding import ShardPrice, shard_price, sharded_plan
 from dapple_lightning.planner._simulator import Event, Simulation, simulate_plan
-from dapple_lightning.planner._window import AUTO_WINDOW_MOST, WindowChoice, choose_window, replay_window
+from dapple_lightning.planner._window import AUTO_WINDOW_MOST, WindowChoice, choose_window
 
 __all__ = [
     "AUTO_WINDOW_MOST",
@@ -114,7 +114,6 @@ __all__ = [
     "least_memory",
     "live_bytes",
     "load_profile",
-    "map_tensors",
     "measure_and_choose",
     "measure_cluster",
     "measure_in_turns",
@@ -135,7 +134,6 @@ __all__ = [
     "refine",
     "refine_allreduce",
     "relative_spread",
-    "replay_window",
     "replica_candidates",
     "shard_price",
     "sharded_plan",

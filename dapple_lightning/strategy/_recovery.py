@@ -60,6 +60,7 @@ import torch.distributed as dist
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from dapple_lightning.microbatch import tensors
 from dapple_lightning.strategy._ballot import Ballot, Undecided
 from dapple_lightning.strategy._heartbeat import attempt, launcher_client
 from dapple_lightning.strategy._lightning import (
@@ -149,13 +150,7 @@ def room_for(rank: int, size: int, free: Callable[[Path], int] = free_bytes) -> 
 
 def state_bytes(obj: Any) -> int:
     """The bytes of the tensors in ``obj`` (dicts, lists and tuples of them)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.nbytes
-    if isinstance(obj, dict):
-        return sum(state_bytes(v) for v in obj.values())
-    if isinstance(obj, list | tuple):
-        return sum(state_bytes(v) for v in obj)
-    return 0
+    return sum(t.nbytes for t in tensors(obj))
 
 
 def private_directory(path: Path) -> Path:

@@ -11,7 +11,13 @@ which times the process group's links (both import torch only when called).
 from dapple_lightning.planner._baselines import baselines, data_parallel_plan, pipedream_plan, straight_plan
 from dapple_lightning.planner._budget import format_bytes, over_budget, parse_memory, stage_memory_lines
 from dapple_lightning.planner._choice import MIN_SPREAD, MeasuredPlan, PlanChoice, choose_measured, relative_spread
-from dapple_lightning.planner._chunks import ChunkedEstimate, chunked_variants, estimate_chunked, offer_chunks
+from dapple_lightning.planner._chunks import (
+    ChunkedEstimate,
+    best_chunked_offers,
+    chunked_variants,
+    estimate_chunked,
+    offer_chunks,
+)
 from dapple_lightning.planner._clock import DeviceEvent, Stopwatch, device_clock
 from dapple_lightning.planner._cluster import GB, Cluster
 from dapple_lightning.planner._cost import CostModel, Estimate, Placement, estimate
@@ -95,6 +101,7 @@ __all__ = [
     "WindowChoice",
     "allocate",
     "baselines",
+    "best_chunked_offers",
     "best_over_micro_batches",
     "check_objective",
     "choose_measured",

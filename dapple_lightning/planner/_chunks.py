@@ -24,7 +24,7 @@ are predicted faster within the memory budget, each with the sentence their repo
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -36,7 +36,7 @@ from dapple_lightning.schedule import Action, chunked_schedule, simulate
 if TYPE_CHECKING:
     from dapple_lightning.planner._cost import CostModel, Estimate
 
-__all__ = ["ChunkedEstimate", "chunked_variants", "estimate_chunked", "offer_chunks"]
+__all__ = ["ChunkedEstimate", "best_chunked_offers", "chunked_variants", "estimate_chunked", "offer_chunks"]
 
 
 @dataclass(frozen=True)
@@ -164,6 +164,29 @@ def offer_chunks(model: CostModel, baseline: Estimate) -> list[tuple[ChunkedEsti
         if estimate.fits and estimate.step_s < baseline.step_s:
             offers.append((estimate, _reason(estimate, baseline)))
     return sorted(offers, key=lambda offer: offer[0].step_s)
+
+
+def best_chunked_offers(
+    model: CostModel, plans: Iterable[Plan], allowed: float | None = None
+) -> list[tuple[Plan, float, str]]:
+    """The fastest chunked variant (:func:`offer_chunks`) of each pipeline among ``plans`` under
+    DAPPLE's schedule whose stages neither recompute nor are offloaded (chunked plans run neither),
+    priced faster than it within the memory budget (and ``allowed``, when given), with its
+    predicted step and the sentence saying why; each plan once (two pipelines may re-cut to one).
+    One per pipeline: its other layouts and schedules are priced slower, and the trials have a few
+    turns to spend."""
+    out: list[tuple[Plan, float, str]] = []
+    for plan in plans:
+        if plan.num_stages < 2 or plan.schedule != "dapple" or plan.chunks != 1:
+            continue
+        if any(stage.recompute or stage.offload is not None for stage in plan.stages):
+            continue
+        for chunked, reason in offer_chunks(model, model.estimate(plan)):
+            if allowed is None or max(chunked.memory_bytes) <= allowed:
+                if all(chunked.plan != offered for offered, _, _ in out):
+                    out.append((chunked.plan, chunked.step_s, reason))
+                break
+    return out
 
 
 def _reason(chunked: ChunkedEstimate, baseline: Estimate) -> str:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from dapple_lightning.plan import ZERO_BUBBLE, Plan
 from dapple_lightning.planner._choice import MeasuredPlan, PlanChoice, choose_measured
-from dapple_lightning.planner._chunks import estimate_chunked, offer_chunks
+from dapple_lightning.planner._chunks import best_chunked_offers, estimate_chunked
 from dapple_lightning.planner._cluster import Cluster
 from dapple_lightning.planner._cost import CostModel, Placement, estimate
 from dapple_lightning.planner._dp import plan_dapple
@@ -102,7 +102,7 @@ def shortlist(
     it). A pipeline the model prices faster under ``zb-h1``
     (or ``zb-h2``, ``zb-tail``) than under DAPPLE's schedule comes in both (:func:`_zero_bubble_variants`);
     with ``chunks``, its variants with two stages per rank group that are priced faster within the
-    memory budget come in too (:func:`_chunked_variants`).
+    memory budget come in too (:func:`~._chunks.best_chunked_offers`).
 
     ``objective`` and ``memory_margin`` are :func:`plan_dapple`'s: under a memory objective
     every plan shortlisted, data parallelism included, keeps within the peak it allows, and
@@ -122,9 +122,9 @@ def shortlist(
     )
     candidates = [(p.plan, p.predicted_step_s) for p in found]
     allowed = found[0].peak_limit_bytes
-    plain = list(candidates)
+    model = CostModel(profile, cluster, global_batch, optimizer_factor)
+    offered = best_chunked_offers(model, [p.plan for p in found], allowed) if chunks else []
     candidates += _zero_bubble_variants(candidates, profile, cluster, global_batch, optimizer_factor, allowed)
-    offered = _chunked_variants(plain, profile, cluster, global_batch, optimizer_factor, allowed) if chunks else []
     candidates += [(plan, step) for plan, step, _ in offered]
     dp_plan = Plan.data_parallel(profile.num_layers, cluster.world_size)
     try:
@@ -144,34 +144,6 @@ def shortlist(
         chosen[-1] = (dp_plan, dp_step)
     reasons = {plan: reason for plan, _, reason in offered}
     return chosen, dp_step, {plan: reasons[plan] for plan, _ in chosen if plan in reasons}
-
-
-def _chunked_variants(
-    candidates: Sequence[tuple[Plan, float]],
-    profile: ModelProfile,
-    cluster: Cluster,
-    global_batch: int,
-    optimizer_factor: float,
-    allowed: float | None,
-) -> list[tuple[Plan, float, str]]:
-    """The fastest chunked variant (:func:`~._chunks.offer_chunks`) of each pipeline of ``candidates``
-    under DAPPLE's schedule whose stages neither recompute nor are offloaded (chunked plans run
-    neither), priced faster than it within the memory budget (and ``allowed``, when given), with
-    the sentence saying why. One per pipeline: its other layouts and schedules are priced slower,
-    and the trials have a few turns to spend."""
-    model = CostModel(profile, cluster, global_batch, optimizer_factor)
-    out: list[tuple[Plan, float, str]] = []
-    for plan, _ in candidates:
-        if plan.num_stages < 2 or plan.schedule != "dapple" or plan.chunks != 1:
-            continue
-        if any(stage.recompute or stage.offload is not None for stage in plan.stages):
-            continue
-        for chunked, reason in offer_chunks(model, model.estimate(plan)):
-            if allowed is None or max(chunked.memory_bytes) <= allowed:
-                if all(chunked.plan != offered for offered, _, _ in out):  # two pipelines, one re-cut
-                    out.append((chunked.plan, chunked.step_s, reason))
-                break
-    return out
 
 
 def _zero_bubble_variants(

@@ -21,8 +21,7 @@ from dapple_lightning.planner import (
     refine,
     shortlist,
 )
-from dapple_lightning.planner._chunks import estimate_chunked
-from dapple_lightning.planner._select import _chunked_variants
+from dapple_lightning.planner._chunks import best_chunked_offers, estimate_chunked
 
 
 def _profile(param_bytes: int = 10**9, weight_s: float | None = 1e-3) -> ModelProfile:
@@ -64,8 +63,9 @@ def test_no_chunked_variant_is_offered_where_its_transfers_cost_more_than_the_bu
     # Nor from a pipeline whose stages recompute (chunked plans run none), where the same stages without it get one.
     plain = Plan.straight(8, 2, 8)
     recomputing = dataclasses.replace(plain, stages=[dataclasses.replace(s, recompute=True) for s in plain.stages])
-    assert _chunked_variants([(plain, 1.0)], profile, _cluster(), 8, 0.0, None)
-    assert _chunked_variants([(recomputing, 1.0)], profile, _cluster(), 8, 0.0, None) == []
+    model = CostModel(profile, _cluster(), 8, 0.0)
+    assert best_chunked_offers(model, [plain])
+    assert best_chunked_offers(model, [recomputing]) == []
 
 
 def test_the_report_says_why_a_chunked_plan_was_offered_and_chosen():

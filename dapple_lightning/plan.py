@@ -643,10 +643,8 @@ def _window(offload: int | str | None) -> str:
 
 
 def _is_omegaconf(obj: Any) -> bool:
-    try:
-        from omegaconf import DictConfig
-    except ImportError:  # pragma: no cover - omegaconf is a dependency
-        return False
+    from omegaconf import DictConfig
+
     return isinstance(obj, DictConfig)
 
 

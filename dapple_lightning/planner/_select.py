@@ -124,11 +124,11 @@ def shortlist(
     allowed = found[0].peak_limit_bytes
     model = CostModel(profile, cluster, global_batch, optimizer_factor)
     offered = best_chunked_offers(model, [p.plan for p in found], allowed) if chunks else []
-    candidates += _zero_bubble_variants(candidates, profile, cluster, global_batch, optimizer_factor, allowed)
+    candidates += _zero_bubble_variants(model, candidates, allowed)
     candidates += [(plan, step) for plan, step, _ in offered]
     dp_plan = Plan.data_parallel(profile.num_layers, cluster.world_size)
     try:
-        dp = estimate(dp_plan, profile, cluster, global_batch, optimizer_factor=optimizer_factor)
+        dp = model.estimate(dp_plan)
         dp_step = dp.step_s if dp.fits else None
     except ValueError:  # fewer samples than devices: data parallelism cannot run at all
         dp_step = None
@@ -147,12 +147,7 @@ def shortlist(
 
 
 def _zero_bubble_variants(
-    candidates: Sequence[tuple[Plan, float]],
-    profile: ModelProfile,
-    cluster: Cluster,
-    global_batch: int,
-    optimizer_factor: float,
-    allowed: float | None,
+    model: CostModel, candidates: Sequence[tuple[Plan, float]], allowed: float | None
 ) -> list[tuple[Plan, float]]:
     """Each pipeline of ``candidates`` under ``zb-h1`` where the cost model prices it faster and
     it fits (within ``allowed`` too, when given): the dynamic program searches DAPPLE's chains,
@@ -170,7 +165,7 @@ def _zero_bubble_variants(
         best = predicted
         for name in ZERO_BUBBLE:  # zb-h1 first: zb-h2 must beat it to be worth its memory
             zb = dataclasses.replace(plan, schedule=name)
-            est = estimate(zb, profile, cluster, global_batch, optimizer_factor=optimizer_factor)
+            est = model.estimate(zb)
             if not any(est.weight_s):  # no W measured: the split's gain is unknown, its cost is not
                 break
             faster = est.step_s < (predicted if name == "zb-tail" else best)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from dapple_lightning.plan import LAYOUTS, Plan, Stage, balanced_cuts
+from dapple_lightning.planner._budget import format_bytes
 from dapple_lightning.planner._cost import Placement
 from dapple_lightning.planner._zero_bubble import stage_weight
 from dapple_lightning.schedule import Action, chunked_schedule, simulate
@@ -195,5 +196,5 @@ def _reason(chunked: ChunkedEstimate, baseline: Estimate) -> str:
         f"{plan.schedule} with {plan.chunks} stages per group ({plan.layout}): predicted {chunked.step_s:.4g} s/step "
         f"against {baseline.step_s:.4g} s under {baseline.plan.schedule} (bubble {chunked.bubble_fraction:.0%} against "
         f"{baseline.bubble_fraction:.0%}; {chunked.messages} messages between ranks per step), peak memory "
-        f"{max(chunked.memory_bytes) / 2**30:.2f} GiB per device within {chunked.memory_limit / 2**30:.2f} GiB"
+        f"{format_bytes(max(chunked.memory_bytes))} per device within {format_bytes(chunked.memory_limit)}"
     )

@@ -61,6 +61,7 @@ from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from dapple_lightning.microbatch import tensors
+from dapple_lightning.planner import format_bytes
 from dapple_lightning.strategy._ballot import Ballot, Undecided
 from dapple_lightning.strategy._heartbeat import attempt, launcher_client
 from dapple_lightning.strategy._lightning import (
@@ -143,7 +144,7 @@ def room_for(rank: int, size: int, free: Callable[[Path], int] = free_bytes) -> 
     if chosen != places[0]:
         sys.stderr.write(
             f"dapple: rank {rank} keeps its state for recovery in {chosen.parent}: {places[0].parent} has "
-            f"{free(places[0].parent) / 2**20:.0f} MiB free, {needed / 2**20:.0f} MiB are needed\n"
+            f"{format_bytes(free(places[0].parent))} free, {format_bytes(needed)} are needed\n"
         )
     return chosen
 

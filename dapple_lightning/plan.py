@@ -48,6 +48,7 @@ __all__ = [
     "ZERO_BUBBLE",
     "Plan",
     "Stage",
+    "number",
     "whole",
 ]
 
@@ -77,6 +78,16 @@ def whole(value: Any, what: str, low: int | None = 1) -> int:
     if low is not None and value < low:
         raise ValueError(f"{what} must be >= {low}, got {value}")
     return value
+
+
+def number(value: Any, what: str) -> float:
+    """``value`` as a float when it is a finite number >= 0; else the error that names ``what``
+    (``forward_s: true`` is a mistake, not 1 second)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{what} must be a number, got {value!r} ({type(value).__name__})")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{what} must be a finite number >= 0, got {value!r}")
+    return float(value)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dapple_lightning.plan import whole
+from dapple_lightning.plan import number, whole
 
 __all__ = ["GB", "Cluster"]
 
@@ -77,11 +77,7 @@ class Cluster:
             if not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"cluster {name} must be a finite number > 0 (bytes or bytes/s), got {value!r}")
             object.__setattr__(self, name, float(value))
-        if isinstance(self.latency_s, bool) or not isinstance(self.latency_s, int | float):
-            raise TypeError(f"cluster latency_s must be a number, got {self.latency_s!r}")
-        if not (self.latency_s >= 0 and math.isfinite(self.latency_s)):
-            raise ValueError(f"cluster latency_s must be a finite number >= 0, got {self.latency_s!r}")
-        object.__setattr__(self, "latency_s", float(self.latency_s))
+        object.__setattr__(self, "latency_s", number(self.latency_s, "cluster latency_s"))
         if self.compute_units is not None:
             whole(self.compute_units, "cluster compute_units (None: independent devices)")
 

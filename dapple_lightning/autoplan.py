@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dapple_lightning.microbatch import map_tensors
 from dapple_lightning.plan import ZERO_BUBBLE, Plan
 from dapple_lightning.planner import (
     TRIAL_MARGIN,
@@ -52,7 +53,6 @@ from dapple_lightning.planner import (
     estimate,
     fixed_part,
     fresh_leaves,
-    map_tensors,
     measure_and_choose,
     measure_cluster,
     message_sizes,
@@ -185,7 +185,7 @@ def time_step_around(
 
 def _device_of(value: Any) -> torch.device:
     found: list[torch.device] = []
-    map_tensors(lambda t: found.append(t.device), value)
+    map_tensors(value, lambda t: found.append(t.device))
     return found[0] if found else torch.device("cpu")
 
 
@@ -338,7 +338,7 @@ def profile_in_windows(
         profiles.append(profile_layers(modules, value, **kwargs))
         if window is not parts[-1]:
             with torch.no_grad():
-                value = map_tensors(lambda t: t.clone(), value)  # a layer that changes its input in place
+                value = map_tensors(value, lambda t: t.clone())  # a layer that changes its input in place
                 for module in modules:
                     value = module(value)
     if hold is not None:

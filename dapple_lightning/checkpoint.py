@@ -9,6 +9,7 @@ translate through parameter *names*, which every layout shares.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -36,18 +37,7 @@ def to_single_device(
     """
     if len(groups) != len(full_names):
         raise ValueError(f"optimizer has {len(groups)} param groups here but {len(full_names)} on one device")
-    out_state: dict[int, Any] = {}
-    out_groups = []
-    index = 0
-    for group, names in zip(groups, full_names):
-        params = []
-        for name in names:
-            if name in states:
-                out_state[index] = states[name]
-            params.append(index)
-            index += 1
-        out_groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
-    return {"state": out_state, "param_groups": out_groups}
+    return _numbered(states, groups, full_names)
 
 
 def to_local(single: Mapping[str, Any], full_names: GroupNames, local_names: GroupNames) -> dict[str, Any]:
@@ -66,15 +56,23 @@ def to_local(single: Mapping[str, Any], full_names: GroupNames, local_names: Gro
                 f"model's {len(names)}; resume with the same model and configure_optimizers"
             )
         position.update(zip(names, group["params"]))
-    state: dict[int, Any] = {}
-    out_groups = []
-    index = 0
-    for group, names in zip(groups, local_names):
-        params = []
-        for name in names:
-            if position[name] in single["state"]:
-                state[index] = single["state"][position[name]]
-            params.append(index)
-            index += 1
-        out_groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
-    return {"state": state, "param_groups": out_groups}
+    local = [name for group in local_names for name in group]
+    states = {name: single["state"][position[name]] for name in local if position[name] in single["state"]}
+    return _numbered(states, groups, local_names)
+
+
+def _numbered(states: Mapping[str, Any], groups: Sequence[Mapping[str, Any]], names: GroupNames) -> dict[str, Any]:
+    """An optimizer ``state_dict`` holding the parameters ``names`` (numbered across the groups in
+    that order) with the hyperparameters of ``groups`` and each parameter's entry in ``states``."""
+    flat = [name for group in names for name in group]
+    starts = itertools.accumulate((len(group) for group in names), initial=0)
+    return {
+        "state": {index: states[name] for index, name in enumerate(flat) if name in states},
+        "param_groups": [
+            {
+                **{k: v for k, v in group.items() if k != "params"},
+                "params": list(range(start, start + len(group_names))),
+            }
+            for group, group_names, start in zip(groups, names, starts)
+        ],
+    }

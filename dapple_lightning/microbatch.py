@@ -43,7 +43,7 @@ import copy
 import dataclasses
 import sys
 from collections import UserDict, defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -59,6 +59,7 @@ __all__ = [
     "even_split",
     "map_tensors",
     "slice_batch",
+    "tensors",
     "transfers",
 ]
 
@@ -140,6 +141,15 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
         return obj
     encodings = obj.encodings if _is_batch_encoding(obj) else None
     return _rebuild(obj, [map_tensors(v, fn) for _, v in fields], encodings=encodings)
+
+
+def tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in ``obj``: a tensor, or Mappings, lists and tuples of them, nested."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, Mapping | list | tuple):
+        for value in obj.values() if isinstance(obj, Mapping) else obj:
+            yield from tensors(value)
 
 
 # ------------------------------------------------------------------------ reading the rows

@@ -39,7 +39,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ALL_SCHEDULES", "CHUNKED_SCHEDULES", "LAYOUTS", "SCHEDULES", "SHARDING", "ZERO_BUBBLE", "Plan", "Stage"]
+__all__ = [
+    "ALL_SCHEDULES",
+    "CHUNKED_SCHEDULES",
+    "LAYOUTS",
+    "SCHEDULES",
+    "SHARDING",
+    "ZERO_BUBBLE",
+    "Plan",
+    "Stage",
+    "number",
+    "whole",
+]
 
 SCHEDULES = ("dapple", "gpipe")
 """The schedules the planner's cost model knows and the search tries."""
@@ -59,11 +70,24 @@ optimizer state (parameters gathered once per step and kept through it); ``"full
 (gathered per layer for each forward and each backward, freed after)."""
 
 
-def _as_int(value: Any, what: str) -> int:
-    # bool is an int subclass; `replicas: true` is a typo, not a count.
+def whole(value: Any, what: str, low: int | None = 1) -> int:
+    """``value`` when it is an integer of at least ``low`` (any, for ``None``); else the error that
+    names ``what``. bool is an int subclass, but ``replicas: true`` is a typo, not a count."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{what} must be an integer, got {value!r} ({type(value).__name__})")
+    if low is not None and value < low:
+        raise ValueError(f"{what} must be >= {low}, got {value}")
     return value
+
+
+def number(value: Any, what: str) -> float:
+    """``value`` as a float when it is a finite number >= 0; else the error that names ``what``
+    (``forward_s: true`` is a mistake, not 1 second)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{what} must be a number, got {value!r} ({type(value).__name__})")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{what} must be a finite number >= 0, got {value!r}")
+    return float(value)
 
 
 @dataclass(frozen=True)
@@ -92,7 +116,7 @@ class Stage:
     ``"grads"`` (gradients and optimizer state) or ``"full"`` (parameters too); see :data:`SHARDING`."""
 
     def __post_init__(self) -> None:
-        _as_int(self.start, "stage start layer")
+        whole(self.start, "stage start layer", low=None)
         self._check_shard()
         if not isinstance(self.recompute, bool):
             raise TypeError(f"stage `recompute` must be true or false, got {self.recompute!r}")
@@ -106,8 +130,8 @@ class Stage:
                 raise ValueError(
                     f"stage [{self.start}, {self.end}) sets both recompute and offload; choose one of them"
                 )
-        _as_int(self.end, "stage end layer")
-        _as_int(self.replicas, "stage replicas")
+        whole(self.end, "stage end layer", low=None)
+        whole(self.replicas, "stage replicas", low=None)
         if self.start < 0:
             raise ValueError(f"stage layers must start at 0 or later, got start={self.start}")
         if self.end <= self.start:
@@ -118,7 +142,7 @@ class Stage:
         if self.replicas < 1:
             raise ValueError(f"stage replicas must be >= 1, got {self.replicas}")
         if self.ranks is not None:
-            ranks = tuple(_as_int(r, "stage rank") for r in self.ranks)
+            ranks = tuple(whole(r, "stage rank", low=None) for r in self.ranks)
             object.__setattr__(self, "ranks", ranks)
             if len(ranks) != self.replicas:
                 raise ValueError(
@@ -222,9 +246,7 @@ class Plan:
         object.__setattr__(self, "stages", stages)
         if not stages:
             raise ValueError("a plan needs at least one stage")
-        _as_int(self.micro_batches, "micro_batches")
-        if self.micro_batches < 1:
-            raise ValueError(f"micro_batches must be >= 1, got {self.micro_batches}")
+        whole(self.micro_batches, "micro_batches")
         if self.schedule not in (*ALL_SCHEDULES, *CHUNKED_SCHEDULES):
             raise ValueError(
                 f"unknown schedule {self.schedule!r}; choose one of {list(ALL_SCHEDULES)}, or with chunks "
@@ -348,7 +370,7 @@ class Plan:
     def _check_chunks(self, stages: tuple[Stage, ...]) -> None:
         """Refuse a chunk count, layout or schedule that do not fit together, naming the fix."""
         chunks, layout, name = self.chunks, self.layout, self.schedule
-        _as_int(chunks, "chunks")
+        whole(chunks, "chunks", low=None)
         if chunks < 1:
             raise ValueError(f"chunks is the number of stages per rank group, >= 1; got {chunks}")
         if layout not in LAYOUTS:
@@ -632,10 +654,8 @@ def _window(offload: int | str | None) -> str:
 
 
 def _is_omegaconf(obj: Any) -> bool:
-    try:
-        from omegaconf import DictConfig
-    except ImportError:  # pragma: no cover - omegaconf is a dependency
-        return False
+    from omegaconf import DictConfig
+
     return isinstance(obj, DictConfig)
 
 

@@ -228,42 +228,23 @@ def set_submodule(root: nn.Module, path: str, new: nn.Module) -> None:
 
 
 def partition(layers: Container | Chain, plan: Plan, rank: int) -> StageModule:
-    """This rank's :class:`StageModule` of ``plan``: its stage's layers of one container, under their
-    own names, or of a chain of several, named by their index in the chain (messages then name
-    their paths)."""
-    if plan.chunks > 1:
-        return _partition_chunks(layers, plan, rank)
-    stage = plan.stages[plan.stage_of(rank)]
+    """This rank's :class:`StageModule` of ``plan``: its stage's layers (under chunks, every stage's
+    of the rank, in stage order: the executor runs one stage's per call) of one container, under
+    their own names, or of a chain of several, named by their index in the chain (messages then
+    name their paths)."""
+    stages = [plan.stages[s] for s in plan.stages_of(rank)]
+    indices = [i for stage in stages for i in range(stage.start, stage.end)]
+    # Under chunks no stage recomputes or offloads (the plan refuses it): the first stage speaks for all.
+    options: dict[str, Any] = {"recompute": stages[0].recompute, "offload": stages[0].offload}
     if isinstance(layers, Chain) and len(layers.containers) == 1:
         layers = layers.containers[0]
     if isinstance(layers, Chain):
         named = layers.named_layers()
-        return StageModule(
-            [(str(i), named[i][1]) for i in range(stage.start, stage.end)],
-            blocks=len(layers),
-            names=[name for name, _ in named],
-            recompute=stage.recompute,
-            offload=stage.offload,
-        )
+        names = [name for name, _ in named]
+        return StageModule([(str(i), named[i][1]) for i in indices], blocks=len(layers), names=names, **options)
     named = list(layers.named_children())
     blocks = len(layers) if isinstance(layers, nn.ModuleList) else None
-    return StageModule(named[stage.start : stage.end], blocks=blocks, recompute=stage.recompute, offload=stage.offload)
-
-
-def _partition_chunks(layers: Container | Chain, plan: Plan, rank: int) -> StageModule:
-    """:func:`partition` of a plan whose rank groups hold several stages: one module with every
-    stage's layers of the rank, in stage order (the executor runs one stage's per call)."""
-    indices = [i for s in plan.stages_of(rank) for i in range(plan.stages[s].start, plan.stages[s].end)]
-    if isinstance(layers, Chain) and len(layers.containers) == 1:
-        layers = layers.containers[0]
-    if isinstance(layers, Chain):
-        named = layers.named_layers()
-        return StageModule(
-            [(str(i), named[i][1]) for i in indices], blocks=len(layers), names=[name for name, _ in named]
-        )
-    named = list(layers.named_children())
-    blocks = len(layers) if isinstance(layers, nn.ModuleList) else None
-    return StageModule([named[i] for i in indices], blocks=blocks)
+    return StageModule([named[i] for i in indices], blocks=blocks, **options)
 
 
 @dataclass

@@ -11,7 +11,13 @@ which times the process group's links (both import torch only when called).
 from dapple_lightning.planner._baselines import baselines, data_parallel_plan, pipedream_plan, straight_plan
 from dapple_lightning.planner._budget import format_bytes, over_budget, parse_memory, stage_memory_lines
 from dapple_lightning.planner._choice import MIN_SPREAD, MeasuredPlan, PlanChoice, choose_measured, relative_spread
-from dapple_lightning.planner._chunks import ChunkedEstimate, chunked_variants, estimate_chunked, offer_chunks
+from dapple_lightning.planner._chunks import (
+    ChunkedEstimate,
+    best_chunked_offers,
+    chunked_variants,
+    estimate_chunked,
+    offer_chunks,
+)
 from dapple_lightning.planner._clock import DeviceEvent, Stopwatch, device_clock
 from dapple_lightning.planner._cluster import GB, Cluster
 from dapple_lightning.planner._cost import CostModel, Estimate, Placement, estimate
@@ -36,7 +42,7 @@ from dapple_lightning.planner._links import (
     message_sizes,
     node_ranks,
 )
-from dapple_lightning.planner._measure import SETTLE_STEPS, fixed_part, fresh_leaves, map_tensors, profile_layers
+from dapple_lightning.planner._measure import SETTLE_STEPS, fixed_part, fresh_leaves, profile_layers
 from dapple_lightning.planner._memory import live_bytes
 from dapple_lightning.planner._objective import OBJECTIVES, check_objective, least_memory, peak_limit
 from dapple_lightning.planner._pipedream import REFERENCE_PROFILES, load_profile, read_pipedream
@@ -54,11 +60,10 @@ from dapple_lightning.planner._select import (
     refine,
     refine_allreduce,
     shortlist,
-    shortlist_offering,
 )
 from dapple_lightning.planner._sharding import ShardPrice, shard_price, sharded_plan
 from dapple_lightning.planner._simulator import Event, Simulation, simulate_plan
-from dapple_lightning.planner._window import AUTO_WINDOW_MOST, WindowChoice, choose_window, replay_window
+from dapple_lightning.planner._window import AUTO_WINDOW_MOST, WindowChoice, choose_window
 
 __all__ = [
     "AUTO_WINDOW_MOST",
@@ -96,6 +101,7 @@ __all__ = [
     "WindowChoice",
     "allocate",
     "baselines",
+    "best_chunked_offers",
     "best_over_micro_batches",
     "check_objective",
     "choose_measured",
@@ -115,7 +121,6 @@ __all__ = [
     "least_memory",
     "live_bytes",
     "load_profile",
-    "map_tensors",
     "measure_and_choose",
     "measure_cluster",
     "measure_in_turns",
@@ -136,12 +141,10 @@ __all__ = [
     "refine",
     "refine_allreduce",
     "relative_spread",
-    "replay_window",
     "replica_candidates",
     "shard_price",
     "sharded_plan",
     "shortlist",
-    "shortlist_offering",
     "shortlist_with_levers",
     "simulate_plan",
     "stage_memory_lines",

@@ -23,7 +23,7 @@ from typing import Any
 
 from dapple_lightning.plan import SCHEDULES
 from dapple_lightning.planner._baselines import baselines
-from dapple_lightning.planner._budget import parse_memory
+from dapple_lightning.planner._budget import parse_memory, stage_memory_lines
 from dapple_lightning.planner._cluster import GB, Cluster
 from dapple_lightning.planner._dp import PlannedPlan, plan_dapple
 from dapple_lightning.planner._objective import OBJECTIVES
@@ -208,15 +208,8 @@ def _memory_lines(best: PlannedPlan, cluster: Cluster, objective: str) -> str:
     head = f"predicted peak memory per device, best plan (budget {budget / GB:.2f} GB per device"
     if objective != "time" and best.peak_limit_bytes is not None:
         head += f"; objective {objective} allows {best.peak_limit_bytes / GB:.2f} GB"
-    lines = [head + "):"]
-    for index, (stage, peak) in enumerate(zip(best.plan.stages, best.stage_memory_bytes)):
-        share = f"{peak / budget:.0%}" if budget > 0 else "n/a"
-        lines.append(
-            f"  stage {index} (layers {stage.start}-{stage.end - 1}, {stage.replicas} "
-            f"{'replica' if stage.replicas == 1 else 'replicas'}{', recomputing' if stage.recompute else ''}): "
-            f"{peak / GB:.2f} GB of {budget / GB:.2f} GB ({share})"
-        )
-    return "\n".join(lines)
+    lines = stage_memory_lines(best.plan, best.stage_memory_bytes, budget, size=lambda n: f"{n / GB:.2f} GB")
+    return "\n".join([head + "):", *lines])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

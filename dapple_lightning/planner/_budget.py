@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from dapple_lightning.plan import Plan, Stage
 
@@ -65,8 +65,11 @@ def format_bytes(value: float) -> str:
     return f"{value:.0f} B"
 
 
-def stage_memory_lines(plan: Plan, stage_bytes: Sequence[float], budget: float) -> list[str]:
-    """One line per stage: its predicted peak per rank beside the budget, marked when over it."""
+def stage_memory_lines(
+    plan: Plan, stage_bytes: Sequence[float], budget: float, size: Callable[[float], str] = format_bytes
+) -> list[str]:
+    """One line per stage: its predicted peak per rank beside the budget (bytes written by ``size``),
+    marked when over it."""
     lines = []
     for index, (stage, peak) in enumerate(zip(plan.stages, stage_bytes)):
         share = f"{peak / budget:.0%}" if budget > 0 else "n/a"
@@ -74,7 +77,7 @@ def stage_memory_lines(plan: Plan, stage_bytes: Sequence[float], budget: float) 
         lines.append(
             f"  stage {index} (layers {stage.start}-{stage.end - 1}, {stage.replicas} "
             f"{'replica' if stage.replicas == 1 else 'replicas'}{_lever(stage)}): "
-            f"{format_bytes(peak)} of {format_bytes(budget)} ({share}){mark}"
+            f"{size(peak)} of {size(budget)} ({share}){mark}"
         )
     return lines
 

@@ -24,11 +24,12 @@ are predicted faster within the memory budget, each with the sentence their repo
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from dapple_lightning.plan import LAYOUTS, Plan, Stage, balanced_cuts
+from dapple_lightning.planner._budget import format_bytes
 from dapple_lightning.planner._cost import Placement
 from dapple_lightning.planner._zero_bubble import stage_weight
 from dapple_lightning.schedule import Action, chunked_schedule, simulate
@@ -36,7 +37,7 @@ from dapple_lightning.schedule import Action, chunked_schedule, simulate
 if TYPE_CHECKING:
     from dapple_lightning.planner._cost import CostModel, Estimate
 
-__all__ = ["ChunkedEstimate", "chunked_variants", "estimate_chunked", "offer_chunks"]
+__all__ = ["ChunkedEstimate", "best_chunked_offers", "chunked_variants", "estimate_chunked", "offer_chunks"]
 
 
 @dataclass(frozen=True)
@@ -166,11 +167,34 @@ def offer_chunks(model: CostModel, baseline: Estimate) -> list[tuple[ChunkedEsti
     return sorted(offers, key=lambda offer: offer[0].step_s)
 
 
+def best_chunked_offers(
+    model: CostModel, plans: Iterable[Plan], allowed: float | None = None
+) -> list[tuple[Plan, float, str]]:
+    """The fastest chunked variant (:func:`offer_chunks`) of each pipeline among ``plans`` under
+    DAPPLE's schedule whose stages neither recompute nor are offloaded (chunked plans run neither),
+    priced faster than it within the memory budget (and ``allowed``, when given), with its
+    predicted step and the sentence saying why; each plan once (two pipelines may re-cut to one).
+    One per pipeline: its other layouts and schedules are priced slower, and the trials have a few
+    turns to spend."""
+    out: list[tuple[Plan, float, str]] = []
+    for plan in plans:
+        if plan.num_stages < 2 or plan.schedule != "dapple" or plan.chunks != 1:
+            continue
+        if any(stage.recompute or stage.offload is not None for stage in plan.stages):
+            continue
+        for chunked, reason in offer_chunks(model, model.estimate(plan)):
+            if allowed is None or max(chunked.memory_bytes) <= allowed:
+                if all(chunked.plan != offered for offered, _, _ in out):
+                    out.append((chunked.plan, chunked.step_s, reason))
+                break
+    return out
+
+
 def _reason(chunked: ChunkedEstimate, baseline: Estimate) -> str:
     plan = chunked.plan
     return (
         f"{plan.schedule} with {plan.chunks} stages per group ({plan.layout}): predicted {chunked.step_s:.4g} s/step "
         f"against {baseline.step_s:.4g} s under {baseline.plan.schedule} (bubble {chunked.bubble_fraction:.0%} against "
         f"{baseline.bubble_fraction:.0%}; {chunked.messages} messages between ranks per step), peak memory "
-        f"{max(chunked.memory_bytes) / 2**30:.2f} GiB per device within {chunked.memory_limit / 2**30:.2f} GiB"
+        f"{format_bytes(max(chunked.memory_bytes))} per device within {format_bytes(chunked.memory_limit)}"
     )

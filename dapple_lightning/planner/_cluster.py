@@ -18,6 +18,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from dapple_lightning.plan import number, whole
+
 __all__ = ["GB", "Cluster"]
 
 GB = 1e9
@@ -61,11 +63,7 @@ class Cluster:
 
     def __post_init__(self) -> None:
         for name in ("nodes", "devices_per_node"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"cluster {name} must be an integer, got {value!r}")
-            if value < 1:
-                raise ValueError(f"cluster {name} must be >= 1, got {value}")
+            whole(getattr(self, name), f"cluster {name}")
         for name in (
             "intra_p2p_bw",
             "inter_p2p_bw",
@@ -79,16 +77,9 @@ class Cluster:
             if not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"cluster {name} must be a finite number > 0 (bytes or bytes/s), got {value!r}")
             object.__setattr__(self, name, float(value))
-        if isinstance(self.latency_s, bool) or not isinstance(self.latency_s, int | float):
-            raise TypeError(f"cluster latency_s must be a number, got {self.latency_s!r}")
-        if not (self.latency_s >= 0 and math.isfinite(self.latency_s)):
-            raise ValueError(f"cluster latency_s must be a finite number >= 0, got {self.latency_s!r}")
-        object.__setattr__(self, "latency_s", float(self.latency_s))
-        units = self.compute_units
-        if units is not None and (isinstance(units, bool) or not isinstance(units, int)):
-            raise TypeError(f"cluster compute_units must be an integer or None (independent devices), got {units!r}")
-        if units is not None and units < 1:
-            raise ValueError(f"cluster compute_units must be >= 1 or None (independent devices), got {units}")
+        object.__setattr__(self, "latency_s", number(self.latency_s, "cluster latency_s"))
+        if self.compute_units is not None:
+            whole(self.compute_units, "cluster compute_units (None: independent devices)")
 
     # ------------------------------------------------------------------------ factories
 

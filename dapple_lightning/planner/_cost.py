@@ -74,7 +74,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from dapple_lightning.plan import ZERO_BUBBLE, Plan
+from dapple_lightning.plan import ZERO_BUBBLE, Plan, whole
 from dapple_lightning.planner import _zero_bubble
 from dapple_lightning.planner._cluster import Cluster
 from dapple_lightning.planner._profile import ModelProfile
@@ -189,11 +189,7 @@ class CostModel:
             raise TypeError(f"profile must be a ModelProfile, got {type(self.profile).__name__}")
         if not isinstance(self.cluster, Cluster):
             raise TypeError(f"cluster must be a Cluster, got {type(self.cluster).__name__}")
-        gb = self.global_batch
-        if isinstance(gb, bool) or not isinstance(gb, int):
-            raise TypeError(f"global_batch must be an integer, got {gb!r}")
-        if gb < 1:
-            raise ValueError(f"global_batch must be >= 1, got {gb}")
+        whole(self.global_batch, "global_batch")
         factor = self.optimizer_factor
         if isinstance(factor, bool) or not isinstance(factor, int | float) or not (0 <= factor < math.inf):
             raise ValueError(f"optimizer_factor must be a number >= 0 (Adam: 2), got {factor!r}")

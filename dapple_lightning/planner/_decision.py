@@ -38,7 +38,7 @@ class AutoPlan:
     reason: str | None = None
     """Why the choice rule took ``plan`` from the trials (``PlanChoice.reason``); ``None`` without trials."""
     offers: tuple[tuple[Plan, str], ...] = ()
-    """The plans with several stages per rank group that were shortlisted, each with why (``planner.shortlist_offering``)."""
+    """The plans with several stages per rank group that were shortlisted, each with why (``planner.shortlist``)."""
     chunks_refused: str | None = None
     """Why no plan with several stages per rank group was offered for this run, when none could be."""
 

@@ -41,7 +41,7 @@ from dapple_lightning.planner._cluster import Cluster
 from dapple_lightning.planner._cost import estimate
 from dapple_lightning.planner._dp import plan_dapple
 from dapple_lightning.planner._profile import ModelProfile
-from dapple_lightning.planner._select import shortlist_offering
+from dapple_lightning.planner._select import shortlist
 from dapple_lightning.planner._sharding import sharded_plan
 
 __all__ = [
@@ -84,7 +84,7 @@ def shortlist_with_levers(
     shard_refused: ShardRefusal | None = None,
     **options: Any,
 ) -> Shortlist:
-    """:func:`~._select.shortlist_offering` (``options`` are its own), or, when no plan fits the budget, the
+    """:func:`~._select.shortlist` (``options`` are its own), or, when no plan fits the budget, the
     fastest plan that recomputes, else the sharded plan of :func:`sharded_lever`, else the offloaded
     plan of :func:`offloaded_plan`, with a note saying what was changed and why (``None`` when
     nothing was). ``offload_refused``: why the runtime cannot offload here (then offload is not
@@ -95,9 +95,7 @@ def shortlist_with_levers(
             levers did not help.
     """
     try:
-        close, dp_step, offers = shortlist_offering(
-            profile, cluster, global_batch, optimizer_factor=optimizer_factor, **options
-        )
+        close, dp_step, offers = shortlist(profile, cluster, global_batch, optimizer_factor=optimizer_factor, **options)
         return close, dp_step, None, offers
     except ValueError as error:
         if not _no_fit(error):

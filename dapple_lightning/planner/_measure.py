@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
+from dapple_lightning.plan import whole
 from dapple_lightning.planner._clock import Stopwatch
 from dapple_lightning.planner._memory import LayerMemory, memory_counter, optimizer_state_bytes
 from dapple_lightning.planner._profile import LayerProfile, ModelProfile
@@ -19,7 +20,7 @@ from dapple_lightning.planner._profile import LayerProfile, ModelProfile
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["SETTLE_STEPS", "fixed_part", "fresh_leaves", "map_tensors", "profile_layers"]
+__all__ = ["SETTLE_STEPS", "fixed_part", "fresh_leaves", "profile_layers"]
 
 SETTLE_STEPS = 3
 """Optimizer steps before one is timed: the first creates its state, the next still fault its
@@ -43,28 +44,17 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     )
 
 
-def map_tensors(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
-    """``value`` with ``fn`` applied to each tensor in it (a tensor, or tuples and lists of them,
-    nested); anything else is returned as it is."""
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, tuple | list):
-        return type(value)(map_tensors(fn, v) for v in value)
-    return value
-
-
 def fresh_leaves(value: Any) -> Any:
     """``value``'s tensors detached, the floating ones requiring grad: what a layer is run on so
     that its backward computes its input gradient, as every stage but the first must, and goes no
     further."""
+    from dapple_lightning.microbatch import map_tensors
 
     def leaf(t: torch.Tensor) -> torch.Tensor:
         t = t.detach()
         return t.requires_grad_(True) if t.is_floating_point() else t
 
-    return map_tensors(leaf, value)
+    return map_tensors(value, leaf)
 
 
 _IN_PLACE = "leaf Variable that requires grad is being used in an in-place operation"
@@ -74,15 +64,17 @@ def _forward(module: Any, inputs: Any, index: int, on_copy: set[int]) -> Any:
     """``module(inputs)``, or on a copy of ``inputs`` for a layer that changes its input in place
     (``ReLU(inplace=True)``), which a leaf that requires grad refuses: a stage that begins with
     such a layer runs it on a copy too (``runtime.StageModule``), so the copy is timed with it."""
+    from dapple_lightning.microbatch import map_tensors
+
     if index in on_copy:
-        return module(map_tensors(lambda t: t.clone(), inputs))
+        return module(map_tensors(inputs, lambda t: t.clone()))
     try:
         return module(inputs)
     except RuntimeError as err:
         if _IN_PLACE not in str(err):
             raise
         on_copy.add(index)
-        return module(map_tensors(lambda t: t.clone(), inputs))
+        return module(map_tensors(inputs, lambda t: t.clone()))
 
 
 def profile_layers(
@@ -212,10 +204,8 @@ def _checked(
     for index, module in enumerate(modules):
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"layer {index} is a {type(module).__name__}, not a torch.nn.Module")
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"warmup must be an integer >= 0, got {warmup!r}")
+    whole(repeats, "repeats")
+    whole(warmup, "warmup", 0)
     first = _tensors(sample_input)
     if not first or first[0].dim() == 0:
         raise ValueError("sample_input must hold a tensor with the batch in dim 0")
@@ -291,6 +281,8 @@ def _chain(
     backward computes the layer's input gradients alone (none for an integer input)."""
     import torch
 
+    from dapple_lightning.microbatch import map_tensors
+
     count, watch = len(modules), Stopwatch(device)
     outputs: list[Any] = []
     leaves: list[list[torch.Tensor]] = []
@@ -303,7 +295,7 @@ def _chain(
         with watch.span(), nullcontext() if memory is None else memory.forward(index):
             output = _forward(module, inputs, index, on_copy)
         outputs.append(output)
-        value = _detached(output)
+        value = map_tensors(output, torch.Tensor.detach)
     timed_backward = []
     for k in reversed(range(count)):
         outs = [t for t in _tensors(outputs[k]) if t.requires_grad]
@@ -315,7 +307,7 @@ def _chain(
                 else:
                     torch.autograd.backward(outs, grads)
             timed_backward.append(k)
-        outputs[k] = _detached(outputs[k])  # frees the layer's graph
+        outputs[k] = map_tensors(outputs[k], torch.Tensor.detach)  # frees the layer's graph
     seconds = watch.seconds()  # the pass's one wait for the device
     backward_s = [0.0] * count
     for k, spent in zip(timed_backward, seconds[count:]):
@@ -388,11 +380,9 @@ def _time_update(
 
 def _rows(value: Any, rows: int) -> Any:
     """The first ``rows`` rows of every tensor in ``value`` (the batch is dim 0)."""
-    return map_tensors(lambda t: t[:rows], value)
+    from dapple_lightning.microbatch import map_tensors
 
-
-def _detached(value: Any) -> Any:
-    return map_tensors(lambda t: t.detach(), value)
+    return map_tensors(value, lambda t: t[:rows])
 
 
 def _device_name(device: torch.device) -> str:

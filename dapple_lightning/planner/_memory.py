@@ -31,12 +31,11 @@ if TYPE_CHECKING:
 __all__ = ["LayerMemory", "SavedBytes", "live_bytes", "memory_counter", "optimizer_state_bytes"]
 
 
-def _flat_tensors(value: Any) -> list[torch.Tensor]:
-    """Every tensor in ``value`` (nested tuples, lists and dicts)."""
-    import torch
-    from torch.utils._pytree import tree_flatten
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    """:func:`dapple_lightning.microbatch.tensors`, imported on first use: it imports torch."""
+    from dapple_lightning.microbatch import tensors
 
-    return [x for x in tree_flatten(value)[0] if isinstance(x, torch.Tensor)]
+    return tensors(value)
 
 
 def _storage(t: torch.Tensor) -> Any:
@@ -167,9 +166,9 @@ def _tracker_class() -> type:
             kwargs = kwargs or {}
             out = func(*args, **kwargs)
             # Held in a list so that the ids compared below belong to live objects.
-            inputs = [s for s in map(_storage, _flat_tensors((args, kwargs))) if s is not None]
+            inputs = [s for s in map(_storage, _tensors((args, kwargs))) if s is not None]
             known = {id(s) for s in inputs}
-            for storage in map(_storage, _flat_tensors(out)):
+            for storage in map(_storage, _tensors(out)):
                 if storage is not None:
                     self._saw(storage, known)
             return out
@@ -318,7 +317,7 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer, params: Iterable[tor
     seen: dict[int, int] = {}
     for param, state in optimizer.state.items():
         if id(param) in wanted:
-            for t in _flat_tensors(state):
+            for t in _tensors(state):
                 storage = _storage(t)
                 if storage is not None and storage.nbytes():
                     seen.setdefault(storage.data_ptr(), storage.nbytes())

@@ -45,12 +45,13 @@ The PipeDream graph format of the DAPPLE authors' published profiles is read in 
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from dapple_lightning.plan import number, whole
 
 __all__ = ["PEAK_SOURCES", "PROFILE_FORMAT", "PROFILE_VERSION", "LayerProfile", "ModelProfile"]
 
@@ -60,19 +61,9 @@ PEAK_SOURCES = (None, "allocator", "tracker")
 """What ``LayerProfile.peak_source`` may be."""
 
 
-def _number(value: Any, what: str) -> float:
-    # bool is an int subclass; `forward_s: true` is a mistake, not 1 second.
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"{what} must be a number, got {value!r} ({type(value).__name__})")
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"{what} must be a finite number >= 0, got {value!r}")
-    return float(value)
-
-
 def _bytes(value: Any, what: str) -> int:
-    number = _number(value, what)
     # Byte counts are often written as floats ("384000000.000"); keep them whole.
-    return round(number)
+    return round(number(value, what))
 
 
 @dataclass(frozen=True)
@@ -128,8 +119,8 @@ class LayerProfile:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
             raise TypeError(f"layer name must be a string, got {self.name!r}")
-        object.__setattr__(self, "forward_s", _number(self.forward_s, f"layer {self.name!r} forward_s"))
-        object.__setattr__(self, "backward_s", _number(self.backward_s, f"layer {self.name!r} backward_s"))
+        object.__setattr__(self, "forward_s", number(self.forward_s, f"layer {self.name!r} forward_s"))
+        object.__setattr__(self, "backward_s", number(self.backward_s, f"layer {self.name!r} backward_s"))
         object.__setattr__(
             self, "activation_bytes", _bytes(self.activation_bytes, f"layer {self.name!r} activation_bytes")
         )
@@ -141,7 +132,7 @@ class LayerProfile:
                 _bytes(self.optimizer_state_bytes, f"layer {self.name!r} optimizer_state_bytes"),
             )
         for part in ("forward", "backward"):
-            fixed = _number(getattr(self, f"{part}_fixed_s"), f"layer {self.name!r} {part}_fixed_s")
+            fixed = number(getattr(self, f"{part}_fixed_s"), f"layer {self.name!r} {part}_fixed_s")
             if fixed > getattr(self, f"{part}_s"):
                 raise ValueError(
                     f"layer {self.name!r}: {part}_fixed_s ({fixed}) exceeds {part}_s ({getattr(self, f'{part}_s')}); "
@@ -149,9 +140,9 @@ class LayerProfile:
                 )
             object.__setattr__(self, f"{part}_fixed_s", fixed)
         for name in ("update_s", "accumulate_s"):
-            object.__setattr__(self, name, _number(getattr(self, name), f"layer {self.name!r} {name}"))
+            object.__setattr__(self, name, number(getattr(self, name), f"layer {self.name!r} {name}"))
         if self.weight_s is not None:
-            weight = _number(self.weight_s, f"layer {self.name!r} weight_s")
+            weight = number(self.weight_s, f"layer {self.name!r} weight_s")
             if weight > self.backward_s:
                 raise ValueError(
                     f"layer {self.name!r}: weight_s ({weight}) exceeds backward_s ({self.backward_s}); "
@@ -276,11 +267,7 @@ class ModelProfile:
         if not layers:
             raise ValueError("a profile needs at least one layer")
         object.__setattr__(self, "layers", layers)
-        pbs = self.profile_batch_size
-        if isinstance(pbs, bool) or not isinstance(pbs, int):
-            raise TypeError(f"profile_batch_size must be an integer, got {pbs!r}")
-        if pbs < 1:
-            raise ValueError(f"profile_batch_size must be >= 1, got {pbs}")
+        whole(self.profile_batch_size, "profile_batch_size")
         if not isinstance(self.device, str):
             raise TypeError(f"device must be a string, got {self.device!r}")
         if self.cut_bytes == () or self.cut_bytes is None:

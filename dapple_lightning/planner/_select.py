@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from dapple_lightning.plan import ZERO_BUBBLE, Plan
 from dapple_lightning.planner._choice import MeasuredPlan, PlanChoice, choose_measured
-from dapple_lightning.planner._chunks import estimate_chunked, offer_chunks
+from dapple_lightning.planner._chunks import best_chunked_offers, estimate_chunked
 from dapple_lightning.planner._cluster import Cluster
 from dapple_lightning.planner._cost import CostModel, Placement, estimate
 from dapple_lightning.planner._dp import plan_dapple
@@ -33,7 +33,6 @@ __all__ = [
     "refine",
     "refine_allreduce",
     "shortlist",
-    "shortlist_offering",
 ]
 
 
@@ -94,46 +93,20 @@ def shortlist(
     objective: str = "time",
     memory_margin: float = 0.1,
     chunks: bool = True,
-) -> tuple[list[tuple[Plan, float]], float | None]:
+) -> tuple[list[tuple[Plan, float]], float | None, dict[Plan, str]]:
     """The planner's best plan and the others predicted within ``margin`` of it (a share of the
     best's step), pure data parallelism (M = 1) among them when it is that close, at most
     ``limit``, fastest predicted first; and data parallelism's predicted step (``None`` when it
-    does not fit in memory or the batch). A pipeline the model prices faster under ``zb-h1``
+    does not fit in memory or the batch); and for each chunked plan shortlisted, the sentence that
+    says why it was offered (the plain plan it was made from, bubble, messages and memory against
+    it). A pipeline the model prices faster under ``zb-h1``
     (or ``zb-h2``, ``zb-tail``) than under DAPPLE's schedule comes in both (:func:`_zero_bubble_variants`);
     with ``chunks``, its variants with two stages per rank group that are priced faster within the
-    memory budget come in too (:func:`_chunked_variants`).
+    memory budget come in too (:func:`~._chunks.best_chunked_offers`).
 
     ``objective`` and ``memory_margin`` are :func:`plan_dapple`'s: under a memory objective
     every plan shortlisted, data parallelism included, keeps within the peak it allows, and
     the trials only choose among those."""
-    close, dp_step, _ = shortlist_offering(
-        profile,
-        cluster,
-        global_batch,
-        optimizer_factor=optimizer_factor,
-        margin=margin,
-        limit=limit,
-        objective=objective,
-        memory_margin=memory_margin,
-        chunks=chunks,
-    )
-    return close, dp_step
-
-
-def shortlist_offering(
-    profile: ModelProfile,
-    cluster: Cluster,
-    global_batch: int,
-    *,
-    optimizer_factor: float = 2.0,
-    margin: float = TRIAL_MARGIN,
-    limit: int = TRIAL_LIMIT,
-    objective: str = "time",
-    memory_margin: float = 0.1,
-    chunks: bool = True,
-) -> tuple[list[tuple[Plan, float]], float | None, dict[Plan, str]]:
-    """:func:`shortlist`, and for each chunked plan it shortlisted the sentence that says why it
-    was offered (the plain plan it was made from, bubble, messages and memory against it)."""
     if not 0.0 <= margin < 1.0:
         raise ValueError(f"margin must be in [0, 1), got {margin!r}")
     if limit < 1:
@@ -149,13 +122,13 @@ def shortlist_offering(
     )
     candidates = [(p.plan, p.predicted_step_s) for p in found]
     allowed = found[0].peak_limit_bytes
-    plain = list(candidates)
-    candidates += _zero_bubble_variants(candidates, profile, cluster, global_batch, optimizer_factor, allowed)
-    offered = _chunked_variants(plain, profile, cluster, global_batch, optimizer_factor, allowed) if chunks else []
+    model = CostModel(profile, cluster, global_batch, optimizer_factor)
+    offered = best_chunked_offers(model, [p.plan for p in found], allowed) if chunks else []
+    candidates += _zero_bubble_variants(model, candidates, allowed)
     candidates += [(plan, step) for plan, step, _ in offered]
     dp_plan = Plan.data_parallel(profile.num_layers, cluster.world_size)
     try:
-        dp = estimate(dp_plan, profile, cluster, global_batch, optimizer_factor=optimizer_factor)
+        dp = model.estimate(dp_plan)
         dp_step = dp.step_s if dp.fits else None
     except ValueError:  # fewer samples than devices: data parallelism cannot run at all
         dp_step = None
@@ -173,41 +146,8 @@ def shortlist_offering(
     return chosen, dp_step, {plan: reasons[plan] for plan, _ in chosen if plan in reasons}
 
 
-def _chunked_variants(
-    candidates: Sequence[tuple[Plan, float]],
-    profile: ModelProfile,
-    cluster: Cluster,
-    global_batch: int,
-    optimizer_factor: float,
-    allowed: float | None,
-) -> list[tuple[Plan, float, str]]:
-    """The fastest chunked variant (:func:`~._chunks.offer_chunks`) of each pipeline of ``candidates``
-    under DAPPLE's schedule whose stages neither recompute nor are offloaded (chunked plans run
-    neither), priced faster than it within the memory budget (and ``allowed``, when given), with
-    the sentence saying why. One per pipeline: its other layouts and schedules are priced slower,
-    and the trials have a few turns to spend."""
-    model = CostModel(profile, cluster, global_batch, optimizer_factor)
-    out: list[tuple[Plan, float, str]] = []
-    for plan, _ in candidates:
-        if plan.num_stages < 2 or plan.schedule != "dapple" or plan.chunks != 1:
-            continue
-        if any(stage.recompute or stage.offload is not None for stage in plan.stages):
-            continue
-        for chunked, reason in offer_chunks(model, model.estimate(plan)):
-            if allowed is None or max(chunked.memory_bytes) <= allowed:
-                if all(chunked.plan != offered for offered, _, _ in out):  # two pipelines, one re-cut
-                    out.append((chunked.plan, chunked.step_s, reason))
-                break
-    return out
-
-
 def _zero_bubble_variants(
-    candidates: Sequence[tuple[Plan, float]],
-    profile: ModelProfile,
-    cluster: Cluster,
-    global_batch: int,
-    optimizer_factor: float,
-    allowed: float | None,
+    model: CostModel, candidates: Sequence[tuple[Plan, float]], allowed: float | None
 ) -> list[tuple[Plan, float]]:
     """Each pipeline of ``candidates`` under ``zb-h1`` where the cost model prices it faster and
     it fits (within ``allowed`` too, when given): the dynamic program searches DAPPLE's chains,
@@ -225,7 +165,7 @@ def _zero_bubble_variants(
         best = predicted
         for name in ZERO_BUBBLE:  # zb-h1 first: zb-h2 must beat it to be worth its memory
             zb = dataclasses.replace(plan, schedule=name)
-            est = estimate(zb, profile, cluster, global_batch, optimizer_factor=optimizer_factor)
+            est = model.estimate(zb)
             if not any(est.weight_s):  # no W measured: the split's gain is unknown, its cost is not
                 break
             faster = est.step_s < (predicted if name == "zb-tail" else best)

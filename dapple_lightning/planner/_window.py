@@ -2,10 +2,10 @@
 
 An offloaded stage (``offload: W``) moves its layers through one worker that reads and writes in
 the order asked: when layer ``i`` starts, the layers that left the window are written out and the
-layers up to ``W - 1`` ahead are read in, and layer ``i`` waits for its own read. :func:`replay_window`
-replays one forward sweep (parameters read, nothing written) and one backward sweep (parameters and
-gradients read, gradients written) from measured per-layer times, and says how long each layer
-waits. :func:`choose_window` takes the smallest window (of at most :data:`AUTO_WINDOW_MOST` layers) whose
+layers up to ``W - 1`` ahead are read in, and layer ``i`` waits for its own read. A window is tried
+by replaying one forward sweep (parameters read, nothing written) and one backward sweep
+(parameters and gradients read, gradients written) from measured per-layer times, which says how
+long each layer waits. :func:`choose_window` takes the smallest window (of at most :data:`AUTO_WINDOW_MOST` layers) whose
 waits stay within a share of the compute, or, when none does, the one that waits least, naming the
 layers that still wait. Pure: no torch.
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["AUTO_WINDOW_MOST", "WindowChoice", "choose_window", "replay_window"]
+__all__ = ["AUTO_WINDOW_MOST", "WindowChoice", "choose_window"]
 
 AUTO_WINDOW_MOST = 4
 """The largest window :func:`choose_window` picks (``offload: auto``), so that the memory budget can
@@ -69,27 +69,16 @@ def _sweep(order: Sequence[int], compute: Sequence[float], read: Sequence[float]
 
 
 def _waits(window, forward_s, backward_s, read_s, write_s) -> tuple[dict[int, float], dict[int, float]]:
-    n = len(forward_s)
-    forward = _sweep(range(n), forward_s, read_s, [0.0] * n, window)
-    backward = _sweep(range(n - 1, -1, -1), backward_s, [2 * r for r in read_s], write_s, window)
-    return forward, backward
-
-
-def replay_window(
-    window: int,
-    forward_s: Sequence[float],
-    backward_s: Sequence[float],
-    read_s: Sequence[float],
-    write_s: Sequence[float],
-) -> dict[int, float]:
-    """Seconds each layer waits in one forward sweep and one backward sweep under ``window``.
+    """Seconds each layer waits in one forward sweep and in one backward sweep under ``window``.
 
     ``read_s``/``write_s``: one layer's parameters (as many bytes as its gradients) read from and
     written to the tier. Forward reads parameters and writes nothing (they did not change);
     backward reads parameters and gradients and writes the gradients back.
     """
-    forward, backward = _waits(window, forward_s, backward_s, read_s, write_s)
-    return {i: forward[i] + backward[i] for i in forward}
+    n = len(forward_s)
+    forward = _sweep(range(n), forward_s, read_s, [0.0] * n, window)
+    backward = _sweep(range(n - 1, -1, -1), backward_s, [2 * r for r in read_s], write_s, window)
+    return forward, backward
 
 
 def choose_window(

@@ -41,7 +41,7 @@ from torch import nn
 
 from dapple_lightning.runtime._stage import StageCall, StageModule
 
-__all__ = ["Placeholder", "stand_in_blocks", "stand_in_chunks", "stand_in_layers"]
+__all__ = ["Placeholder", "stand_in_chunks", "stand_in_layers"]
 
 
 def _check_not_recomputed(index: int) -> None:
@@ -193,15 +193,6 @@ def stand_in_chunks(
             handle.remove()
 
     return stand_ins, remove
-
-
-def stand_in_blocks(
-    blocks: nn.ModuleList, stage: StageModule, start: int, end: int
-) -> tuple[nn.ModuleList, Callable[[], None]]:
-    """:func:`stand_in_layers` for one ``nn.ModuleList`` of blocks."""
-    (stand_in,), remove = stand_in_layers([blocks], stage, start, end)
-    assert isinstance(stand_in, nn.ModuleList)
-    return stand_in, remove
 
 
 def _hooks(index: int, stage: StageModule, *, first: bool, last: bool) -> tuple[Callable, Callable]:

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from dapple_lightning.plan import SCHEDULES
+from dapple_lightning.plan import SCHEDULES, whole
 from dapple_lightning.planner import parse_memory
 from dapple_lightning.search._redact import redact
-from dapple_lightning.search._space import DEFAULT_MAX_PLANS, whole
+from dapple_lightning.search._space import DEFAULT_MAX_PLANS
 from dapple_lightning.trials import TrialConfig
 
 __all__ = ["DEFAULT_HEARTBEAT_S", "DEFAULT_STORAGE", "SearchConfig"]

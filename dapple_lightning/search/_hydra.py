@@ -35,7 +35,7 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
-from dapple_lightning.plan import SCHEDULES, Plan
+from dapple_lightning.plan import SCHEDULES, Plan, whole
 from dapple_lightning.search._bookkeeping import heartbeat_storage
 from dapple_lightning.search._choice import choice_lines, choose_plan, throughput_study
 from dapple_lightning.search._files import write_atomic
@@ -52,7 +52,7 @@ from dapple_lightning.search._loop import (
 from dapple_lightning.search._redact import redact, spells_secret
 from dapple_lightning.search._results import best_choice, trial_plan
 from dapple_lightning.search._seed import BASELINES, compute_units, enqueue_planner_seeds
-from dapple_lightning.search._space import PlanSpace, describe_plan, whole
+from dapple_lightning.search._space import PlanSpace, describe_plan
 from dapple_lightning.trials import Fingerprint, TrialConfig, check_factory_spec, load_factory, probe_model
 
 __all__ = ["SweepSettings", "plan_override", "run_sweep"]

@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 
 import optuna
 
+from dapple_lightning.planner import format_bytes
 from dapple_lightning.search._bookkeeping import CONFIRMS, interrupted_trials
 from dapple_lightning.search._choice import Choice
 from dapple_lightning.search._space import describe_plan
@@ -21,13 +22,7 @@ def clip(text: str, width: int) -> str:
 
 
 def _format_bytes(n: float | None) -> str:
-    if n is None or (isinstance(n, float) and math.isnan(n)):
-        return "-"
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(n) < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} GB"
+    return "-" if n is None or (isinstance(n, float) and math.isnan(n)) else format_bytes(n)
 
 
 def trial_rows(study: optuna.Study) -> list[dict[str, str]]:

@@ -161,22 +161,15 @@ def chunked_offers(
     memory_limit: float | None = None,
 ) -> list[tuple[Plan, float, str]]:
     """For each pipeline among ``seeds`` under DAPPLE's schedule, its fastest variant with two stages
-    per rank group that the cost model predicts faster within the memory budget (see
-    ``planner._chunks.offer_chunks``), with its predicted step and the sentence saying why; each
-    plan once. The space has no parameters for such plans, so the search reports them rather than
-    seeding them (``enqueue_planner_seeds``)."""
-    from dapple_lightning.planner import CostModel, ModelProfile, offer_chunks
+    per rank group that the cost model predicts faster within the memory budget
+    (``planner.best_chunked_offers``, as ``plan="auto"`` offers them), with its predicted step and
+    the sentence saying why; each plan once. The space has no parameters for such plans, so the
+    search reports them rather than seeding them (``enqueue_planner_seeds``)."""
+    from dapple_lightning.planner import CostModel, ModelProfile, best_chunked_offers
 
     cluster = local_cluster(space.world_size, units, memory_limit)
     model = CostModel(ModelProfile.from_dict(profile), cluster, space.global_batch)
-    out: list[tuple[Plan, float, str]] = []
-    for seed in seeds:
-        if seed.plan.num_stages < 2 or seed.plan.schedule != "dapple":
-            continue
-        for chunked, why in offer_chunks(model, model.estimate(seed.plan))[:1]:
-            if all(chunked.plan != plan for plan, _, _ in out):
-                out.append((chunked.plan, chunked.step_s, why))
-    return out
+    return best_chunked_offers(model, [seed.plan for seed in seeds])
 
 
 def memory_refusal(profile: dict[str, Any], space: PlanSpace, memory_limit: float) -> Callable[[Plan], str | None]:

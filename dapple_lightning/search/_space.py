@@ -52,26 +52,17 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
-from dapple_lightning.plan import ALL_SCHEDULES, SCHEDULES, Plan, Stage
+from dapple_lightning.plan import ALL_SCHEDULES, SCHEDULES, Plan, Stage, whole
 
 if TYPE_CHECKING:
     import optuna
 
-__all__ = ["DEFAULT_MAX_PLANS", "PlanSpace", "describe_plan", "params_from_plan", "plan_from_params", "whole"]
+__all__ = ["DEFAULT_MAX_PLANS", "PlanSpace", "describe_plan", "params_from_plan", "plan_from_params"]
 
 DEFAULT_MAX_PLANS = 10_000
 """Default cap of :meth:`PlanSpace.grid`: above it, measuring every plan is not an option anyway
 (a short run takes seconds, so 10,000 plans take most of a day or more; what runs take here is in
 docs/benchmarks.md), so the grid is refused rather than silently cut short."""
-
-
-def whole(value: Any, what: str, low: int = 1) -> int:
-    """``value`` when it is an integer of at least ``low``; else the error that names ``what``."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{what} must be an integer, got {value!r} ({type(value).__name__})")
-    if value < low:
-        raise ValueError(f"{what} must be >= {low}, got {value}")
-    return value
 
 
 @lru_cache(maxsize=4096)

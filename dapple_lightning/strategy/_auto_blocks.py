@@ -47,8 +47,8 @@ import torch
 from torch import nn
 
 from dapple_lightning.autoplan import small_batch_of, time_step_around
-from dapple_lightning.microbatch import batch_size_of
-from dapple_lightning.planner import ModelProfile, fresh_leaves, map_tensors
+from dapple_lightning.microbatch import batch_size_of, map_tensors
+from dapple_lightning.planner import ModelProfile, fresh_leaves
 from dapple_lightning.runtime import StageExit
 from dapple_lightning.strategy._lightning import silenced_log
 from dapple_lightning.surgery import Chain, set_submodule
@@ -217,7 +217,7 @@ def _alike(value: Any, recorded: Any) -> bool:
 
 
 def _copied(value: Any) -> Any:
-    return map_tensors(torch.clone, value)
+    return map_tensors(value, torch.clone)
 
 
 _IN_PLACE = "leaf Variable that requires grad is being used in an in-place operation"

@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 import shutil
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from dapple_lightning.checkpoint import by_name, to_local, to_single_device
+from dapple_lightning.microbatch import tensors
 from dapple_lightning.plan import Plan
 from dapple_lightning.runtime import broadcast, full_value, shard_like
 from dapple_lightning.strategy import _sharded
@@ -248,7 +249,7 @@ class Checkpoints:
         """Rank 0's stand-ins still in ``checkpoint`` (callbacks may have dropped some), by owner; on every rank."""
         requests: dict[int, list[Path_]] = {}
         if self.rank == 0:
-            for tensor in _tensors(checkpoint):
+            for tensor in tensors(checkpoint):
                 if id(tensor) in self._stand_ins:
                     _, owner, path = self._stand_ins[id(tensor)]
                     requests.setdefault(owner, []).append(path)
@@ -472,17 +473,6 @@ def _save_with(checkpoint_io: CheckpointIO, checkpoint: Any, path: Any, storage_
         checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
     else:
         write_atomically(checkpoint_io, checkpoint, path, storage_options)
-
-
-def _tensors(obj: Any) -> Iterator[Tensor]:
-    if isinstance(obj, Tensor):
-        yield obj
-    elif isinstance(obj, Mapping):
-        for value in obj.values():
-            yield from _tensors(value)
-    elif isinstance(obj, list | tuple):
-        for value in obj:
-            yield from _tensors(value)
 
 
 def _replace_tensors(obj: Any, fn: Any) -> Any:

@@ -60,6 +60,8 @@ import torch.distributed as dist
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from dapple_lightning.microbatch import tensors
+from dapple_lightning.planner import format_bytes
 from dapple_lightning.strategy._ballot import Ballot, Undecided
 from dapple_lightning.strategy._heartbeat import attempt, launcher_client
 from dapple_lightning.strategy._lightning import (
@@ -142,20 +144,14 @@ def room_for(rank: int, size: int, free: Callable[[Path], int] = free_bytes) -> 
     if chosen != places[0]:
         sys.stderr.write(
             f"dapple: rank {rank} keeps its state for recovery in {chosen.parent}: {places[0].parent} has "
-            f"{free(places[0].parent) / 2**20:.0f} MiB free, {needed / 2**20:.0f} MiB are needed\n"
+            f"{format_bytes(free(places[0].parent))} free, {format_bytes(needed)} are needed\n"
         )
     return chosen
 
 
 def state_bytes(obj: Any) -> int:
     """The bytes of the tensors in ``obj`` (dicts, lists and tuples of them)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.nbytes
-    if isinstance(obj, dict):
-        return sum(state_bytes(v) for v in obj.values())
-    if isinstance(obj, list | tuple):
-        return sum(state_bytes(v) for v in obj)
-    return 0
+    return sum(t.nbytes for t in tensors(obj))
 
 
 def private_directory(path: Path) -> Path:

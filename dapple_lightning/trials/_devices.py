@@ -47,10 +47,8 @@ def host_devices() -> tuple[str, ...]:
         text = os.environ.get(name)
         if text is not None:
             return tuple(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - torch is a dependency
-        return ()
+    import torch
+
     return tuple(str(i) for i in range(torch.cuda.device_count()))
 
 

@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from dapple_lightning.plan import whole
+
 __all__ = ["Fingerprint", "FingerprintMismatch", "check_fingerprint"]
 
 
@@ -35,9 +37,7 @@ class Fingerprint:
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "world_size", "global_batch"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"fingerprint {name} must be an integer >= 1, got {value!r}")
+            whole(getattr(self, name), f"fingerprint {name}")
         for name in ("architecture", "device"):
             if not isinstance(getattr(self, name), str):
                 raise TypeError(f"fingerprint {name} must be a string, got {getattr(self, name)!r}")

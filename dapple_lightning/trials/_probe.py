@@ -119,9 +119,10 @@ def _device(accelerator: str) -> str:
 
 
 def _profile(seq: Any, first_input: Any, rows: int, device: str, reps: int = 3) -> dict[str, Any]:
-    from dapple_lightning.planner import map_tensors, profile_layers
+    from dapple_lightning.microbatch import map_tensors
+    from dapple_lightning.planner import profile_layers
 
-    sample = map_tensors(lambda t: t[:rows], first_input)
+    sample = map_tensors(first_input, lambda t: t[:rows])
     data = profile_layers(list(seq), sample, repeats=reps, warmup=1).to_dict()
     data["device"] = device
     return data

@@ -46,7 +46,7 @@ from pathlib import Path
 from statistics import median
 from typing import Any, Literal
 
-from dapple_lightning.plan import Plan
+from dapple_lightning.plan import Plan, whole
 from dapple_lightning.trials._child import INFEASIBLE, parse_event
 from dapple_lightning.trials._devices import host_devices, lease_devices
 from dapple_lightning.trials._factory import check_factory_spec
@@ -123,21 +123,14 @@ class TrialConfig:
     def __post_init__(self) -> None:
         check_factory_spec(self.model)
         for name in ("world_size", "global_batch", "steps"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
-            raise ValueError(f"warmup must be an integer >= 0, got {self.warmup!r}")
+            whole(getattr(self, name), name)
+        whole(self.warmup, "warmup", 0)
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0 seconds, got {self.timeout_s!r}")
         if self.stall_timeout_s is not None and not self.stall_timeout_s > 0:
             raise ValueError(f"stall_timeout_s must be > 0 seconds or None, got {self.stall_timeout_s!r}")
-        if self.threads_per_rank is not None and (
-            isinstance(self.threads_per_rank, bool)
-            or not isinstance(self.threads_per_rank, int)
-            or self.threads_per_rank < 1
-        ):
-            raise ValueError(f"threads_per_rank must be an integer >= 1 or None, got {self.threads_per_rank!r}")
+        if self.threads_per_rank is not None:
+            whole(self.threads_per_rank, "threads_per_rank (or None)")
         if not isinstance(self.model_kwargs, Mapping):
             raise TypeError(f"model_kwargs must be a mapping, got {type(self.model_kwargs).__name__}")
         try:

@@ -20,10 +20,8 @@ from dapple_lightning.planner import (
     predicted_step,
     refine,
     shortlist,
-    shortlist_offering,
 )
-from dapple_lightning.planner._chunks import estimate_chunked
-from dapple_lightning.planner._select import _chunked_variants
+from dapple_lightning.planner._chunks import best_chunked_offers, estimate_chunked
 
 
 def _profile(param_bytes: int = 10**9, weight_s: float | None = 1e-3) -> ModelProfile:
@@ -40,7 +38,7 @@ def _cluster(link_bw: float = 10**6 * GB, memory: float = 1e12) -> Cluster:
 def test_a_chunked_variant_predicted_faster_is_shortlisted_with_its_reason():
     profile, cluster = _profile(), _cluster()
     # 8 micro-batches on 2 stages: 1F1B idles a fifth of the step, which the V schedule fills.
-    close, dp_step, offers = shortlist_offering(profile, cluster, 8, optimizer_factor=0.0, margin=0.5)
+    close, dp_step, offers = shortlist(profile, cluster, 8, optimizer_factor=0.0, margin=0.5)
     chunked = [(plan, step) for plan, step in close if plan.chunks > 1]
     assert len(chunked) == 1, close  # once, though two of the planner's pipelines re-cut to it
     plan, step = chunked[0]
@@ -52,27 +50,27 @@ def test_a_chunked_variant_predicted_faster_is_shortlisted_with_its_reason():
     assert close == sorted(close, key=lambda c: c[1]) and close[0][0] == plan
     assert set(offers) == {plan}
     assert offers[plan].startswith("zb-v with 2 stages per group (v): predicted") and "under dapple" in offers[plan]
-    # The same shortlist without chunks has none, and ``shortlist`` is the offering one without reasons.
-    plain_only, same_dp = shortlist(profile, cluster, 8, optimizer_factor=0.0, margin=0.5, chunks=False)
-    assert all(p.chunks == 1 for p, _ in plain_only) and same_dp == dp_step
-    assert shortlist(profile, cluster, 8, optimizer_factor=0.0, margin=0.5) == (close, dp_step)
+    # The same shortlist without chunks has none, and no reasons.
+    plain_only, same_dp, no_offers = shortlist(profile, cluster, 8, optimizer_factor=0.0, margin=0.5, chunks=False)
+    assert all(p.chunks == 1 for p, _ in plain_only) and same_dp == dp_step and no_offers == {}
 
 
 def test_no_chunked_variant_is_offered_where_its_transfers_cost_more_than_the_bubble():
     profile = _profile()
     slow = _cluster(link_bw=2e5)  # a megabyte per cut at 200 kB/s: seconds per message
-    close, _, offers = shortlist_offering(profile, slow, 8, optimizer_factor=0.0, margin=0.9)
+    close, _, offers = shortlist(profile, slow, 8, optimizer_factor=0.0, margin=0.9)
     assert offers == {} and all(p.chunks == 1 for p, _ in close)
     # Nor from a pipeline whose stages recompute (chunked plans run none), where the same stages without it get one.
     plain = Plan.straight(8, 2, 8)
     recomputing = dataclasses.replace(plain, stages=[dataclasses.replace(s, recompute=True) for s in plain.stages])
-    assert _chunked_variants([(plain, 1.0)], profile, _cluster(), 8, 0.0, None)
-    assert _chunked_variants([(recomputing, 1.0)], profile, _cluster(), 8, 0.0, None) == []
+    model = CostModel(profile, _cluster(), 8, 0.0)
+    assert best_chunked_offers(model, [plain])
+    assert best_chunked_offers(model, [recomputing]) == []
 
 
 def test_the_report_says_why_a_chunked_plan_was_offered_and_chosen():
     profile, cluster = _profile(), _cluster()
-    close, dp_step, offers = shortlist_offering(profile, cluster, 8, optimizer_factor=0.0, margin=0.5)
+    close, dp_step, offers = shortlist(profile, cluster, 8, optimizer_factor=0.0, margin=0.5)
     ((chunked, why),) = offers.items()
     step, memory = predicted_step(chunked, profile, cluster, 8, optimizer_factor=0.0)
     trials = tuple(Trial(plan, predicted, predicted) for plan, predicted in close)

@@ -34,7 +34,7 @@ def test_plans_predicted_close_to_the_best_are_shortlisted_for_measurement():
     # 4 GB of gradients to all-reduce at 1 GB/s: data parallelism takes about 10 s, the pipeline
     # (16 micro-batches of one sample) about 6.5.
     profile = _two_layers(2 * 10**9)
-    close, dp_step = shortlist(profile, CLUSTER, 16, optimizer_factor=0.0, margin=0.1)
+    close, dp_step, _ = shortlist(profile, CLUSTER, 16, optimizer_factor=0.0, margin=0.1)
     best, predicted = close[0]
     assert best.num_stages == 2 and predicted == estimate(best, profile, CLUSTER, 16, optimizer_factor=0.0).step_s
     assert dp_step == pytest.approx(10.0, rel=1e-3)
@@ -42,7 +42,7 @@ def test_plans_predicted_close_to_the_best_are_shortlisted_for_measurement():
     assert [p for _, p in close] == sorted(p for _, p in close)
     # A margin wide enough takes data parallelism in, in place of a third pipeline if need be.
     gain = 1 - predicted / dp_step
-    wide, _ = shortlist(profile, CLUSTER, 16, optimizer_factor=0.0, margin=gain + 0.01)
+    wide, _, _ = shortlist(profile, CLUSTER, 16, optimizer_factor=0.0, margin=gain + 0.01)
     assert len(wide) == 3 and wide[0] == close[0]
     assert (Plan.data_parallel(2, 2), dp_step) in wide
     assert shortlist(profile, CLUSTER, 16, optimizer_factor=0.0, margin=0.0)[0] == [close[0]]
@@ -54,7 +54,7 @@ def test_data_parallelism_that_does_not_fit_is_never_shortlisted():
     # 6 GB of parameters (with gradients and Adam state 24 GB) do not fit one 16 GB device; a
     # layer per device does.
     profile = _two_layers(3 * 10**9)
-    close, dp_step = shortlist(profile, CLUSTER, 16, margin=0.99)
+    close, dp_step, _ = shortlist(profile, CLUSTER, 16, margin=0.99)
     assert dp_step is None and all(plan.num_stages == 2 for plan, _ in close)
 
 
@@ -143,14 +143,14 @@ def test_a_memory_objective_shortlists_only_plans_within_its_peak():
     profile = _two_layers(2 * 10**9)
     options = {"optimizer_factor": 0.0, "margin": 0.99}
     dp_plan = Plan.data_parallel(2, 2)
-    by_time, dp_step = shortlist(profile, CLUSTER, 16, **options)
+    by_time, dp_step, _ = shortlist(profile, CLUSTER, 16, **options)
     assert dp_plan in [plan for plan, _ in by_time]
-    by_memory, dp_memory = shortlist(profile, CLUSTER, 16, **options, objective="memory")
+    by_memory, dp_memory, _ = shortlist(profile, CLUSTER, 16, **options, objective="memory")
     assert by_memory and all(plan.num_stages == 2 for plan, _ in by_memory)
     assert dp_memory == dp_step  # still reported, for the speed-up
-    wide, _ = shortlist(profile, CLUSTER, 16, **options, objective="time-within-memory", memory_margin=1.5)
+    wide, _, _ = shortlist(profile, CLUSTER, 16, **options, objective="time-within-memory", memory_margin=1.5)
     assert dp_plan in [plan for plan, _ in wide]
-    tight, _ = shortlist(profile, CLUSTER, 16, **options, objective="time-within-memory", memory_margin=0.5)
+    tight, _, _ = shortlist(profile, CLUSTER, 16, **options, objective="time-within-memory", memory_margin=0.5)
     assert dp_plan not in [plan for plan, _ in tight]
     with pytest.raises(ValueError, match="unknown objective"):
         shortlist(profile, CLUSTER, 16, objective="least")

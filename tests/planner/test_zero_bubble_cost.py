@@ -85,11 +85,11 @@ def test_a_non_uniform_plan_is_estimated_with_each_stages_samples():
 def test_the_auto_shortlist_offers_zero_bubble_when_it_is_priced_faster():
     profile = ModelProfile(tuple(LayerProfile(f"l{i}", 1.0, 2.0, 1000, 10**9, weight_s=1.0) for i in range(2)), 8)
     cluster = Cluster.v100(1, 2, intra_allreduce_bw=1 * GB, intra_p2p_bw=100 * GB)
-    close, _ = shortlist(profile, cluster, 16, optimizer_factor=0.0, margin=0.0)
+    close, _, _ = shortlist(profile, cluster, 16, optimizer_factor=0.0, margin=0.0)
     assert close[0][0].schedule in ("zb-h1", "zb-h2") and close[0][0].num_stages == 2
     # zb-h2 comes in only priced below zb-h1 on the same stages: here its longer warm-up hides
     # the first transfers, so both are offered, zb-h2 first.
-    close, _ = shortlist(profile, cluster, 16, optimizer_factor=0.0, margin=0.2)
+    close, _, _ = shortlist(profile, cluster, 16, optimizer_factor=0.0, margin=0.2)
     priced = {p.schedule: step for p, step in close if p.micro_batches == 16}
     assert priced["zb-h2"] < priced["zb-h1"] < priced.get("dapple", float("inf"))
     # zb-tail, priced faster than DAPPLE's order and about as zb-h2 on two stages, comes in beside it.

@@ -34,6 +34,7 @@ from torch.optim import Optimizer
 
 from dapple_lightning.microbatch import Rows, batch_size_of, concat_slices, map_tensors, slice_batch
 from dapple_lightning.runtime import Pending, Pipeline, StageCall, StageModule, local_part, share
+from dapple_lightning.strategy._batch_leaves import LeafMoves, moves_lazily, plain
 from dapple_lightning.strategy._checkpoint import keep_local
 from dapple_lightning.strategy._lightning import Patches, shadowed_log, transfer_batch
 
@@ -85,6 +86,8 @@ class PipelinedSteps:
         self.dataloader_idx: int | None = None
         """Set while the global batch is on the host (see :meth:`_on_device`): its loader's index."""
         self._fresh: dict[nn.Parameter, Tensor | None] = {}
+        self.leaves = LeafMoves(device)
+        """The micro-batches' tensors moved on first use (on CUDA), and the bytes moved."""
 
     def train(self, pipeline: Pipeline, args: tuple, kwargs: dict, context: Callable) -> Tensor:
         """Lightning's ``training_step``: run the schedule, keep its gradients aside, log, return the loss."""
@@ -138,8 +141,10 @@ class PipelinedSteps:
         total = batch_size_of(args[0])
         capture = _LogCapture(total, last.replicas, pipeline.replica if pipeline.is_last else 0, self.device)
         step = _HookStep(self, pipeline, getattr(module, hook), args, kwargs, capture, train, context, outputs)
+        self.leaves.count_from_zero()
         with shadowed_log(module, capture.log):
             stats = pipeline.run(total, step, train=train)
+        stats.batch_bytes_moved = self.leaves.moved_bytes
         if pipeline.replaying:  # its loss and logs were shared when the step first ran
             return 0.0, {}
         return self._combine(pipeline, step.loss_sum, capture, stats.replica_sum)
@@ -165,13 +170,16 @@ class PipelinedSteps:
             total, values = share((total, values), last_ranks[0], self.device, self.shared, group=pipeline.host_group)
         return total, values
 
-    def _on_device(self, rows: Any) -> Any:
+    def _on_device(self, rows: Any, hook: str) -> Any:
         """A micro-batch's rows through the module's transfer hooks (``transfer_batch_to_device``, then
         ``on_after_batch_transfer``) when the global batch stayed on the host: each rank moves only the
-        rows it computes, and Lightning's callbacks still see the whole batch."""
+        rows it computes, and Lightning's callbacks still see the whole batch. On CUDA each tensor of
+        the rows is copied when ``hook`` first reads it on this rank (:mod:`._batch_leaves`): a stage
+        copies only what its step reads."""
         if self.dataloader_idx is None:
             return rows
-        return transfer_batch(self.module, rows, self.device, self.dataloader_idx)
+        moved = transfer_batch(self.module, self.leaves.host_leaves(rows, hook), self.device, self.dataloader_idx)
+        return plain(moved) if moves_lazily(self.device) else moved
 
     def pinned(self, batch: Any) -> Any:
         """The step's global batch for its micro-batches' copies: on CUDA, while it stays on the host,
@@ -216,7 +224,8 @@ class _HookStep:
         weight = len(rows) / self.total
         self.capture.begin(micro_batch, weight)
         try:
-            out = self.hook(self.steps._on_device(slice_batch(self.batch, rows)), *self.rest, **self.kwargs)
+            rows_here = self.steps._on_device(slice_batch(self.batch, rows), self.hook.__name__)
+            out = self.hook(rows_here, *self.rest, **self.kwargs)
         finally:  # also when the step ends at this stage's exit
             if self.pipeline.is_first:
                 _check_input_rows(self.pipeline.module.call, micro_batch, rows, self.total)

@@ -1,7 +1,7 @@
 """A stage copies to its device only the batch tensors its step reads (strategy/_batch_leaves.py).
 
 On CUDA each micro-batch tensor moves when the stage's code first reads it. On the CPU nothing
-moves, so these tests make the lazy moves happen on CPU processes (``moves_lazily``) and record
+moves, so these tests make the lazy moves happen on CPU processes (``lazy_batch=True``) and record
 each copy (``copy_to_device``, replaced in each rank by the model's ``setup``): a plain
 ``(x, y)`` pipeline's first stage copies ``x``, its last ``y`` and a middle stage nothing; a
 Hugging Face-style step that reads an attention mask copies the mask on every stage; and the
@@ -24,11 +24,13 @@ from torch.utils.data import DataLoader
 from dapple_lightning import Plan
 from dapple_lightning.strategy import _batch_leaves
 from dapple_lightning.strategy._batch_leaves import DeviceLeaf, HostLeaf, LeafMoves, plain
+from dapple_lightning.strategy._step import PipelinedSteps
 
 import models
 from harness import fit
 
 CPU = torch.device("cpu")
+LAZY = {"lazy_batch": True}
 COPIED: list[str] = []
 """In a rank: what each copy moved since the last step's record (dtype and per-row shape)."""
 
@@ -38,15 +40,13 @@ def recording_copy(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host.clone()  # a copy of its own, as the device's is
 
 
-def lazy_on_cpu() -> None:
-    """In this process, batch tensors move lazily to the CPU too, through :func:`recording_copy`."""
-    _batch_leaves.moves_lazily = lambda device: True
+def record_copies() -> None:
+    """In this process, each copy of a batch tensor goes through :func:`recording_copy`."""
     _batch_leaves.copy_to_device = recording_copy
 
 
 @pytest.fixture
 def lazy(monkeypatch) -> list[str]:
-    monkeypatch.setattr(_batch_leaves, "moves_lazily", lambda device: True)
     monkeypatch.setattr(_batch_leaves, "copy_to_device", recording_copy)
     COPIED.clear()
     return COPIED
@@ -60,13 +60,17 @@ def on_device(batch, moves: LeafMoves, hook: str = "training_step"):
 # ------------------------------------------------------------------------ one process
 
 
-def test_nothing_is_wrapped_where_the_device_is_the_cpu():
+def test_nothing_is_wrapped_where_the_device_is_the_cpu_unless_asked():
     batch = {"x": torch.randn(4, 3), "ids": ["a", "b", "c", "d"]}
-    assert LeafMoves(CPU).host_leaves(batch, "training_step") is batch
+    assert not PipelinedSteps(nn.Linear(1, 1), CPU).leaves.lazy
+    assert PipelinedSteps(nn.Linear(1, 1), torch.device("cuda")).leaves.lazy
+    assert not PipelinedSteps(nn.Linear(1, 1), torch.device("cuda"), lazy_batch=False).leaves.lazy
+    assert LeafMoves(CPU, False).host_leaves(batch, "training_step") is batch
+    assert isinstance(LeafMoves(CPU, True).host_leaves(batch, "training_step")["x"], HostLeaf)
 
 
 def test_a_leaf_moves_on_its_first_read_only(lazy):
-    moves = LeafMoves(CPU)
+    moves = LeafMoves(CPU, True)
     x, mask = torch.randn(4, 3), torch.ones(4, 5, dtype=torch.long)
     batch = on_device({"x": x, "mask": mask, "ids": ["a"] * 4}, moves)
     leaf = batch["x"]
@@ -92,7 +96,7 @@ def test_a_leaf_moves_on_its_first_read_only(lazy):
 
 def test_in_place_changes_stay_on_the_copy_and_the_host_batch_is_untouched(lazy):
     host = torch.zeros(3, 2)
-    leaf = on_device({"x": host}, LeafMoves(CPU))["x"]
+    leaf = on_device({"x": host}, LeafMoves(CPU, True))["x"]
     leaf.add_(1)
     leaf[0] = 5
     assert leaf.tolist() == [[5.0, 5.0], [1.0, 1.0], [1.0, 1.0]]
@@ -100,7 +104,7 @@ def test_in_place_changes_stay_on_the_copy_and_the_host_batch_is_untouched(lazy)
 
 
 def test_your_transfer_hook_sees_host_tensors_and_a_move_of_its_own_is_eager(lazy):
-    moves = LeafMoves(CPU)
+    moves = LeafMoves(CPU, True)
     leaves = moves.host_leaves({"x": torch.randn(4, 3), "y": torch.randn(4, 2)}, "training_step")
     x = leaves["x"]
     assert isinstance(x, HostLeaf) and x.device == CPU and x.numpy().shape == (4, 3)
@@ -111,16 +115,21 @@ def test_your_transfer_hook_sees_host_tensors_and_a_move_of_its_own_is_eager(laz
     assert type(plain(leaves)["y"]) is torch.Tensor  # not moved by the hook: a host tensor, as it was
 
 
-def test_what_a_step_read_moves_eagerly_in_the_next_steps(lazy):
-    moves = LeafMoves(CPU)
-    first = on_device({"x": torch.randn(4, 3), "y": torch.randn(4, 2)}, moves)
-    first["y"].sum()
-    second = on_device({"x": torch.randn(4, 3), "y": torch.randn(4, 2)}, moves)
+def test_what_a_step_read_moves_eagerly_in_the_next_steps_of_its_plan(lazy):
+    moves = LeafMoves(CPU, True)
+
+    def step(plan: str, hook: str = "training_step") -> dict:
+        moves.begin_step(plan)
+        return on_device({"x": torch.randn(4, 3), "y": torch.randn(4, 2)}, moves, hook)
+
+    step("plan")["y"].sum()
+    assert moves.moved_bytes == 4 * 2 * 4
+    second = step("plan")
+    assert moves.moved_bytes == 4 * 2 * 4  # y, eagerly
     assert isinstance(second["x"], DeviceLeaf)  # never read: still lazy
     assert type(second["y"]) is torch.Tensor  # read before: a plain tensor from the start
-    assert isinstance(
-        on_device({"x": torch.randn(4, 3), "y": torch.randn(4, 2)}, moves, "validation_step")["y"], DeviceLeaf
-    )
+    assert isinstance(step("plan", "validation_step")["y"], DeviceLeaf)  # another hook reads its own
+    assert isinstance(step("another plan: this rank holds another stage")["y"], DeviceLeaf)
 
 
 def test_autograd_checkpointing_and_a_compiled_block_run_on_a_lazy_leaf(lazy):
@@ -136,7 +145,7 @@ def test_autograd_checkpointing_and_a_compiled_block_run_on_a_lazy_leaf(lazy):
         return out.detach(), block.weight.grad.clone()
 
     want = run(mask)
-    got = run(on_device({"mask": mask}, LeafMoves(CPU))["mask"])
+    got = run(on_device({"mask": mask}, LeafMoves(CPU, True))["mask"])
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
@@ -163,7 +172,7 @@ def copies(out: Path, rank: int) -> list[list]:
 class LazyMLP(models.MLP):
     def setup(self, stage: str) -> None:
         if self.trainer.world_size > 1:
-            lazy_on_cpu()
+            record_copies()
 
 
 VOCAB, SEQ, WIDTH = 11, 6, 8
@@ -191,7 +200,7 @@ class MaskedBlocks(LightningModule):
 
     def setup(self, stage: str) -> None:
         if self.trainer.world_size > 1:
-            lazy_on_cpu()
+            record_copies()
 
     def training_step(self, batch, batch_idx):
         mask = batch["attention_mask"].float()
@@ -224,7 +233,7 @@ def test_each_stage_of_a_plain_pipeline_copies_only_what_it_reads(tmp_path):
     want, _ = fit(LazyMLP, tmp_path / "single")
     (out := tmp_path / "copies").mkdir()
     plan = Plan(stages=[{"layers": [0, 2]}, {"layers": [2, 5]}, {"layers": [5, 7]}], micro_batches=3)
-    got, _ = fit(LazyMLP, tmp_path / "dapple", plan=plan, callbacks=[RecordsCopies(out)])
+    got, _ = fit(LazyMLP, tmp_path / "dapple", plan=plan, callbacks=[RecordsCopies(out)], strategy_kwargs=LAZY)
     torch.testing.assert_close(torch.tensor(got["train_loss"]), torch.tensor(want["train_loss"]), rtol=1e-5, atol=1e-7)
     x_bytes, y_bytes = models.BATCH * models.IN * 4, models.BATCH * models.OUT * 4
     expected = {0: [x_bytes, ["torch.float32[8]"]], 1: [0, []], 2: [y_bytes, ["torch.float32[4]"]]}
@@ -236,7 +245,14 @@ def test_an_attention_mask_is_copied_on_every_stage_and_the_labels_on_the_last(t
     want, _ = fit(MaskedBlocks, tmp_path / "single", loader=encoded)
     (out := tmp_path / "copies").mkdir()
     plan = Plan(stages=[{"layers": [0, 1]}, {"layers": [1, 2]}, {"layers": [2, 3]}], micro_batches=2)
-    got, _ = fit(MaskedBlocks, tmp_path / "dapple", plan=plan, loader=encoded, callbacks=[RecordsCopies(out)])
+    got, _ = fit(
+        MaskedBlocks,
+        tmp_path / "dapple",
+        plan=plan,
+        loader=encoded,
+        callbacks=[RecordsCopies(out)],
+        strategy_kwargs=LAZY,
+    )
     torch.testing.assert_close(torch.tensor(got["train_loss"]), torch.tensor(want["train_loss"]), rtol=1e-5, atol=1e-7)
     ids, mask, labels = models.BATCH * SEQ * 8, models.BATCH * SEQ * 4, models.BATCH * 8
     # The embedding runs on every stage (its output is dropped where the stage receives), so the ids move too.

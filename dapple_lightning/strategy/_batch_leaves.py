@@ -20,9 +20,10 @@ mask on every stage, or a field only now and then. So on CUDA the tensors move l
    mask) then sees a plain tensor (a DeviceLeaf makes it fall back to Python around the read).
    A tensor never read stays lazy, so a field the step reads now and then still arrives.
 
-Nothing here runs where the device is the CPU: there is nothing to move. ``copy_to_device`` and
-``moves_lazily`` are module functions so that a test on CPU processes can make the moves
-happen, and count them.
+Where the device is the CPU nothing here runs by default: there is nothing to move.
+``DappleStrategy(lazy_batch=True)`` runs it there too (nothing is copied; the bytes that would
+move are counted), and ``lazy_batch=False`` turns it off on CUDA, for code that needs plain
+tensors. ``copy_to_device`` is a module function so that a test can record the copies.
 """
 
 from __future__ import annotations
@@ -37,17 +38,12 @@ from torch.utils._pytree import tree_map
 
 from dapple_lightning.microbatch import map_tensors
 
-__all__ = ["DeviceLeaf", "HostLeaf", "LeafMoves", "copy_to_device", "moves_lazily", "plain"]
+__all__ = ["DeviceLeaf", "HostLeaf", "LeafMoves", "copy_to_device", "plain"]
 
 
 def copy_to_device(host: Tensor, device: torch.device) -> Tensor:
     """The copy of a batch tensor's rows to the device (queued, from page-locked memory)."""
     return host.to(device, non_blocking=True)
-
-
-def moves_lazily(device: torch.device) -> bool:
-    """Whether a batch's tensors move to ``device`` on first use: on CUDA only, as elsewhere nothing moves."""
-    return device.type == "cuda"
 
 
 Key = tuple[str, int]
@@ -57,19 +53,25 @@ Key = tuple[str, int]
 class LeafMoves:
     """One rank's lazy copies of its micro-batches' tensors: what was copied, and what its steps read."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
+    def __init__(self, device: torch.device, lazy: bool) -> None:
+        self.device, self.lazy = device, lazy
         self.read: set[Key] = set()
-        """The tensors this rank's step hooks were seen reading: copied eagerly from then on."""
+        """The tensors this rank's step hooks were seen reading under the current plan: copied eagerly from then on."""
         self.moved_bytes = 0
-        """Bytes copied to the device since :meth:`count_from_zero`."""
+        """Bytes copied to the device since the step began."""
+        self._plan: object = None
 
-    def count_from_zero(self) -> None:
+    def begin_step(self, plan: object) -> None:
+        """Count from zero; under another ``plan`` than the last step's (``plan="auto"``'s trials
+        come first), this rank holds another stage, which reads other tensors: learn them anew."""
+        if plan != self._plan:
+            self.read.clear()
+            self._plan = plan
         self.moved_bytes = 0
 
     def host_leaves(self, rows: Any, hook: str) -> Any:
         """``rows`` with each host tensor as a :class:`HostLeaf` (where tensors move lazily)."""
-        if not moves_lazily(self.device):
+        if not self.lazy:
             return rows
         place = itertools.count()
 
@@ -134,9 +136,6 @@ class HostLeaf(Tensor):
     """A host tensor of a micro-batch, as your transfer hook sees it: a CPU tensor in every way but
     one, ``.to(device)`` (or ``.cuda()``) to this rank's device, which moves it lazily."""
 
-    _moves: LeafMoves
-    _key: Key
-
     @staticmethod
     def of(host: Tensor, moves: LeafMoves, key: Key) -> HostLeaf:
         leaf = host.as_subclass(HostLeaf)
@@ -190,11 +189,6 @@ class DeviceLeaf(Tensor):
     strides and device are the copy's; any operation on its values makes the copy (once) and runs
     on it. Operations return plain tensors; an in-place one changes the copy, which later
     operations on this tensor read."""
-
-    _host: Tensor
-    _moves: LeafMoves
-    _key: Key
-    _copy: Tensor | None
 
     @staticmethod
     def of(host: Tensor, moves: LeafMoves, key: Key) -> DeviceLeaf:

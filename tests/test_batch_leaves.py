@@ -229,10 +229,16 @@ def encoded(batch_size: int) -> DataLoader:
     return DataLoader(samples, batch_size=batch_size, shuffle=False)
 
 
-def test_each_stage_of_a_plain_pipeline_copies_only_what_it_reads(tmp_path):
+@pytest.mark.parametrize(
+    "first, schedule",
+    [({}, "dapple"), ({"recompute": True}, "dapple"), ({}, "zb-h1")],
+    ids=["dapple", "recomputed-first-stage", "zb-h1"],
+)
+def test_each_stage_of_a_plain_pipeline_copies_only_what_it_reads(tmp_path, first, schedule):
     want, _ = fit(LazyMLP, tmp_path / "single")
     (out := tmp_path / "copies").mkdir()
-    plan = Plan(stages=[{"layers": [0, 2]}, {"layers": [2, 5]}, {"layers": [5, 7]}], micro_batches=3)
+    stages = [{"layers": [0, 2], **first}, {"layers": [2, 5]}, {"layers": [5, 7]}]
+    plan = Plan(stages=stages, micro_batches=3, schedule=schedule)
     got, _ = fit(LazyMLP, tmp_path / "dapple", plan=plan, callbacks=[RecordsCopies(out)], strategy_kwargs=LAZY)
     torch.testing.assert_close(torch.tensor(got["train_loss"]), torch.tensor(want["train_loss"]), rtol=1e-5, atol=1e-7)
     x_bytes, y_bytes = models.BATCH * models.IN * 4, models.BATCH * models.OUT * 4

@@ -22,6 +22,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
 from dapple_lightning import Plan
+from dapple_lightning.microbatch import Rows, slice_batch
 from dapple_lightning.strategy import _batch_leaves
 from dapple_lightning.strategy._batch_leaves import DeviceLeaf, HostLeaf, LeafMoves, plain
 from dapple_lightning.strategy._step import PipelinedSteps
@@ -118,7 +119,7 @@ def test_your_transfer_hook_sees_host_tensors_and_a_move_of_its_own_is_eager(laz
 def test_what_a_step_read_moves_eagerly_in_the_next_steps_of_its_plan(lazy):
     moves = LeafMoves(CPU, True)
 
-    def step(plan: str, hook: str = "training_step") -> dict:
+    def step(plan, hook: str = "training_step") -> dict:
         moves.begin_step(plan)
         return on_device({"x": torch.randn(4, 3), "y": torch.randn(4, 2)}, moves, hook)
 
@@ -147,6 +148,24 @@ def test_autograd_checkpointing_and_a_compiled_block_run_on_a_lazy_leaf(lazy):
     want = run(mask)
     got = run(on_device({"mask": mask}, LeafMoves(CPU, True))["mask"])
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_micro_batch_through_the_modules_transfer_hooks_is_copied_on_first_read(device):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    device = torch.device(device, 0) if device == "cuda" else CPU
+    steps = PipelinedSteps(models.MLP(), device, lazy_batch=True)
+    steps.dataloader_idx = 0
+    steps.leaves.begin_step(Plan.data_parallel(7, 1))
+    batch = steps.pinned((torch.randn(8, models.IN), torch.randn(8, models.OUT)))
+    x, y = steps._on_device(slice_batch(batch, Rows(2, 6)), "training_step")
+    assert isinstance(x, DeviceLeaf) and x.device == device and x.shape == (4, models.IN)
+    assert steps.leaves.moved_bytes == 0
+    assert torch.equal(x.cpu(), batch[0][2:6])
+    assert steps.leaves.moved_bytes == 4 * models.IN * 4 and isinstance(y, DeviceLeaf)
+    if device.type == "cuda":
+        assert batch[0].is_pinned()  # the copy was queued from page-locked memory
 
 
 # ------------------------------------------------------------------------ processes

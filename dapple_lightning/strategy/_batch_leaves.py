@@ -12,12 +12,13 @@ mask on every stage, or a field only now and then. So on CUDA the tensors move l
    with the shape, dtype and strides of its rows, and holds no device memory yet.
 2. The first operation that reads a DeviceLeaf's values (a layer, indexing, ``.item()``, an
    ``on_after_batch_transfer`` hook) copies its rows to the device, once (``non_blocking``, from
-   the step's page-locked batch: the copy is queued on the stream that runs the operation, so
-   the operation, and everything after it on that stream, sees the copied values), and the
+   the step's page-locked batch: the copy is queued on the current stream, the one the operation
+   then runs on, so it and everything after it on that stream read the copied values), and the
    operation runs on that device tensor. Asking for its shape, dtype or device copies nothing.
 3. A tensor the stage's step read once is copied as in 1, eagerly, from then on: its own step
    is what reads it, and compiled code that takes it in (a ``torch.compile``'d block given the
-   mask) then sees a plain tensor (a DeviceLeaf makes it fall back to Python around the read).
+   mask) then sees a plain tensor (at a DeviceLeaf, Dynamo breaks the graph and runs the read
+   eagerly: right, but slower, in the first step only).
    A tensor never read stays lazy, so a field the step reads now and then still arrives.
 
 Where the device is the CPU nothing here runs by default: there is nothing to move.
@@ -37,6 +38,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_map
 
 from dapple_lightning.microbatch import map_tensors
+from dapple_lightning.plan import Plan
 
 __all__ = ["DeviceLeaf", "HostLeaf", "LeafMoves", "copy_to_device", "plain"]
 
@@ -59,9 +61,9 @@ class LeafMoves:
         """The tensors this rank's step hooks were seen reading under the current plan: copied eagerly from then on."""
         self.moved_bytes = 0
         """Bytes copied to the device since the step began."""
-        self._plan: object = None
+        self._plan: Plan | None = None
 
-    def begin_step(self, plan: object) -> None:
+    def begin_step(self, plan: Plan) -> None:
         """Count from zero; under another ``plan`` than the last step's (``plan="auto"``'s trials
         come first), this rank holds another stage, which reads other tensors: learn them anew."""
         if plan != self._plan:

@@ -21,6 +21,8 @@ numbers) and the same as a markdown table, and prints the table. Sections, in or
     refusals              two NCCL ranks on one GPU, a 2-stage gloo plan on CUDA, offload on CUDA:
                           each refused at setup with its own message
     event_timing          CUDA-event timing against synchronize + wall clock, within 10%
+    batch_bytes           the bytes of the batch each stage copies to its device per step: only
+                          the tensors its step reads (a third tensor no step reads never moves)
 
     python benchmarks/gpu_check.py                       # one GPU, NCCL (under 5 minutes)
     python benchmarks/gpu_check.py --dry                 # CPU processes and gloo, no CUDA call
@@ -147,6 +149,7 @@ class Check:
         trace: str | None = None,
         strategy_kwargs: dict | None = None,
         callbacks: tuple | list = (),
+        data: Callable[[], DataLoader] | None = None,
         **trainer_kwargs: Any,
     ) -> dict:
         """Train under dapple with ``plan`` (``None``: Lightning on one device); what the ranks left."""
@@ -174,7 +177,7 @@ class Check:
             **trainer_kwargs,
         )
         module = model() if model is not None else Blocks(width, self.blocks)
-        trainer.fit(module, loader(width, self.rows, self.steps))
+        trainer.fit(module, data() if data is not None else loader(width, self.rows, self.steps))
         lines = (out / "run" / "version_0" / "metrics.csv").read_text().splitlines()
         column = lines[0].split(",").index("train_loss")
         losses = [float(row.split(",")[column]) for row in lines[1:] if row.split(",")[column]]
@@ -563,6 +566,77 @@ def event_timing(check: Check) -> dict:
     )
 
 
+class Unread(Blocks):
+    """Blocks whose batch holds a third tensor that the step never reads."""
+
+    def training_step(self, batch, batch_idx):
+        x, y, _ = batch
+        return super().training_step((x, y), batch_idx)
+
+
+class MovedBytes(Callback):
+    """Each rank writes the bytes of the batch its step copied to its device, per step."""
+
+    def __init__(self, out: Path) -> None:
+        self.out, self.moved = out, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.moved.append(trainer.strategy.step_stats.batch_bytes_moved)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        (self.out / f"moved{trainer.global_rank}.json").write_text(json.dumps(self.moved))
+
+
+def batch_bytes(check: Check) -> dict:
+    width, rows = check.width, check.rows
+
+    def three_fields() -> DataLoader:
+        g = torch.Generator().manual_seed(1)
+        x, y, unread = (torch.randn(rows * check.steps, width, generator=g) for _ in range(3))
+        return DataLoader(TensorDataset(x, y, unread), batch_size=rows, shuffle=False)
+
+    def model() -> LightningModule:
+        return Unread(width, check.blocks)
+
+    reference = check.fit("single-unread", None, model=model, data=three_fields)
+    # One GPU holds one NCCL rank, so one stage there; three stages on CPU processes in the dry mode.
+    stages = 3 if check.dry else 1
+    if stages > 1:
+        plan = Plan.straight(_layers(check), stages, micro_batches=4)
+    else:
+        plan = Plan.data_parallel(_layers(check), 1, micro_batches=4)
+    out = check.tmp / "moved"
+    out.mkdir()
+    # In the dry mode the moves run on the CPU as on CUDA (nothing is copied there; the bytes are counted).
+    lazy = {"lazy_batch": True} if check.dry else None
+    got = check.fit(
+        "unread",
+        plan,
+        model=model,
+        data=three_fields,
+        callbacks=[MovedBytes(out)],
+        devices=stages,
+        strategy_kwargs=lazy,
+    )
+    what = f"{stages} stages, M=4 vs one device" if stages > 1 else "1 stage, M=4 vs one device"
+    result = _compare(got["losses"], reference["losses"], TOLERANCE[check.kind], what)
+    tensor = rows * width * 4
+    expected = [tensor, 0, tensor] if stages == 3 else [2 * tensor]  # x on the first, y on the last
+    moved = [json.loads((out / f"moved{r}.json").read_text()) for r in range(stages)]
+    for stage, (per_step, want) in enumerate(zip(moved, expected)):
+        ok = len(per_step) == check.steps and all(b == want for b in per_step)
+        result["reasons"].append(
+            f"stage {stage}: {_size(per_step[0]) if per_step else '-'} moved per step "
+            f"({'as' if ok else 'NOT as'} expected: {_size(want)}; the batch is {_size(3 * tensor)})"
+        )
+        if not ok:
+            result["status"] = "fail"
+    if check.dry:
+        result["reasons"].append("dry: lazy_batch=True on CPU processes, where the bytes are counted, not copied")
+    result["moved_bytes_per_stage"] = moved
+    return result
+
+
 SECTIONS: dict[str, Callable[[Check], dict]] = {
     "versions": versions,
     "free_memory": free_memory,
@@ -578,6 +652,7 @@ SECTIONS: dict[str, Callable[[Check], dict]] = {
     "gloo_two_ranks": gloo_two_ranks,
     "refusals": refusals,
     "event_timing": event_timing,
+    "batch_bytes": batch_bytes,
 }
 
 

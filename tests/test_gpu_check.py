@@ -25,6 +25,7 @@ RIGHT_ON_CPU = {
     "zero_bubble_transient",
     "gloo_two_ranks",
     "refusals",
+    "batch_bytes",
 }
 
 

@@ -180,8 +180,12 @@ def test_llama_matches_single_device(shape, p, val, tmp_path, single_device):
     assert_same(got, single_device(val=val))
 
 
-def test_a_padding_mask_and_ignored_labels_match_single_device(tmp_path, single_device):
-    got = fit(PaddedLlama, tmp_path, plan=ONE_ONE, loader=padded_tokens, strategy_kwargs={"sequential": CONTAINER})
+@pytest.mark.parametrize("lazy_batch", [None, True], ids=["as-on-the-cpu", "batch-moved-on-first-read"])
+def test_a_padding_mask_and_ignored_labels_match_single_device(lazy_batch, tmp_path, single_device):
+    """Also with the batch's tensors moved on their first read, as on CUDA (strategy/_batch_leaves.py):
+    the mask reaches transformers' mask builders as a tensor that copies itself when read."""
+    strategy = {"sequential": CONTAINER, "lazy_batch": lazy_batch}
+    got = fit(PaddedLlama, tmp_path, plan=ONE_ONE, loader=padded_tokens, strategy_kwargs=strategy)
     assert_same(got, single_device(PaddedLlama, padded_tokens))
 
 

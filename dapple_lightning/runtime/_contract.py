@@ -58,3 +58,6 @@ class StepStats:
     replica_sum: torch.Tensor | None = None
     """On a last stage with replicas, after a training step: the sum over the replicas of
     :meth:`UserStep.replica_share` (float64)."""
+    batch_bytes_moved: int = 0
+    """Bytes of the batch the step copied from the host to this rank's device (the strategy
+    counts them; 0 where the device is the CPU, as nothing moves)."""

@@ -34,6 +34,7 @@ from torch.optim import Optimizer
 
 from dapple_lightning.microbatch import Rows, batch_size_of, concat_slices, map_tensors, slice_batch
 from dapple_lightning.runtime import Pending, Pipeline, StageCall, StageModule, local_part, share
+from dapple_lightning.strategy._batch_leaves import LeafMoves, plain
 from dapple_lightning.strategy._checkpoint import keep_local
 from dapple_lightning.strategy._lightning import Patches, shadowed_log, transfer_batch
 
@@ -78,13 +79,15 @@ class PipelinedSteps:
     one micro-batch at a time, and combined into what one device's call gives: the loss, the logged
     values, the outputs, and the gradients set aside for Lightning's own backward."""
 
-    def __init__(self, module: Any, device: torch.device) -> None:
+    def __init__(self, module: Any, device: torch.device, *, lazy_batch: bool | None = None) -> None:
         self.module, self.device = module, device
         self.shared = Pending()
         """The last stage's loss broadcasts, in flight until the next step needs the buffers."""
         self.dataloader_idx: int | None = None
         """Set while the global batch is on the host (see :meth:`_on_device`): its loader's index."""
         self._fresh: dict[nn.Parameter, Tensor | None] = {}
+        self.leaves = LeafMoves(device, device.type == "cuda" if lazy_batch is None else lazy_batch)
+        """The micro-batches' tensors moved on first read (on CUDA by default), and the bytes moved."""
 
     def train(self, pipeline: Pipeline, args: tuple, kwargs: dict, context: Callable) -> Tensor:
         """Lightning's ``training_step``: run the schedule, keep its gradients aside, log, return the loss."""
@@ -137,9 +140,11 @@ class PipelinedSteps:
         last = pipeline.plan.stages[-1]
         total = batch_size_of(args[0])
         capture = _LogCapture(total, last.replicas, pipeline.replica if pipeline.is_last else 0, self.device)
-        step = _HookStep(self, pipeline, getattr(module, hook), args, kwargs, capture, train, context, outputs)
+        step = _HookStep(self, pipeline, hook, args, kwargs, capture, train, context, outputs)
+        self.leaves.begin_step(pipeline.plan)
         with shadowed_log(module, capture.log):
             stats = pipeline.run(total, step, train=train)
+        stats.batch_bytes_moved = self.leaves.moved_bytes
         if pipeline.replaying:  # its loss and logs were shared when the step first ran
             return 0.0, {}
         return self._combine(pipeline, step.loss_sum, capture, stats.replica_sum)
@@ -165,13 +170,16 @@ class PipelinedSteps:
             total, values = share((total, values), last_ranks[0], self.device, self.shared, group=pipeline.host_group)
         return total, values
 
-    def _on_device(self, rows: Any) -> Any:
+    def _on_device(self, rows: Any, hook: str) -> Any:
         """A micro-batch's rows through the module's transfer hooks (``transfer_batch_to_device``, then
         ``on_after_batch_transfer``) when the global batch stayed on the host: each rank moves only the
-        rows it computes, and Lightning's callbacks still see the whole batch."""
+        rows it computes, and Lightning's callbacks still see the whole batch. On CUDA (by default) each
+        tensor of the rows is copied when ``hook`` first reads it on this rank (:mod:`._batch_leaves`): a stage
+        copies only what its step reads."""
         if self.dataloader_idx is None:
             return rows
-        return transfer_batch(self.module, rows, self.device, self.dataloader_idx)
+        moved = transfer_batch(self.module, self.leaves.host_leaves(rows, hook), self.device, self.dataloader_idx)
+        return plain(moved) if self.leaves.lazy else moved
 
     def pinned(self, batch: Any) -> Any:
         """The step's global batch for its micro-batches' copies: on CUDA, while it stays on the host,
@@ -197,7 +205,7 @@ class _HookStep:
         self,
         steps: PipelinedSteps,
         pipeline: Pipeline,
-        hook: Callable,
+        hook: str,
         args: tuple,
         kwargs: dict,
         capture: _LogCapture,
@@ -205,7 +213,8 @@ class _HookStep:
         context: Callable,
         outputs: list[tuple[Rows, Any]] | None,
     ) -> None:
-        self.steps, self.pipeline, self.hook, self.capture = steps, pipeline, hook, capture
+        self.steps, self.pipeline, self.capture = steps, pipeline, capture
+        self.name, self.hook = hook, getattr(steps.module, hook)
         self.batch, self.rest, self.kwargs = steps.pinned(args[0]), args[1:], kwargs
         self.total = capture.batch_rows
         self.train, self._context, self.outputs = train, context, outputs
@@ -216,7 +225,8 @@ class _HookStep:
         weight = len(rows) / self.total
         self.capture.begin(micro_batch, weight)
         try:
-            out = self.hook(self.steps._on_device(slice_batch(self.batch, rows)), *self.rest, **self.kwargs)
+            on_device = self.steps._on_device(slice_batch(self.batch, rows), self.name)
+            out = self.hook(on_device, *self.rest, **self.kwargs)
         finally:  # also when the step ends at this stage's exit
             if self.pipeline.is_first:
                 _check_input_rows(self.pipeline.module.call, micro_batch, rows, self.total)

@@ -101,6 +101,12 @@ class DappleStrategy(ParallelStrategy):
             receives and all-reduces to this path when training ends.
         track_memory: count the activation bytes autograd keeps alive per micro-batch; the
             last step's peak is in ``strategy.step_stats.peak_live_bytes``.
+        lazy_batch: copy each tensor of a micro-batch to the device when the rank's step first
+            reads it, so that a stage copies only what its step reads (:mod:`._batch_leaves`).
+            ``None``: on CUDA; ``False``: every tensor before the step runs, as Lightning does
+            (for code that needs plain tensors: a C++ extension or a collective handed a batch
+            tensor itself); ``True``: on the CPU too, where nothing is copied but the bytes that
+            would move are counted. The last step's bytes are in ``strategy.step_stats.batch_bytes_moved``.
         memory_limit: per-rank budget, bytes or ``"6GiB"``, for the plan's predicted peak (:mod:`._memory`).
         state_dict_type: ``"full"`` writes one single-device checkpoint file, streamed by rank
             0 one tensor at a time; ``"sharded"`` writes a torch.distributed.checkpoint
@@ -126,6 +132,7 @@ class DappleStrategy(ParallelStrategy):
         start_method: Literal["popen", "spawn", "forkserver"] = "popen",
         trace: str | None = None,
         track_memory: bool = False,
+        lazy_batch: bool | None = None,
         memory_limit: float | str | None = None,
         state_dict_type: Literal["full", "sharded"] = "full",
         async_save: bool = False,
@@ -159,6 +166,7 @@ class DappleStrategy(ParallelStrategy):
         self._start_method = start_method
         self._trace_path = trace
         self._track_memory = track_memory
+        self._lazy_batch = lazy_batch
         self._memory_limit = None if memory_limit is None else parse_memory(memory_limit, "memory_limit")
         self._process_group_backend = process_group_backend
         self._num_nodes = 1
@@ -299,7 +307,7 @@ class DappleStrategy(ParallelStrategy):
         self._full_state_keys = list(module.state_dict().keys())
         fitting = trainer.state.fn == TrainerFn.FITTING
         pipelines = PipelineBuilder(module, self.global_rank, self.root_device, self._timeout)
-        self._steps = PipelinedSteps(module, self.root_device)
+        self._steps = PipelinedSteps(module, self.root_device, lazy_batch=self._lazy_batch)
         self.plan = self._resolve_plan(trainer, chain, pipelines)
         pipelines.keep_only(self.plan)
         self._cut = Cut.apply(module, chain, self.plan, rank := self.global_rank)

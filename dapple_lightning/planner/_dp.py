@@ -45,7 +45,7 @@ from dapple_lightning.planner._objective import check_objective, least_memory, p
 from dapple_lightning.planner._placement import PLACEMENTS, place
 from dapple_lightning.planner._profile import ModelProfile
 from dapple_lightning.planner._search import _Search
-from dapple_lightning.planner._simulator import simulate_plan
+from dapple_lightning.planner._simulator import simulated_step_s
 
 __all__ = [
     "PlannedPlan",
@@ -493,7 +493,7 @@ def _planned(model: CostModel, search: _Search, dp_step: float | None, schedule:
             raise RuntimeError(f"planner and cost model disagree on {plan.to_dict()}: {z} vs {est.pipeline_s}")
         # Consecutive ranks are what "append" gives, whichever policy found the plan first.
         label = policy if plan.stages[0].ranks is not None else "append"
-        simulated = simulate_plan(model, plan).step_s
+        simulated = simulated_step_s(model, plan, est)
         planned = PlannedPlan(plan, est.step_s, est.memory_bytes, None, label, "dapple", est, simulated)
         out.append(planned.with_speedup(dp_step))
     return out

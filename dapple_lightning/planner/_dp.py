@@ -44,7 +44,7 @@ from dapple_lightning.planner._cost import CostModel, Estimate
 from dapple_lightning.planner._objective import check_objective, least_memory, peak_limit
 from dapple_lightning.planner._placement import PLACEMENTS, place
 from dapple_lightning.planner._profile import ModelProfile
-from dapple_lightning.planner._search import _Search
+from dapple_lightning.planner._search import _Search, _Top
 from dapple_lightning.planner._simulator import simulated_step_s
 
 __all__ = [
@@ -435,10 +435,25 @@ def _search(
     if len(scout.top.items) >= top:
         search.top.limit(scout.top.bound)
     bound = search.top.bound
+    probe: _Search | None = None
     for m, policy in runs:
         if rank[(m, policy)] > bound and done[(m, policy)] >= bound:
             continue
+        if beam is None and rank[(m, policy)] > search.top.bound:
+            # The first search proved only that this run has no plan below `done`. Whether it has
+            # one within the bound, a search for its best alone decides, keeping fewer partial
+            # plans (one that beats a suffix drops it); only if it has is the run searched for its
+            # runners-up. (Under a beam the answer would depend on how many each front keeps.)
+            if probe is None:
+                probe = _Search(model, 1, counts, schedule, None, memory_cap, recompute)
+                probe._costs, probe._placed = search._costs, search._placed
+            probe.top = _Top(1)
+            probe.top.limit(search.top.bound)
+            if probe.run(policy, m, cuts) == math.inf:
+                continue
         search.run(policy, m, cuts)
+    if probe is not None:
+        search.before = tuple(a + b for a, b in zip(search.before, probe.work()))  # type: ignore[assignment]
     return search
 
 

@@ -23,7 +23,9 @@ that brings it under (and only then: ``_objective`` says why the search stays ex
 The search runs per (micro-batch count, placement policy): first with cuts at 16 points only
 (cheap, and its plans bound the rest), then in full, best-looking pairs first, then, for
 ``top > 1``, once more keeping the runners-up (after a beam pass over the pairs whose best plan
-is among the ``top``, whose runners-up bound that search). Up to 16 devices (or with ``exact=True``) it is
+is among the ``top``, whose runners-up bound that search; a pair the first search could not
+settle is searched for its best alone first, and for its runners-up only if it has one within
+the bound). Up to 16 devices (or with ``exact=True``) it is
 exact; beyond, each state keeps only its 8 partial plans of lowest ``Z`` (a beam), which is
 fast but may miss the optimum.
 
@@ -44,7 +46,7 @@ from dapple_lightning.planner._cost import CostModel, Estimate
 from dapple_lightning.planner._objective import check_objective, least_memory, peak_limit
 from dapple_lightning.planner._placement import PLACEMENTS, place
 from dapple_lightning.planner._profile import ModelProfile
-from dapple_lightning.planner._search import _Search, _Top
+from dapple_lightning.planner._search import _Search
 from dapple_lightning.planner._simulator import simulated_step_s
 
 __all__ = [
@@ -446,14 +448,13 @@ def _search(
             # runners-up. (Under a beam the answer would depend on how many each front keeps.)
             if probe is None:
                 probe = _Search(model, 1, counts, schedule, None, memory_cap, recompute)
-                probe._costs, probe._placed = search._costs, search._placed
-            probe.top = _Top(1)
-            probe.top.limit(search.top.bound)
+                probe.shares(search)
+            probe.bounded(search.top.bound)
             if probe.run(policy, m, cuts) == math.inf:
                 continue
         search.run(policy, m, cuts)
     if probe is not None:
-        search.before = tuple(a + b for a, b in zip(search.before, probe.work()))  # type: ignore[assignment]
+        search.counts_in(probe)
     return search
 
 
@@ -469,7 +470,7 @@ def _again(earlier: _Search, seen: dict[tuple[Any, ...], tuple[float, Any]], top
 
 
 def _record(model: CostModel, search: _Search, exact: bool, candidates: Sequence[int]) -> SearchRecord:
-    """The :class:`SearchRecord` of ``search`` (its counts summed over both searches of ``top > 1``)."""
+    """The :class:`SearchRecord` of ``search`` (its counts summed over every search of ``top > 1``)."""
     forward_fixed, backward_fixed, forward_var, backward_var, _, _ = model.affine_prefix_sums()
     per_sample = (forward_var[-1] + backward_var[-1]) / model.profile.profile_batch_size
     # Every sample passes every layer once per step; each micro-batch pays the fixed costs once.

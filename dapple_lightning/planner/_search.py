@@ -314,10 +314,25 @@ class _Search:
 
     def continues(self, earlier: _Search) -> None:
         """Go on from ``earlier``'s work: count it, and reuse the stage prices and placements it
-        found (they depend on neither ``top`` nor the bound)."""
+        found."""
         self.before = earlier.work()
-        self._costs = earlier._costs
-        self._placed = earlier._placed
+        self.shares(earlier)
+
+    def shares(self, other: _Search) -> None:
+        """Price stages and place them in ``other``'s tables (they depend on neither ``top`` nor
+        the bound)."""
+        self._costs = other._costs
+        self._placed = other._placed
+
+    def counts_in(self, other: _Search) -> None:
+        """Count ``other``'s own work (not what it continues) as this search's."""
+        own = (other.states_expanded, other.stages_priced, other.priced, other.kept)
+        self.before = tuple(a + b for a, b in zip(self.before, own))  # type: ignore[assignment]
+
+    def bounded(self, bound: float) -> None:
+        """Start afresh on the best ``top`` plans, none found yet, under ``bound``."""
+        self.top = _Top(self.top.k)
+        self.top.limit(bound)
 
     def work(self) -> tuple[int, int, int, int]:
         """States expanded, stages priced, partial plans priced and kept, with :attr:`before`'s."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -100,6 +101,9 @@ class _Top:
         self.bound = min(self.bound, self.cap)
 
 
+_z = operator.attrgetter("z")
+
+
 def _insert(front: list[_Suffix], new: _Suffix, k: int, beam: int | None) -> bool:
     """Add ``new`` to ``front`` (sorted by Z) unless ``k`` kept suffixes beat it in all numbers.
 
@@ -110,47 +114,34 @@ def _insert(front: list[_Suffix], new: _Suffix, k: int, beam: int | None) -> boo
     large searches.
     """
     z, d, x, round_trip, passes, stages = new.z, new.d, new.x, new.round_trip, new.passes, new.stages
-    # One walk over the front, which is sorted by Z (the search calls this for every partial plan
-    # it keeps, so no bisection or copy): first the suffixes of Z up to ``z``, which may beat it.
+    stop = bisect.bisect_right(front, z, key=_z)
     beaten = 0
-    start = size = len(front)
-    stop = 0
     # Each test alone decides, so their order is only speed: the ones that fail most often first.
-    while stop < size:
-        old = front[stop]
-        if old.z > z:
-            break
-        if start == size and not old.z < z:
-            start = stop  # the first of Z equal to ``z``: those may be beaten by it too
+    for old in front[:stop]:
         if old.passes <= passes and old.x <= x and old.round_trip <= round_trip and old.d <= d and old.stages == stages:
             beaten += 1
             if beaten >= k:
                 return False
-        stop += 1
-    if start > stop:
-        start = stop
     new.beaten = beaten
-    # Then those of Z from ``z`` on, which it may beat; the front is rebuilt only when one leaves.
+    start = bisect.bisect_left(front, z, 0, stop, key=_z)
+    # The search calls this for every partial plan it keeps: the front is rebuilt only when one leaves.
     kept: list[_Suffix] | None = None
-    place = stop  # where ``new`` goes: after the suffixes of Z up to ``z`` that stay
-    for at in range(start, size):
-        old = front[at]
+    for at, old in enumerate(front[start:], start):
         if passes <= old.passes and x <= old.x and round_trip <= old.round_trip and d <= old.d and stages == old.stages:
             old.beaten += 1
             if old.beaten >= k:
                 if kept is None:
                     kept = front[start:at]
-                if at < stop:
-                    place -= 1
                 continue
         if kept is not None:
             kept.append(old)
     if kept is not None:
         front[start:] = kept
-    front.insert(place, new)
+        stop = bisect.bisect_right(front, z, key=_z)
+    front.insert(stop, new)
     if beam is not None and len(front) > beam:
         del front[beam:]
-        return place < beam
+        return stop < beam
     return True
 
 

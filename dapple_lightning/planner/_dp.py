@@ -419,10 +419,26 @@ def _search(
         done[(m, policy)] = search.end_bound
     if top == 1 or not search.top.items:
         return search
-    # For the `top` best, search again keeping the partial plans that fewer than `top` others
-    # beat. Every plan the first search met is a real plan, so the `top`-th of those bounds the
-    # second search from the start; and a run is skipped when the first search found all of
-    # its plans below that bound (its own bound never fell under it) and none was.
+    return _runners_up(search, runs, rank, done, cuts, top, beam)
+
+
+def _runners_up(
+    search: _Search,
+    runs: list[tuple[int, str]],
+    rank: dict[tuple[int, str], float],
+    done: dict[tuple[int, str], float],
+    cuts: Sequence[int] | None,
+    top: int,
+    beam: int | None,
+) -> _Search:
+    """``search`` (``top`` 1) again for the ``top`` best, keeping the partial plans that fewer than
+    ``top`` others beat. ``rank``: the latency of the best plan each run offered in either pass;
+    ``done``: the bound when its full pass ended.
+
+    Every plan the first search met is a real plan, so the ``top``-th of those bounds the second
+    search from the start; and a run is skipped when the first search found all of its plans
+    below that bound (its own bound never fell under it) and none was.
+    """
     seen = search.top.seen
     runs.sort(key=lambda run: rank[run])
     # A beam pass over the runs whose best plan is among the `top` so far finds runners-up
@@ -447,7 +463,9 @@ def _search(
             # plans (one that beats a suffix drops it); only if it has is the run searched for its
             # runners-up. (Under a beam the answer would depend on how many each front keeps.)
             if probe is None:
-                probe = _Search(model, 1, counts, schedule, None, memory_cap, recompute)
+                probe = _Search(
+                    search.model, 1, search.replicas, search.schedule, None, search.memory_cap, search.recompute
+                )
                 probe.shares(search)
             probe.bounded(search.top.bound)
             if probe.run(policy, m, cuts) == math.inf:

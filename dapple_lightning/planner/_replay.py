@@ -93,19 +93,7 @@ def _place(
     """The replay of :func:`replay`: appends each event to ``placed`` (kind, stage, micro-batch,
     start, end) unless it is ``None``, and returns when the last one ends."""
     count = len(lists)
-    # Per stage, each action as (kind, micro-batch, seconds). A micro-batch with a W on its stage
-    # splits its backward; the others' B is the whole one.
-    steps: list[list[tuple[str, int, float]]] = []
-    for s, actions in enumerate(lists):
-        split = split_backwards(actions)
-        seconds = {"F": forward[s], "W": weight[s]}
-        steps.append(
-            [
-                (a.kind, a.micro_batch, seconds[a.kind] if a.kind != "B" else
-                 backward[s] - weight[s] if a.micro_batch in split else backward[s])
-                for a in actions
-            ]
-        )  # fmt: skip
+    steps = _timed(lists, forward, backward, weight)
     # activation[s][m] / gradient[s][m]: when stage s has micro-batch m's input / gradient.
     activation: list[dict[int, float]] = [{} for _ in range(count)]
     gradient: list[dict[int, float]] = [{} for _ in range(count)]
@@ -170,3 +158,22 @@ def _place(
             if placed is not None:
                 placed.append(("update", s, None, clock[s], end))
     return last
+
+
+def _timed(
+    lists: Sequence[Sequence[Action]], forward: Sequence[float], backward: Sequence[float], weight: Sequence[float]
+) -> list[list[tuple[str, int, float]]]:
+    """Each stage's actions as (kind, micro-batch, seconds). A micro-batch with a ``W`` on its
+    stage splits its backward; the others' ``B`` is the whole one."""
+    steps: list[list[tuple[str, int, float]]] = []
+    for s, actions in enumerate(lists):
+        split = split_backwards(actions)
+        seconds = {"F": forward[s], "W": weight[s]}
+        steps.append(
+            [
+                (a.kind, a.micro_batch, seconds[a.kind] if a.kind != "B" else
+                 backward[s] - weight[s] if a.micro_batch in split else backward[s])
+                for a in actions
+            ]
+        )  # fmt: skip
+    return steps

@@ -43,6 +43,7 @@ from typing import Any
 from dapple_lightning.plan import SCHEDULES, Plan, Stage
 from dapple_lightning.planner._cluster import GB, Cluster
 from dapple_lightning.planner._cost import CostModel, Estimate
+from dapple_lightning.planner._lower_bound import stage_bound
 from dapple_lightning.planner._objective import check_objective, least_memory, peak_limit
 from dapple_lightning.planner._placement import PLACEMENTS, place
 from dapple_lightning.planner._profile import ModelProfile
@@ -162,8 +163,9 @@ class SearchRecord:
     optimal over the search space), or a beam of them."""
     lower_bound_s: float
     """A step time no plan of the search space beats: the cluster's devices sharing the model's
-    total compute evenly (every plan's busiest stage does at least that share). Compare it with
-    a beam's best plan for the most it can be off the optimum."""
+    total compute evenly (every plan's busiest stage does at least that share); under a beam,
+    at least the least over the space of a plan's largest stage all-reduce and passes
+    (``_lower_bound``). Compare it with a beam's best plan for the most it can be off the optimum."""
     states: int
     """States (layer, free devices) whose stages the search priced."""
     stages_priced: int
@@ -330,7 +332,7 @@ def plan_dapple(
     if not search.top.items:
         raise ValueError(_no_fit_message(model, candidates, counts, schedule, cuts, recompute))
     planned = _planned(model, search, _data_parallel_step(model, candidates), schedule)
-    record = _record(model, search, exact, candidates)
+    record = _record(model, search, exact, candidates, counts, cuts)
     planned = [dataclasses.replace(p, peak_limit_bytes=limit, search=record) for p in planned]
     return sorted(planned, key=lambda p: p.predicted_step_s)[:top]
 
@@ -487,14 +489,24 @@ def _again(earlier: _Search, seen: dict[tuple[Any, ...], tuple[float, Any]], top
     return search
 
 
-def _record(model: CostModel, search: _Search, exact: bool, candidates: Sequence[int]) -> SearchRecord:
+def _record(
+    model: CostModel,
+    search: _Search,
+    exact: bool,
+    candidates: Sequence[int],
+    counts: Sequence[int],
+    cuts: Sequence[int] | None,
+) -> SearchRecord:
     """The :class:`SearchRecord` of ``search`` (its counts summed over every search of ``top > 1``)."""
     forward_fixed, backward_fixed, forward_var, backward_var, _, _ = model.affine_prefix_sums()
     per_sample = (forward_var[-1] + backward_var[-1]) / model.profile.profile_batch_size
     # Every sample passes every layer once per step; each micro-batch pays the fixed costs once.
     work = model.global_batch * per_sample + min(candidates) * (forward_fixed[-1] + backward_fixed[-1])
-    counts = search.work()
-    return SearchRecord(exact, work / model.cluster.world_size, *counts)
+    lower = work / model.cluster.world_size
+    if not exact:
+        # A beam's gap is only as good as its bound: each stage's all-reduce and passes too.
+        lower = max(lower, stage_bound(model, candidates, counts, cuts))
+    return SearchRecord(exact, lower, *search.work())
 
 
 def _seeds(

@@ -92,6 +92,10 @@ def test_the_record_says_how_far_a_beam_may_be_from_the_optimum() -> None:
     assert record is not None and not record.exact
     # The bound is below every plan's step; the gap is the plan's step over it.
     assert 0 < record.lower_bound_s < best.predicted_step_s
+    # Under a beam it counts each stage's all-reduce too: above the compute spread over every device.
+    profile, cluster = synthetic(40, 0), Cluster.parse("4x8")
+    compute = sum(layer.forward_s + layer.backward_s for layer in profile.layers) * 1024 / profile.profile_batch_size
+    assert record.lower_bound_s > compute / cluster.world_size
     assert record.gap(best.predicted_step_s) == pytest.approx(best.predicted_step_s / record.lower_bound_s - 1)
     assert best.to_dict()["search"]["exact"] is False
 

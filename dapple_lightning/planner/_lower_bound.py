@@ -43,12 +43,15 @@ def stage_bound(
     begin (``None``: every layer)."""
     layers = model.num_layers
     bounds = sorted({0, layers, *(range(1, layers) if cuts is None else (c for c in cuts if 0 < c < layers))})
-    least = min((_least_max(model, m, counts, bounds) for m in micro_batches), default=0.0)
+    least = float("inf")
+    for m in micro_batches:
+        least = min(least, _least_max(model, m, counts, bounds, least))
     return 0.0 if not np.isfinite(least) else least * (1 - _MARGIN)
 
 
-def _least_max(model: CostModel, m: int, counts: Sequence[int], bounds: list[int]) -> float:
-    """The least, over plans at ``m`` micro-batches, of their largest stage time (a hair low)."""
+def _least_max(model: CostModel, m: int, counts: Sequence[int], bounds: list[int], ceiling: float) -> float:
+    """The least, over plans at ``m`` micro-batches, of their largest stage time (a hair low), or
+    ``inf`` when it is above ``ceiling`` (no plan at ``m`` keeps its stages under that)."""
     cluster = model.cluster
     world = cluster.world_size
     most = min(world, model.max_replicas(m))
@@ -82,7 +85,7 @@ def _least_max(model: CostModel, m: int, counts: Sequence[int], bounds: list[int
     rest = stage_times(everywhere, later) if later.size else np.full((len(at), len(at), 0), np.inf)
     # The first stage [0, b) takes any count: the least time with at most c devices, per c.
     first = np.minimum.accumulate(stage_times(slice(0, 1), np.arange(1, most + 1))[0], axis=1)
-    upper = float(first[-1, -1])  # the whole model on `most` devices: a plan
+    upper = min(float(first[-1, -1]), ceiling)  # the whole model on `most` devices is a plan
     lower = 0.0
     if not _fits(upper, rest, later, first, world):
         return float("inf")

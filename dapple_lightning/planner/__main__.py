@@ -150,7 +150,8 @@ def _exactness(best: PlannedPlan) -> str:
     return (
         f"\nsearch: a beam, not exhaustive ({work}); the best plan is at most "
         f"{100 * record.gap(best.predicted_step_s):.1f}% above the optimum (lower bound "
-        f"{record.lower_bound_s:.4f} s: the model's compute spread evenly over every device)"
+        f"{record.lower_bound_s:.4f} s: what the busiest stage of any plan takes at least, its all-reduce "
+        "included)"
     )
 
 

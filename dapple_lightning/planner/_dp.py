@@ -23,7 +23,9 @@ that brings it under (and only then: ``_objective`` says why the search stays ex
 The search runs per (micro-batch count, placement policy): first with cuts at 16 points only
 (cheap, and its plans bound the rest), then in full, best-looking pairs first, then, for
 ``top > 1``, once more keeping the runners-up (after a beam pass over the pairs whose best plan
-is among the ``top``, whose runners-up bound that search). Up to 16 devices (or with ``exact=True``) it is
+is among the ``top``, whose runners-up bound that search; a pair the first search could not
+settle is searched for its best alone first, and for its runners-up only if it has one within
+the bound). Up to 16 devices (or with ``exact=True``) it is
 exact; beyond, each state keeps only its 8 partial plans of lowest ``Z`` (a beam), which is
 fast but may miss the optimum.
 
@@ -41,11 +43,12 @@ from typing import Any
 from dapple_lightning.plan import SCHEDULES, Plan, Stage
 from dapple_lightning.planner._cluster import GB, Cluster
 from dapple_lightning.planner._cost import CostModel, Estimate
+from dapple_lightning.planner._lower_bound import stage_bound
 from dapple_lightning.planner._objective import check_objective, least_memory, peak_limit
 from dapple_lightning.planner._placement import PLACEMENTS, place
 from dapple_lightning.planner._profile import ModelProfile
 from dapple_lightning.planner._search import _Search
-from dapple_lightning.planner._simulator import simulate_plan
+from dapple_lightning.planner._simulator import simulated_step_s
 
 __all__ = [
     "PlannedPlan",
@@ -160,8 +163,9 @@ class SearchRecord:
     optimal over the search space), or a beam of them."""
     lower_bound_s: float
     """A step time no plan of the search space beats: the cluster's devices sharing the model's
-    total compute evenly (every plan's busiest stage does at least that share). Compare it with
-    a beam's best plan for the most it can be off the optimum."""
+    total compute evenly (every plan's busiest stage does at least that share); under a beam,
+    at least the least over the space of a plan's largest stage all-reduce and passes
+    (``_lower_bound``). Compare it with a beam's best plan for the most it can be off the optimum."""
     states: int
     """States (layer, free devices) whose stages the search priced."""
     stages_priced: int
@@ -328,7 +332,7 @@ def plan_dapple(
     if not search.top.items:
         raise ValueError(_no_fit_message(model, candidates, counts, schedule, cuts, recompute))
     planned = _planned(model, search, _data_parallel_step(model, candidates), schedule)
-    record = _record(model, search, exact, candidates)
+    record = _record(model, search, exact, candidates, counts, cuts)
     planned = [dataclasses.replace(p, peak_limit_bytes=limit, search=record) for p in planned]
     return sorted(planned, key=lambda p: p.predicted_step_s)[:top]
 
@@ -417,10 +421,26 @@ def _search(
         done[(m, policy)] = search.end_bound
     if top == 1 or not search.top.items:
         return search
-    # For the `top` best, search again keeping the partial plans that fewer than `top` others
-    # beat. Every plan the first search met is a real plan, so the `top`-th of those bounds the
-    # second search from the start; and a run is skipped when the first search found all of
-    # its plans below that bound (its own bound never fell under it) and none was.
+    return _runners_up(search, runs, rank, done, cuts, top, beam)
+
+
+def _runners_up(
+    search: _Search,
+    runs: list[tuple[int, str]],
+    rank: dict[tuple[int, str], float],
+    done: dict[tuple[int, str], float],
+    cuts: Sequence[int] | None,
+    top: int,
+    beam: int | None,
+) -> _Search:
+    """``search`` (``top`` 1) again for the ``top`` best, keeping the partial plans that fewer than
+    ``top`` others beat. ``rank``: the latency of the best plan each run offered in either pass;
+    ``done``: the bound when its full pass ended.
+
+    Every plan the first search met is a real plan, so the ``top``-th of those bounds the second
+    search from the start; and a run is skipped when the first search found all of its plans
+    below that bound (its own bound never fell under it) and none was.
+    """
     seen = search.top.seen
     runs.sort(key=lambda run: rank[run])
     # A beam pass over the runs whose best plan is among the `top` so far finds runners-up
@@ -435,10 +455,26 @@ def _search(
     if len(scout.top.items) >= top:
         search.top.limit(scout.top.bound)
     bound = search.top.bound
+    probe: _Search | None = None
     for m, policy in runs:
         if rank[(m, policy)] > bound and done[(m, policy)] >= bound:
             continue
+        if beam is None and rank[(m, policy)] > search.top.bound:
+            # The first search proved only that this run has no plan below `done`. Whether it has
+            # one within the bound, a search for its best alone decides, keeping fewer partial
+            # plans (one that beats a suffix drops it); only if it has is the run searched for its
+            # runners-up. (Under a beam the answer would depend on how many each front keeps.)
+            if probe is None:
+                probe = _Search(
+                    search.model, 1, search.replicas, search.schedule, None, search.memory_cap, search.recompute
+                )
+                probe.shares(search)
+            probe.bounded(search.top.bound)
+            if probe.run(policy, m, cuts) == math.inf:
+                continue
         search.run(policy, m, cuts)
+    if probe is not None:
+        search.counts_in(probe)
     return search
 
 
@@ -453,14 +489,24 @@ def _again(earlier: _Search, seen: dict[tuple[Any, ...], tuple[float, Any]], top
     return search
 
 
-def _record(model: CostModel, search: _Search, exact: bool, candidates: Sequence[int]) -> SearchRecord:
-    """The :class:`SearchRecord` of ``search`` (its counts summed over both searches of ``top > 1``)."""
+def _record(
+    model: CostModel,
+    search: _Search,
+    exact: bool,
+    candidates: Sequence[int],
+    counts: Sequence[int],
+    cuts: Sequence[int] | None,
+) -> SearchRecord:
+    """The :class:`SearchRecord` of ``search`` (its counts summed over every search of ``top > 1``)."""
     forward_fixed, backward_fixed, forward_var, backward_var, _, _ = model.affine_prefix_sums()
     per_sample = (forward_var[-1] + backward_var[-1]) / model.profile.profile_batch_size
     # Every sample passes every layer once per step; each micro-batch pays the fixed costs once.
     work = model.global_batch * per_sample + min(candidates) * (forward_fixed[-1] + backward_fixed[-1])
-    counts = search.work()
-    return SearchRecord(exact, work / model.cluster.world_size, *counts)
+    lower = work / model.cluster.world_size
+    if not exact:
+        # A beam's gap is only as good as its bound: each stage's all-reduce and passes too.
+        lower = max(lower, stage_bound(model, candidates, counts, cuts))
+    return SearchRecord(exact, lower, *search.work())
 
 
 def _seeds(
@@ -493,7 +539,7 @@ def _planned(model: CostModel, search: _Search, dp_step: float | None, schedule:
             raise RuntimeError(f"planner and cost model disagree on {plan.to_dict()}: {z} vs {est.pipeline_s}")
         # Consecutive ranks are what "append" gives, whichever policy found the plan first.
         label = policy if plan.stages[0].ranks is not None else "append"
-        simulated = simulate_plan(model, plan).step_s
+        simulated = simulated_step_s(model, plan, est)
         planned = PlannedPlan(plan, est.step_s, est.memory_bytes, None, label, "dapple", est, simulated)
         out.append(planned.with_speedup(dp_step))
     return out

@@ -102,15 +102,25 @@ def chain_from(
 ) -> tuple[float, float]:
     """:func:`stage_chain` from the stage's :func:`stage_terms` and what comes after it."""
     fb, all_passes, jumps, between, lead, all_forwards, all_backwards, last = terms
-    work = max(all_passes, jumps * (fb + round_trip) + between)
+    # The planner calls this for every partial plan it prices: the maxima are written out as
+    # comparisons, the very ones ``max`` makes (first of equals kept), without its call.
+    work = all_passes
+    window = jumps * (fb + round_trip) + between
+    if window > work:
+        work = window
     if gpipe:
-        work = max(work, all_forwards + round_trip + all_backwards)
+        drain = all_forwards + round_trip + all_backwards
+        if drain > work:
+            work = drain
     if partner is not None:
         # Detours start at F_{j+K}, j >= 0, at least two apart. One at j = M - K - 1 (from the
         # last forward) skips only B_{j+1}; earlier ones skip B_{j+1} and F_{j+K+1}. Before the
         # last forward, only detours that land (at B_{j+2}) ahead of it count.
         if last >= 0:
-            work = max(work, all_passes + (partner - backward) + (last // 2) * max(0.0, partner - fb))
+            detour = partner - fb
+            detours = all_passes + (partner - backward) + (last // 2) * (detour if detour > 0.0 else 0.0)
+            if detours > work:
+                work = detours
         if last >= 2 and partner > fb:
             lead = lead + ((last - 2) // 2 + 1) * (partner - fb)
     return work, lead
@@ -131,8 +141,16 @@ def through_link(
     micro-batch (the link's entry of the recurrence, then the two sums :func:`prepend` needs)."""
     m = micro_batches
     both = send_forward + send_backward
+    # max of the three, written out as in chain_from
+    d_link = both + d
+    forwards = m * send_forward + round_trip + send_backward
+    if forwards > d_link:
+        d_link = forwards
+    backwards = send_forward + round_trip + m * send_backward
+    if backwards > d_link:
+        d_link = backwards
     return (
-        max(both + d, m * send_forward + round_trip + send_backward, send_forward + round_trip + m * send_backward),
+        d_link,
         send_forward + z,
         both + round_trip,
         send_forward + x,
@@ -171,12 +189,29 @@ def attach(
         return d, closing + d, fb, fb + closing, fb
     d_link, z_link, rt_link, x_link, z_last_forward, partner = link
     work, lead = chain_from(terms, backward, rt_link, partner if pairs else None, gpipe)
-    d = max(work, fb + d_link)
+    # The maxima written out as in chain_from: d = max(work, F + B + D_link), x = max(RT + AR,
+    # F + X_link), z = max of the five chains in this order.
+    d = fb + d_link
+    if not d > work:
+        d = work
     rt = fb + rt_link
-    x = max(rt + closing, forward + x_link)
-    z = max(
-        closing + d, lead + x_link, lead + (rt_link + backward + closing), forward + z_last_forward, forward + z_link
-    )
+    x = rt + closing
+    through = forward + x_link
+    if through > x:
+        x = through
+    z = closing + d
+    chain = lead + x_link
+    if chain > z:
+        z = chain
+    chain = lead + (rt_link + backward + closing)
+    if chain > z:
+        z = chain
+    chain = forward + z_last_forward
+    if chain > z:
+        z = chain
+    chain = forward + z_link
+    if chain > z:
+        z = chain
     return d, z, rt, x, fb
 
 

@@ -10,12 +10,13 @@ handed over. Each stage all-reduces its gradients after its last action and then
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dapple_lightning.schedule import Action, split_backwards
 
-__all__ = ["COMPUTE", "Event", "replay"]
+__all__ = ["COMPUTE", "Event", "replay", "replay_end"]
 
 COMPUTE = ("F", "B", "W")
 """Event kinds that are a stage computing."""
@@ -55,64 +56,124 @@ def replay(
     Raises:
         RuntimeError: If the stages' lists wait on each other forever (a schedule bug).
     """
+    placed: list[tuple[str, int, int | None, float, float]] = []
+    _place(lists, forward, backward, weight, send, allreduce, update, placed)
+    events = [Event(*event) for event in placed]
+    events.sort(key=lambda e: (e.start, e.end, e.stage))
+    return events
+
+
+def replay_end(
+    lists: Sequence[Sequence[Action]],
+    forward: Sequence[float],
+    backward: Sequence[float],
+    weight: Sequence[float],
+    send: Sequence[float],
+    allreduce: Sequence[float],
+    update: Sequence[float],
+) -> float:
+    """When the last event of :func:`replay` (same arguments) ends, without building the events.
+
+    Raises:
+        RuntimeError: If the stages' lists wait on each other forever (a schedule bug).
+    """
+    return _place(lists, forward, backward, weight, send, allreduce, update, None)
+
+
+def _place(
+    lists: Sequence[Sequence[Action]],
+    forward: Sequence[float],
+    backward: Sequence[float],
+    weight: Sequence[float],
+    send: Sequence[float],
+    allreduce: Sequence[float],
+    update: Sequence[float],
+    placed: list[tuple[str, int, int | None, float, float]] | None,
+) -> float:
+    """The replay of :func:`replay`: appends each event to ``placed`` (kind, stage, micro-batch,
+    start, end) unless it is ``None``, and returns when the last one ends."""
     count = len(lists)
-    micro_batches = {a.micro_batch for actions in lists for a in actions}
-    # A micro-batch with a W on its stage splits its backward; the others' B is the whole one.
-    split = [split_backwards(actions) for actions in lists]
-
-    def duration(s: int, action: Action) -> float:
-        if action.kind == "F":
-            return forward[s]
-        if action.kind == "W":
-            return weight[s]
-        return backward[s] - weight[s] if action.micro_batch in split[s] else backward[s]
-
-    # arrived[s][m]: when stage s has micro-batch m's input (forward) / gradient (backward).
+    steps = _timed(lists, forward, backward, weight)
+    # activation[s][m] / gradient[s][m]: when stage s has micro-batch m's input / gradient.
     activation: list[dict[int, float]] = [{} for _ in range(count)]
     gradient: list[dict[int, float]] = [{} for _ in range(count)]
-    for m in micro_batches:
-        activation[0][m] = 0.0
-        gradient[count - 1][m] = 0.0
+    for actions in steps:
+        for _, m, _ in actions:
+            activation[0][m] = 0.0
+            gradient[count - 1][m] = 0.0
     forward_free = [0.0] * max(0, count - 1)
     backward_free = [0.0] * max(0, count - 1)
     clock = [0.0] * count
     cursor = [0] * count
-    events: list[Event] = []
-    remaining = sum(len(x) for x in lists)
+    last = -math.inf
+    remaining = sum(len(x) for x in steps)
     while remaining:
         progressed = False
         for s in range(count):
-            while cursor[s] < len(lists[s]):
-                action = lists[s][cursor[s]]
-                m = action.micro_batch
-                ready = {"F": activation, "B": gradient}[action.kind][s].get(m) if action.kind != "W" else 0.0
+            actions, at, now = steps[s], cursor[s], clock[s]
+            inputs, grads = activation[s], gradient[s]
+            while at < len(actions):
+                kind, m, seconds = actions[at]
+                ready = inputs.get(m) if kind == "F" else grads.get(m) if kind == "B" else 0.0
                 if ready is None:
                     break
-                start = max(clock[s], ready)
-                end = clock[s] = start + duration(s, action)
-                events.append(Event(action.kind, s, m, start, end))
+                start = max(now, ready)
+                end = now = start + seconds
+                if end > last:
+                    last = end
+                if placed is not None:
+                    placed.append((kind, s, m, start, end))
                 # Hand the output to the link; each direction serves transfers in order.
-                if action.kind == "F" and s < count - 1:
+                if kind == "F" and s < count - 1:
                     begin = max(end, forward_free[s])
-                    forward_free[s] = activation[s + 1][m] = begin + send[s]
+                    forward_free[s] = activation[s + 1][m] = arrive = begin + send[s]
                     if send[s] > 0:
-                        events.append(Event("send-act", s, m, begin, begin + send[s]))
-                elif action.kind == "B" and s > 0:
+                        last = max(last, arrive)
+                        if placed is not None:
+                            placed.append(("send-act", s, m, begin, arrive))
+                elif kind == "B" and s > 0:
                     begin = max(end, backward_free[s - 1])
-                    backward_free[s - 1] = gradient[s - 1][m] = begin + send[s - 1]
+                    backward_free[s - 1] = gradient[s - 1][m] = arrive = begin + send[s - 1]
                     if send[s - 1] > 0:
-                        events.append(Event("send-grad", s - 1, m, begin, begin + send[s - 1]))
-                cursor[s] += 1
+                        last = max(last, arrive)
+                        if placed is not None:
+                            placed.append(("send-grad", s - 1, m, begin, arrive))
+                at += 1
                 remaining -= 1
                 progressed = True
+            cursor[s], clock[s] = at, now
         if not progressed:
             stuck = {s: str(lists[s][cursor[s]]) for s in range(count) if cursor[s] < len(lists[s])}
             raise RuntimeError(f"schedule deadlocks: stages wait on each other at {stuck}")
     for s in range(count):
         if allreduce[s] > 0:
-            events.append(Event("allreduce", s, None, clock[s], clock[s] + allreduce[s]))
-            clock[s] += allreduce[s]
+            end = clock[s] + allreduce[s]
+            last = max(last, end)
+            if placed is not None:
+                placed.append(("allreduce", s, None, clock[s], end))
+            clock[s] = end
         if update[s] > 0:
-            events.append(Event("update", s, None, clock[s], clock[s] + update[s]))
-    events.sort(key=lambda e: (e.start, e.end, e.stage))
-    return events
+            end = clock[s] + update[s]
+            last = max(last, end)
+            if placed is not None:
+                placed.append(("update", s, None, clock[s], end))
+    return last
+
+
+def _timed(
+    lists: Sequence[Sequence[Action]], forward: Sequence[float], backward: Sequence[float], weight: Sequence[float]
+) -> list[list[tuple[str, int, float]]]:
+    """Each stage's actions as (kind, micro-batch, seconds). A micro-batch with a ``W`` on its
+    stage splits its backward; the others' ``B`` is the whole one."""
+    steps: list[list[tuple[str, int, float]]] = []
+    for s, actions in enumerate(lists):
+        split = split_backwards(actions)
+        seconds = {"F": forward[s], "W": weight[s]}
+        steps.append(
+            [
+                (a.kind, a.micro_batch, seconds[a.kind] if a.kind != "B" else
+                 backward[s] - weight[s] if a.micro_batch in split else backward[s])
+                for a in actions
+            ]
+        )  # fmt: skip
+    return steps

@@ -61,9 +61,11 @@ count the longer suffix is kept under, whether the suffix's first stage warms up
 micro-batch less (``K - 1``: the two ping-pong), the suffix seen through the link to the new
 stage (``None`` when the new stage is the last), and the suffix itself."""
 
-_Cost = tuple[float, float, float, MemoryParts, MemoryParts | None]
+_Cost = tuple[float, float, float, MemoryParts, MemoryParts | None, dict[int, tuple[float, Terms, bool] | None]]
 """A stage ``[i, j)`` priced: its forward and backward of one micro-batch, its all-reduce and
-optimizer step, its memory parts, and those when it recomputes (``None``: it may not)."""
+optimizer step, its memory parts, those when it recomputes (``None``: it may not), and its
+:func:`_depth_terms` by warm-up depth as the search asks for them (the stage goes in front of
+suffixes in many states; its numbers at a depth are the same in each)."""
 
 _Placed = tuple[tuple[int, ...], Placement, float]
 """Where a new stage goes: the free devices per server after it, its devices (per server in the
@@ -123,16 +125,21 @@ def _insert(front: list[_Suffix], new: _Suffix, k: int, beam: int | None) -> boo
             if beaten >= k:
                 return False
     new.beaten = beaten
-    start = bisect.bisect_left(front, z, key=_z)
-    kept: list[_Suffix] = []
-    for old in front[start:]:
+    start = bisect.bisect_left(front, z, 0, stop, key=_z)
+    # The search calls this for every partial plan it keeps: the front is rebuilt only when one leaves.
+    kept: list[_Suffix] | None = None
+    for at, old in enumerate(front[start:], start):
         if passes <= old.passes and x <= old.x and round_trip <= old.round_trip and d <= old.d and stages == old.stages:
             old.beaten += 1
             if old.beaten >= k:
+                if kept is None:
+                    kept = front[start:at]
                 continue
-        kept.append(old)
-    front[start:] = kept
-    stop = bisect.bisect_right(front, z, key=_z)
+        if kept is not None:
+            kept.append(old)
+    if kept is not None:
+        front[start:] = kept
+        stop = bisect.bisect_right(front, z, key=_z)
     front.insert(stop, new)
     if beam is not None and len(front) > beam:
         del front[beam:]
@@ -227,7 +234,7 @@ class _Pass:
         cost: _Cost | None = None
         if peak_bytes(memory, 1, m) <= cap or (lean is not None and peak_bytes(lean, 1, m) <= cap):
             closing = model.allreduce(start, end, stage) + model.update(start, end)
-            cost = (forward, backward, closing, memory, lean)
+            cost = (forward, backward, closing, memory, lean, {})
         self.costs[key] = cost
         return cost
 
@@ -300,10 +307,25 @@ class _Search:
 
     def continues(self, earlier: _Search) -> None:
         """Go on from ``earlier``'s work: count it, and reuse the stage prices and placements it
-        found (they depend on neither ``top`` nor the bound)."""
+        found."""
         self.before = earlier.work()
-        self._costs = earlier._costs
-        self._placed = earlier._placed
+        self.shares(earlier)
+
+    def shares(self, other: _Search) -> None:
+        """Price stages and place them in ``other``'s tables (they depend on neither ``top`` nor
+        the bound)."""
+        self._costs = other._costs
+        self._placed = other._placed
+
+    def counts_in(self, other: _Search) -> None:
+        """Count ``other``'s own work (not what it continues) as this search's."""
+        own = (other.states_expanded, other.stages_priced, other.priced, other.kept)
+        self.before = tuple(a + b for a, b in zip(self.before, own))  # type: ignore[assignment]
+
+    def bounded(self, bound: float) -> None:
+        """Start afresh on the best ``top`` plans, none found yet, under ``bound``."""
+        self.top = _Top(self.top.k)
+        self.top.limit(bound)
 
     def work(self) -> tuple[int, int, int, int]:
         """States expanded, stages priced, partial plans priced and kept, with :attr:`before`'s."""
@@ -450,11 +472,16 @@ class _Search:
             hi = min(bisect.bisect_left(allowed, j), bisect.bisect_right(allowed, top_i))
             starts = (allowed[x] for x in range(hi - 1, -1, -1))
         ahead_samples = search.samples[rest] if rest else 0
+        costs = search.costs
+        replicas, servers = stage.replicas, stage.servers
         for i in starts:
-            cost = search.stage_cost(i, j, stage, self.memory_cap, self.recompute)
+            # stage_cost's own table first: most stages were priced in another state.
+            cost = costs.get((i, j, replicas, servers), costs)
+            if cost is costs:
+                cost = search.stage_cost(i, j, stage, self.memory_cap, self.recompute)
             if cost is None:
                 break  # memory only grows as the stage takes earlier layers
-            forward, backward, closing, _, _ = cost
+            forward, backward, closing, _, _, _ = cost
             bound = top.bound
             all_passes = m * (forward + backward)
             if closing + all_passes > bound:
@@ -497,15 +524,13 @@ class _Search:
         gpipe = self.gpipe
         beam = self.beam
         cap = self.memory_cap
-        forward, backward, closing, memory, lean = cost
+        forward, backward, closing, memory, lean, by_depth = cost
         head_start, head_passes = heads
         fb = forward + backward
         bound = top.bound
         priced = kept = 0
         front: list[_Suffix] | None = None
         front_stages = -1
-        # The stage's numbers per warm-up depth, computed once for all its suffixes.
-        by_depth: dict[int, tuple[float, Terms, bool] | None] = {}
         for depth, stages, pairs, link, suffix in candidates:
             if link is not None:
                 # Out of the bound or the beam before pricing: Z >= F + Z_link,

@@ -20,13 +20,14 @@ simulated one, and equal when stages are uniform and transfers free (tested).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from dapple_lightning.plan import Plan
-from dapple_lightning.planner._cost import CostModel
-from dapple_lightning.planner._replay import COMPUTE, Event, replay
-from dapple_lightning.schedule import schedule
+from dapple_lightning.planner._cost import CostModel, Estimate
+from dapple_lightning.planner._replay import COMPUTE, Event, replay, replay_end
+from dapple_lightning.schedule import Action, schedule
 
-__all__ = ["Event", "Simulation", "simulate_plan"]
+__all__ = ["Event", "Simulation", "simulate_plan", "simulated_step_s"]
 
 
 @dataclass(frozen=True)
@@ -61,3 +62,23 @@ def simulate_plan(model: CostModel, plan: Plan) -> Simulation:
     weight = est.weight_s or (0.0,) * plan.num_stages
     events = replay(lists, est.forward_s, est.backward_s, weight, est.send_forward_s, est.allreduce_s, est.update_s)
     return Simulation(plan=plan, step_s=max(e.end for e in events), events=tuple(events))
+
+
+def simulated_step_s(model: CostModel, plan: Plan, estimate: Estimate | None = None) -> float:
+    """``simulate_plan(model, plan).step_s`` without placing the events (``estimate``: the
+    model's estimate of ``plan``, when the caller has it).
+
+    Raises:
+        RuntimeError: If the stages' lists wait on each other forever (a schedule bug).
+    """
+    est = model.estimate(plan) if estimate is None else estimate
+    lists = _lists(plan.schedule, plan.num_stages, plan.micro_batches)
+    weight = est.weight_s or (0.0,) * plan.num_stages
+    return replay_end(lists, est.forward_s, est.backward_s, weight, est.send_forward_s, est.allreduce_s, est.update_s)
+
+
+@lru_cache(maxsize=8)
+def _lists(name: str, stages: int, micro_batches: int) -> tuple[tuple[Action, ...], ...]:
+    """``schedule(name, stages, micro_batches)``, kept: the planner replays its best plans one after
+    another, often with the same number of stages and micro-batches."""
+    return tuple(tuple(actions) for actions in schedule(name, stages, micro_batches))

@@ -208,7 +208,14 @@ def peak_bytes(parts: MemoryParts, depth: int, micro_batches: int) -> float:
     alive: what the cost model and the searches both compute, so their comparisons agree exactly."""
     static, kept, transient, grads, closing = parts
     after = depth if micro_batches > depth else depth - 1
-    return static + max(max(depth * kept, grads + after * kept) + transient, closing)
+    # max(max(depth * kept, grads + after * kept) + transient, closing), without max's calls (the
+    # search asks this for every stage and warm-up depth): the same comparisons, the same float.
+    alive = depth * kept
+    stepping = grads + after * kept
+    if stepping > alive:
+        alive = stepping
+    alive += transient
+    return static + (closing if closing > alive else alive)
 
 
 def sparse_max(values: Sequence[float]) -> tuple[tuple[float, ...], ...]:

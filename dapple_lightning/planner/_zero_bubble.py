@@ -28,7 +28,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from dapple_lightning.plan import Plan
-from dapple_lightning.planner._replay import replay
+from dapple_lightning.planner._replay import replay_end
 from dapple_lightning.schedule import peak_in_flight, schedule
 
 if TYPE_CHECKING:
@@ -58,10 +58,9 @@ def zero_bubble(model: CostModel, plan: Plan) -> Estimate:
     weight = tuple(
         min(stage_weight(model, s.start, s.end, n), b) for s, n, b in zip(plan.stages, base.samples, base.backward_s)
     )
-    events = replay(
+    pipeline = replay_end(
         lists, base.forward_s, base.backward_s, weight, base.send_forward_s, base.allreduce_s, base.update_s
     )
-    pipeline = max(e.end for e in events)
     step = max(pipeline, base.shared_compute_s)
     memory = tuple(
         model.stage_memory(s.start, s.end, n, peak_in_flight(actions), s.replicas, m)

@@ -25,6 +25,7 @@ from dapple_lightning.planner import (
     read_pipedream,
     replica_candidates,
 )
+from dapple_lightning.planner._lower_bound import stage_bound
 
 
 def all_plans(layers: int, cluster: Cluster, candidates, policies, schedule="dapple"):
@@ -149,6 +150,9 @@ def test_planner_matches_brute_force(profile, shape, batch, memory_gb, top, sche
     assert len({(p.plan.stages, p.plan.micro_batches) for p in got}) == len(got)
     # The record's lower bound is one: no plan of the space is faster.
     assert got[0].search is not None and got[0].search.lower_bound_s <= expected[0] * (1 + 1e-12)
+    # So is the one a beam's record takes (an exact search has no need of it).
+    model = CostModel(profile, cluster, batch)
+    assert stage_bound(model, candidates, replica_candidates(cluster), None) <= expected[0] * (1 + 1e-12)
 
 
 def test_scatter_keeps_heavy_activations_inside_servers():

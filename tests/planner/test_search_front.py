@@ -27,6 +27,26 @@ def test_a_suffix_that_top_others_beat_is_not_kept() -> None:
     assert [s.z for s in front] == [1.0, 1.5, 2.0, 4.0]
 
 
+def test_a_suffix_goes_after_those_of_equal_z_that_stay() -> None:
+    # Three of Z 1.0 and one of Z 2.0. A new one of Z 1.0 and D 1.0 beats the first and third
+    # (D 2.0 and 3.0), which leave (top 1), not the second (D 0.5, but more passes), which does
+    # not beat it either: it goes after the second, before the Z of 2.0.
+    def fronts() -> tuple[list[_Suffix], _Suffix, _Suffix]:
+        second, later = suffix(1.0, 0.5, 2), suffix(2.0, 0.1, 4)
+        second.passes = 2.0
+        return [suffix(1.0, 2.0, 1), second, suffix(1.0, 3.0, 3), later], second, later
+
+    front, second, later = fronts()
+    new = suffix(1.0, 1.0, 5)
+    assert _insert(front, new, 1, None)
+    assert front == [second, new, later]
+    # Under a beam of 2 it stays too, the Z of 2.0 leaves.
+    front, second, _ = fronts()
+    new = suffix(1.0, 1.0, 5)
+    assert _insert(front, new, 1, 2)
+    assert front == [second, new]
+
+
 def test_a_bound_from_elsewhere_holds_until_the_top_plans_beat_it() -> None:
     top = _Top(2)
     top.limit(5.0)

@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 
 from dapple_lightning.plan import Plan, Stage
 from dapple_lightning.planner import Cluster, CostModel, LayerProfile, ModelProfile, place, simulate_plan
+from dapple_lightning.planner._replay import replay, replay_end
+from dapple_lightning.planner._simulator import simulated_step_s
 from dapple_lightning.schedule import schedule, simulate
 
 # Worst simulated / predicted step seen on thousands of random plans (stages of random cost,
@@ -127,5 +129,19 @@ def test_model_is_a_lower_bound_within_tolerance(case):
     except ValueError:
         return  # more replicas than a micro-batch has samples
     sim = simulate_plan(model, plan)
+    # The planner's replay without events ends where the events do, to the last bit.
+    assert simulated_step_s(model, plan) == sim.step_s
     assert est.step_s <= sim.step_s * (1 + 1e-9)
     assert sim.step_s <= est.step_s * TOLERANCE[plan.schedule] + 1e-12
+
+
+@pytest.mark.parametrize("schedule_name", ["dapple", "gpipe", "zb-h1", "zb-h2", "zb-tail"])
+def test_replay_end_is_the_last_event_end(schedule_name):
+    # Uneven stages and slow links, so that transfers queue; the last event an update.
+    lists = schedule(schedule_name, 3, 6)
+    times = ([1.0, 0.5, 2.0], [3.0, 1.5, 2.5], [1.0, 0.5, 1.0], [1.5, 0.7], [0.3, 0.0, 0.9], [0.0, 0.2, 0.1])
+    events = replay(lists, *times)
+    assert replay_end(lists, *times) == max(e.end for e in events)
+    # Without all-reduce and update, the last event is a compute.
+    quiet = (*times[:4], [0.0] * 3, [0.0] * 3)
+    assert replay_end(lists, *quiet) == max(e.end for e in replay(lists, *quiet))

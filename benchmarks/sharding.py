@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -46,6 +47,8 @@ from benchmarks._harness import launch, write_record  # noqa: E402
 
 MiB = 2**20
 MODES = ("none", "grads", "full")
+MEMORY_STEPS = 3
+"""Steps under the live-bytes tracker before the timed ones; the peaks are those of the last two."""
 
 
 def _status(field: str) -> int:
@@ -55,20 +58,22 @@ def _status(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
-def _predicted_cost(plan, rank: int, args: argparse.Namespace) -> float:
+def _predicted_cost(plan, rank: int, args: argparse.Namespace) -> tuple[float, list[float] | None]:
     """Seconds per step that the planner's price of sharding (``planner._sharding.shard_price``) adds to
-    stage 0, on the links ``measure_cluster`` measures here (collective on every rank)."""
+    stage 0, on the links and the sharded layers' passes ``measure_cluster`` measures here (collective
+    on every rank), and those passes' fitted costs (``ShardCosts.as_numbers``)."""
     import torch
 
-    from dapple_lightning.planner import LayerProfile, ModelProfile, measure_cluster, shard_price
+    from dapple_lightning.planner import LayerProfile, ModelProfile, measure_cluster, shard_price, shard_sizes
 
-    cluster = measure_cluster(torch.device("cpu"))
     layer = (args.hidden * args.hidden + args.hidden) * 4
-    # Only the parameter bytes enter the collectives' price; the times are placeholders.
+    # Only the parameter bytes enter the price of sharding's time; the times are placeholders.
     layers = [LayerProfile(f"l{i}", 1.0, 1.0, 0, layer if i % 2 == 0 else 0) for i in range(2 * args.layers)]
+    profile = ModelProfile(tuple(layers), args.batch)
     stage = plan.stages[0]
+    cluster = measure_cluster(torch.device("cpu"), shard_replicas=(stage.replicas,), shard_at=shard_sizes(profile))
     price = shard_price(
-        ModelProfile(tuple(layers), args.batch),
+        profile,
         cluster,
         stage.start,
         stage.end,
@@ -78,7 +83,8 @@ def _predicted_cost(plan, rank: int, args: argparse.Namespace) -> float:
         depth=1,
         micro_batches=args.micro_batches,
     )
-    return price.added_seconds
+    costs = cluster.shard_costs_for(stage.replicas)
+    return price.added_seconds, None if costs is None else costs.as_numbers()
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -121,21 +127,28 @@ def worker(args: argparse.Namespace) -> None:
     def held(values) -> int:
         return sum(local_part(v).numel() * local_part(v).element_size() for v in values)
 
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        pipe.run(args.batch, LossStep(forward))
+        optimizer.step()
+
     param_bytes = held(stage.parameters())
-    times = []
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM from here on
     rss_start = _status("VmRSS")
     with live_bytes() as tracker:
-        for step in range(args.steps):
-            start = time.perf_counter()
-            optimizer.zero_grad(set_to_none=True)
-            pipe.run(args.batch, LossStep(forward))
-            optimizer.step()
-            times.append(time.perf_counter() - start)
-            if step == 0:  # the peaks of the later steps: the first makes Adam's state and FSDP2's buffers
+        for index in range(MEMORY_STEPS):
+            step()
+            if index == 0:  # the peaks of the later steps: the first makes Adam's state and FSDP2's buffers
                 tracker.reset_peak()
                 Path("/proc/self/clear_refs").write_text("5")
-    predicted = _predicted_cost(plan, rank, args)  # collective: measures the links
+    rss = _status("VmHWM") - rss_start
+    # Timed outside the tracker: its dispatch hook runs on every op, and a sharded layer runs many more.
+    times = []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    predicted, costs = _predicted_cost(plan, rank, args)  # collective: measures the links
     grads = [p.grad for p in stage.parameters() if p.grad is not None]
     state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
     layer_bytes = (args.hidden * args.hidden + args.hidden) * 4
@@ -145,8 +158,9 @@ def worker(args: argparse.Namespace) -> None:
             "stage": plan.stage_of(rank),
             "state": param_bytes + held(grads) + held(state),
             "tracker": param_bytes + tracker.peak,
-            "rss": _status("VmHWM") - rss_start,
-            "step": statistics.median(times[1:]),
+            "rss": rss,
+            "step": statistics.median(times),
+            "costs": costs,
             "layer": layer_bytes,
             "predicted": predicted,
         },
@@ -163,8 +177,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--batch", type=int, default=48)
     parser.add_argument("--micro-batches", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--mode", choices=MODES, default="none")
     parser.add_argument("--worker", action="store_true")
     args = parser.parse_args()
@@ -178,9 +192,10 @@ def main() -> None:
     common = ["--layers", str(args.layers), "--hidden", str(args.hidden), "--batch", str(args.batch)]
     common += ["--micro-batches", str(args.micro_batches), "--steps", str(args.steps)]
     results: dict[tuple[int, str], list[list[dict]]] = {}
-    for _ in range(args.rounds):
+    for round_ in range(args.rounds):
         for r in args.replicas:
-            for mode in MODES:
+            order = MODES[round_ % len(MODES) :] + MODES[: round_ % len(MODES)]  # no mode always first
+            for mode in order:
                 records = launch(
                     __file__,
                     [*common, "--worker", "--replicas", str(r), "--mode", mode],
@@ -189,29 +204,58 @@ def main() -> None:
                     what=f"r={r} shard={mode}",
                 )
                 results.setdefault((r, mode), []).append([rec for rec in records if rec["stage"] == 0])
+    _memory_table(results, args.replicas)
+    print()
+    _time_table(results, args.replicas)
+    print(json.dumps({f"{r}:{m}": v for (r, m), v in results.items()}))
+
+
+def _memory_table(results: dict[tuple[int, str], list[list[dict]]], replicas: list[int]) -> None:
     print(
-        "| r | shard | state MiB (of unsharded) | bound: unsharded / r + one layer | tracker peak MiB "
-        "| RSS growth MiB | step ms (rounds) | added ms: measured (rounds) / predicted |"
+        "| r | shard | state MiB (of unsharded) | bound: unsharded / r + one layer | tracker peak MiB | RSS growth MiB |"
     )
-    print("|---|---|---|---|---|---|---|---|")
-    for r in args.replicas:
+    print("|---|---|---|---|---|---|")
+    for r in replicas:
         base = max(rec["state"] for rnd in results[(r, "none")] for rec in rnd)
         for mode in MODES:
-            rounds = results[(r, mode)]
-            recs = [rec for rnd in rounds for rec in rnd]
+            recs = [rec for rnd in results[(r, mode)] for rec in rnd]
             state = max(rec["state"] for rec in recs)
-            bound = base / r + recs[0]["layer"]
-            medians = [statistics.median(rec["step"] for rec in rnd) for rnd in rounds]
-            unsharded = [statistics.median(rec["step"] for rec in rnd) for rnd in results[(r, "none")]]
-            steps = ", ".join(f"{m * 1e3:.1f}" for m in medians)
-            added = ", ".join(f"{(m - u) * 1e3:.1f}" for m, u in zip(medians, unsharded))
-            predicted = statistics.median(rec["predicted"] for rec in recs) * 1e3
             print(
-                f"| {r} | {mode} | {state / MiB:.1f} ({state / base:.2f}) | {bound / MiB:.1f} "
-                f"| {max(rec['tracker'] for rec in recs) / MiB:.1f} | {max(rec['rss'] for rec in recs) / MiB:.1f} "
-                f"| {steps} | {added} / {predicted:.1f} |"
+                f"| {r} | {mode} | {state / MiB:.1f} ({state / base:.2f}) | {base / r / MiB + recs[0]['layer'] / MiB:.1f} "
+                f"| {max(rec['tracker'] for rec in recs) / MiB:.1f} | {max(rec['rss'] for rec in recs) / MiB:.1f} |"
             )
-    print(json.dumps({f"{r}:{m}": v for (r, m), v in results.items()}))
+
+
+def _median_interval(values: list[float], draws: int = 2000) -> tuple[float, float]:
+    """A bootstrap 95% interval of the median of ``values`` (a fixed seed: the same values, the same interval)."""
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(draws))
+    return medians[int(0.025 * draws)], medians[int(0.975 * draws) - 1]
+
+
+def _time_table(results: dict[tuple[int, str], list[list[dict]]], replicas: list[int]) -> None:
+    """Per round, the sharded step less the unsharded one of the same round (a paired difference), and
+    the price the planner gave in the sharded run; their medians over the rounds and the ratio."""
+    print(
+        "| r | shard | step ms, unsharded -> sharded (median) | added ms per round | added ms: median [95% CI] "
+        "| predicted ms: median (range) | predicted / measured | within 15% |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for r in replicas:
+        unsharded = [statistics.median(rec["step"] for rec in rnd) for rnd in results[(r, "none")]]
+        for mode in MODES[1:]:
+            rounds = results[(r, mode)]
+            sharded = [statistics.median(rec["step"] for rec in rnd) for rnd in rounds]
+            added = [(s - u) * 1e3 for s, u in zip(sharded, unsharded)]
+            predicted = [statistics.median(rec["predicted"] for rec in rnd) * 1e3 for rnd in rounds]
+            low, high = _median_interval(added)
+            ratio = statistics.median(predicted) / statistics.median(added)
+            print(
+                f"| {r} | {mode} | {statistics.median(unsharded) * 1e3:.1f} -> {statistics.median(sharded) * 1e3:.1f} "
+                f"| {', '.join(f'{a:.1f}' for a in added)} | {statistics.median(added):.1f} [{low:.1f}, {high:.1f}] "
+                f"| {statistics.median(predicted):.1f} ({min(predicted):.1f}-{max(predicted):.1f}) | {ratio:.2f} "
+                f"| {'met' if abs(ratio - 1) <= 0.15 else 'missed'} |"
+            )
 
 
 if __name__ == "__main__":

@@ -33,8 +33,10 @@ from dapple_lightning.planner._links import (
     device_memory,
     fit_link,
     measure_cluster,
+    measure_shard_costs,
     message_sizes,
     node_ranks,
+    shard_sizes,
 )
 from dapple_lightning.planner._measure import SETTLE_STEPS, fixed_part, fresh_leaves, map_tensors, profile_layers
 from dapple_lightning.planner._memory import live_bytes
@@ -56,6 +58,7 @@ from dapple_lightning.planner._select import (
     shortlist,
     shortlist_offering,
 )
+from dapple_lightning.planner._shard_costs import Affine, ShardCosts, fit_affine
 from dapple_lightning.planner._sharding import ShardPrice, shard_price, sharded_plan
 from dapple_lightning.planner._simulator import Event, Simulation, simulate_plan
 from dapple_lightning.planner._window import AUTO_WINDOW_MOST, WindowChoice, choose_window, replay_window
@@ -74,6 +77,7 @@ __all__ = [
     "TRIAL_LIMIT",
     "TRIAL_MARGIN",
     "TRIAL_ROUNDS",
+    "Affine",
     "AutoPlan",
     "ChunkedEstimate",
     "Cluster",
@@ -89,6 +93,7 @@ __all__ = [
     "PlanChoice",
     "PlannedPlan",
     "SearchRecord",
+    "ShardCosts",
     "ShardPrice",
     "Simulation",
     "Stopwatch",
@@ -108,6 +113,7 @@ __all__ = [
     "device_memory",
     "estimate",
     "estimate_chunked",
+    "fit_affine",
     "fit_link",
     "fixed_part",
     "format_bytes",
@@ -119,6 +125,7 @@ __all__ = [
     "measure_and_choose",
     "measure_cluster",
     "measure_in_turns",
+    "measure_shard_costs",
     "message_sizes",
     "micro_batch_candidates",
     "node_ranks",
@@ -139,6 +146,7 @@ __all__ = [
     "replay_window",
     "replica_candidates",
     "shard_price",
+    "shard_sizes",
     "sharded_plan",
     "shortlist",
     "shortlist_offering",

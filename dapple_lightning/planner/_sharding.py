@@ -81,9 +81,14 @@ def shard_price(
         closing = closing / replicas
     else:
         raise ValueError(f"shard must be 'grads', 'full' or None, got {mode!r}")
-    per_byte, fixed = cluster.allreduce_coefficients(replicas, nodes_spanned)
-    half = params * per_byte / 2 + fixed / 2  # one all-gather, or one reduce-scatter
-    added = (3 * micro_batches - 2) * half if mode == "full" else half
+    costs = cluster.shard_costs_for(replicas) if nodes_spanned <= 1 else None
+    if costs is not None:
+        units = [float(x.param_bytes) for x in layers if x.param_bytes > 0]
+        added = costs.added(mode, units, micro_batches) - cluster.allreduce_time(params, replicas, nodes_spanned)
+    else:
+        per_byte, fixed = cluster.allreduce_coefficients(replicas, nodes_spanned)
+        half = params * per_byte / 2 + fixed / 2  # one all-gather, or one reduce-scatter
+        added = (3 * micro_batches - 2) * half if mode == "full" else half
     return ShardPrice(peak_bytes((static, kept, transient, grads, closing), depth, micro_batches), added)
 
 

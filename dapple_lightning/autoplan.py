@@ -60,6 +60,7 @@ from dapple_lightning.planner import (
     profile_layers,
     refine,
     refine_allreduce,
+    shard_sizes,
     shortlist_with_levers,
 )
 from dapple_lightning.surgery import standing_in
@@ -419,7 +420,11 @@ def choose_plan(
         profile = _with_step_outside(profile, big, (small, *step_outside(small)) if small else None)
     profile = _averaged(profile, device)
     sizes = message_sizes(profile, global_batch)  # the links timed at what plans of this model send
-    cluster = _within(measure_cluster(device, nodes=nodes, sizes=sizes), memory_limit)
+    # Under a budget the levers may shard a stage: time FSDP2's passes on every replica count a node holds.
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    shards = tuple(range(2, world // nodes + 1)) if memory_limit is not None and world % nodes == 0 else ()
+    measured = measure_cluster(device, nodes=nodes, sizes=sizes, shard_replicas=shards, shard_at=shard_sizes(profile))
+    cluster = _within(measured, memory_limit)
     options = dict(optimizer_factor=optimizer_factor, margin=margin, objective=objective, memory_margin=memory_margin)
     options.update(offload_refused=offload_refused, shard_refused=shard_refused, chunks=chunks_refused is None)
     close, dp_step, lever, offers = _shortlist_on_rank_zero(profile, cluster, global_batch, **options)

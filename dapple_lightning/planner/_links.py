@@ -12,6 +12,10 @@ Each link is timed at a few message sizes, those a plan of the profiled model se
 all-reduce), and fitted as ``latency + size / bandwidth`` (:func:`fit_link`), the cost model's own
 form: one size (a large one) makes a fast link (NVLink) look slower than it is, since its
 latency is then a large part of the time.
+
+A stage sharded over its replicas (``Stage.shard``) costs more than its bytes on these links: what
+FSDP2 adds to each kind of a sharded layer's pass is timed as such (:func:`measure_shard_costs`, on
+a group of each replica count asked for, at the profile's layer sizes, :func:`shard_sizes`).
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from dapple_lightning.planner import (
     measure_cluster,
     message_sizes,
     node_ranks,
+    shard_sizes,
 )
 
 from distributed import run_ranks
@@ -145,6 +146,11 @@ def test_message_sizes_span_what_plans_of_the_model_send():
     assert max(max(s) for s in message_sizes(huge, 1024)) == 2**26  # timed up to 64 MiB, the fit carries on
     bare = ModelProfile(tuple(LayerProfile("l", 1.0, 1.0, 0, 0) for _ in range(2)), 1)
     assert message_sizes(bare, 8) == (MESSAGE_SIZES, MESSAGE_SIZES)
+    # a sharded layer is timed from the smallest layer's parameters (4 MiB) to the largest's (16 MiB)
+    assert shard_sizes(profile) == (2**22, 2**23, 2**24)
+    assert shard_sizes(bare) == MESSAGE_SIZES
+    one_size = ModelProfile(tuple(LayerProfile("l", 1.0, 1.0, 0, 2**20) for _ in range(3)), 1)
+    assert shard_sizes(one_size) == (2**16, 2**18, 2**20)  # two sizes apart at least, for the fit
 
 
 def _sent_sizes(rank: int, world: int, sizes) -> tuple[dict, list[int], list[int]]:

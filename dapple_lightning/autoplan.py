@@ -60,6 +60,7 @@ from dapple_lightning.planner import (
     profile_layers,
     refine,
     refine_allreduce,
+    shard_sizes,
     shortlist_with_levers,
 )
 from dapple_lightning.surgery import standing_in
@@ -353,6 +354,18 @@ def profile_in_windows(
     return ModelProfile.from_dict(data)
 
 
+def _measured_cluster(
+    device: torch.device, nodes: int, profile: ModelProfile, global_batch: int, memory_limit: float | None
+) -> Cluster:
+    """The links timed at what plans of ``profile`` send, within ``memory_limit``; under a budget, whose
+    levers may shard a stage, also FSDP2's passes on every replica count a node holds (collective)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    shards = tuple(range(2, world // nodes + 1)) if memory_limit is not None and world % nodes == 0 else ()
+    sizes = message_sizes(profile, global_batch)
+    measured = measure_cluster(device, nodes=nodes, sizes=sizes, shard_replicas=shards, shard_at=shard_sizes(profile))
+    return _within(measured, memory_limit)
+
+
 def _within(cluster: Cluster, memory_limit: float | None) -> Cluster:
     """``cluster`` with ``memory_limit`` as its memory per device, when given."""
     return cluster if memory_limit is None else replace(cluster, memory_bytes=float(memory_limit))
@@ -418,8 +431,7 @@ def choose_plan(
         big = (rows, *step_outside(rows))
         profile = _with_step_outside(profile, big, (small, *step_outside(small)) if small else None)
     profile = _averaged(profile, device)
-    sizes = message_sizes(profile, global_batch)  # the links timed at what plans of this model send
-    cluster = _within(measure_cluster(device, nodes=nodes, sizes=sizes), memory_limit)
+    cluster = _measured_cluster(device, nodes, profile, global_batch, memory_limit)
     options = dict(optimizer_factor=optimizer_factor, margin=margin, objective=objective, memory_margin=memory_margin)
     options.update(offload_refused=offload_refused, shard_refused=shard_refused, chunks=chunks_refused is None)
     close, dp_step, lever, offers = _shortlist_on_rank_zero(profile, cluster, global_batch, **options)

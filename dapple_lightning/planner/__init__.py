@@ -39,8 +39,10 @@ from dapple_lightning.planner._links import (
     device_memory,
     fit_link,
     measure_cluster,
+    measure_shard_costs,
     message_sizes,
     node_ranks,
+    shard_sizes,
 )
 from dapple_lightning.planner._measure import SETTLE_STEPS, fixed_part, fresh_leaves, profile_layers
 from dapple_lightning.planner._memory import live_bytes
@@ -61,6 +63,7 @@ from dapple_lightning.planner._select import (
     refine_allreduce,
     shortlist,
 )
+from dapple_lightning.planner._shard_costs import Affine, ShardCosts, fit_affine
 from dapple_lightning.planner._sharding import ShardPrice, shard_price, sharded_plan
 from dapple_lightning.planner._simulator import Event, Simulation, simulate_plan
 from dapple_lightning.planner._window import AUTO_WINDOW_MOST, WindowChoice, choose_window
@@ -79,6 +82,7 @@ __all__ = [
     "TRIAL_LIMIT",
     "TRIAL_MARGIN",
     "TRIAL_ROUNDS",
+    "Affine",
     "AutoPlan",
     "ChunkedEstimate",
     "Cluster",
@@ -94,6 +98,7 @@ __all__ = [
     "PlanChoice",
     "PlannedPlan",
     "SearchRecord",
+    "ShardCosts",
     "ShardPrice",
     "Simulation",
     "Stopwatch",
@@ -114,6 +119,7 @@ __all__ = [
     "device_memory",
     "estimate",
     "estimate_chunked",
+    "fit_affine",
     "fit_link",
     "fixed_part",
     "format_bytes",
@@ -124,6 +130,7 @@ __all__ = [
     "measure_and_choose",
     "measure_cluster",
     "measure_in_turns",
+    "measure_shard_costs",
     "message_sizes",
     "micro_batch_candidates",
     "node_ranks",
@@ -143,6 +150,7 @@ __all__ = [
     "relative_spread",
     "replica_candidates",
     "shard_price",
+    "shard_sizes",
     "sharded_plan",
     "shortlist",
     "shortlist_with_levers",

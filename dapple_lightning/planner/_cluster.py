@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dapple_lightning.plan import number, whole
+from dapple_lightning.planner._shard_costs import ShardCosts
 
 __all__ = ["GB", "Cluster"]
 
@@ -60,6 +61,10 @@ class Cluster:
     own (GPUs). CPU processes that share a machine's cores have ``cores // threads per process``
     of them, and a plan that keeps more processes busy than that waits for the cores: the cost
     model then bounds a step below by the busiest server's work over its units."""
+    shard_costs: tuple[ShardCosts, ...] = ()
+    """What FSDP2 adds to a sharded layer's passes on a group of each measured replica count within a
+    server (``_links.measure_shard_costs``); none measured: sharding is priced from the all-reduce
+    links alone (see ``_sharding.shard_price``)."""
 
     def __post_init__(self) -> None:
         for name in ("nodes", "devices_per_node"):
@@ -80,6 +85,10 @@ class Cluster:
         object.__setattr__(self, "latency_s", number(self.latency_s, "cluster latency_s"))
         if self.compute_units is not None:
             whole(self.compute_units, "cluster compute_units (None: independent devices)")
+        costs = tuple(ShardCosts.coerce(c) for c in self.shard_costs)
+        if len({c.replicas for c in costs}) != len(costs):
+            raise ValueError(f"cluster shard_costs name a replica count twice: {[c.replicas for c in costs]}")
+        object.__setattr__(self, "shard_costs", costs)
 
     # ------------------------------------------------------------------------ factories
 
@@ -145,6 +154,10 @@ class Cluster:
         """``(seconds per byte, fixed seconds)`` of a ring all-reduce (for callers in a hot loop)."""
         bw = self.intra_allreduce_bw if nodes_spanned <= 1 else self.inter_allreduce_bw
         return 2.0 * (replicas - 1) / (replicas * bw), 2.0 * (replicas - 1) * self.latency_s
+
+    def shard_costs_for(self, replicas: int) -> ShardCosts | None:
+        """The measured costs of a sharded layer's passes on ``replicas`` ranks, ``None`` if not measured."""
+        return next((c for c in self.shard_costs if c.replicas == replicas), None)
 
     def transfer_coefficient(self, sender: Sequence[int], receiver: Sequence[int]) -> float:
         """Seconds per byte to move a micro-batch's tensors between two replica groups.

@@ -12,17 +12,23 @@ Each link is timed at a few message sizes, those a plan of the profiled model se
 all-reduce), and fitted as ``latency + size / bandwidth`` (:func:`fit_link`), the cost model's own
 form: one size (a large one) makes a fast link (NVLink) look slower than it is, since its
 latency is then a large part of the time.
+
+A stage sharded over its replicas (``Stage.shard``) costs more than its bytes on these links: what
+FSDP2 adds to each kind of a sharded layer's pass is timed as such (:func:`measure_shard_costs`, on
+a group of each replica count asked for, at the profile's layer sizes, :func:`shard_sizes`).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from dapple_lightning.planner._cluster import Cluster
+from dapple_lightning.planner._shard_costs import SHARD_PASSES, ShardCosts, fit_affine
 
 if TYPE_CHECKING:
     import torch
@@ -37,8 +43,10 @@ __all__ = [
     "device_memory",
     "fit_link",
     "measure_cluster",
+    "measure_shard_costs",
     "message_sizes",
     "node_ranks",
+    "shard_sizes",
 ]
 
 MEMORY_MARGIN = 0.1
@@ -64,6 +72,13 @@ def message_sizes(profile: ModelProfile, global_batch: int, points: int = 3) -> 
     p2p = _spread(min(per_sample), max(per_sample) * global_batch, points) if per_sample else MESSAGE_SIZES
     reduce = _spread(min(params), sum(params), points) if params else MESSAGE_SIZES
     return p2p, reduce
+
+
+def shard_sizes(profile: ModelProfile, points: int = 3) -> tuple[int, ...]:
+    """Parameter bytes to time a sharded layer at (:func:`measure_shard_costs`): from the profile's
+    smallest layer that holds parameters to its largest, ``points`` sizes on a log scale."""
+    params = [layer.param_bytes for layer in profile.layers if layer.param_bytes > 0]
+    return _spread(min(params), max(params), points) if params else MESSAGE_SIZES
 
 
 def _spread(low: float, high: float, points: int) -> tuple[int, ...]:
@@ -218,12 +233,91 @@ class _Meter:
         return fit_link(sent, [self.ring(n, group) for n in sizes])[1]
 
 
+def measure_shard_costs(
+    device: torch.device, group: Any, replicas: int, sizes: Sequence[int], repeats: int = 9
+) -> ShardCosts:
+    """What FSDP2 adds to each kind of a sharded layer's pass (:class:`~._shard_costs.ShardCosts`) on
+    ``group`` (``replicas`` ranks; collective over it): for each of ``sizes`` parameter bytes, a
+    ``Linear`` sharded over the group as the runtime shards a stage's layer (its own FSDP2 unit, the
+    gradients summed) against the same ``Linear`` unsharded, on one row, each pass the median of
+    ``repeats``; the differences fitted as ``fixed + bytes x per_byte`` over the sizes."""
+    import torch
+    from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = DeviceMesh.from_group(group, device.type)
+    timed: dict[str, list[float]] = {name: [] for name in SHARD_PASSES}
+    held: list[int] = []
+    for nbytes in sizes:
+        width = max(replicas, round(math.sqrt(nbytes / 4)))
+        held.append((width * width + width) * 4)
+        x = torch.randn(1, width, device=device)
+        plain = nn.Linear(width, width, device=device)
+        unit = fully_shard(nn.Linear(width, width, device=device), mesh=mesh, reshard_after_forward=True)
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)
+        base = _passes(plain, x, device, repeats)
+        passes = _passes(unit, x, device, repeats)
+        for name in SHARD_PASSES:
+            timed[name].append(passes[name] - base[name])
+        del unit, plain
+    fits = {name: fit_affine(held, timed[name]) for name in SHARD_PASSES}
+    return ShardCosts(replicas, **fits)
+
+
+def _passes(layer: Any, x: torch.Tensor, device: torch.device, repeats: int) -> dict[str, float]:
+    """Median seconds of each kind of pass of ``layer`` (an FSDP2 unit, or a plain layer: then every
+    pass is the plain one of its kind), in the order a step makes them (see ``_shard_costs``)."""
+    import torch
+
+    sharded = hasattr(layer, "set_requires_gradient_sync")
+    times: dict[str, list[float]] = {name: [] for name in SHARD_PASSES}
+
+    def clock(name: str | None, fn: Callable[[Any], Any], arg: Any) -> Any:
+        start = time.perf_counter()
+        out = fn(arg)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if name is not None:
+            times[name].append(time.perf_counter() - start)
+        return out
+
+    def backward(out: torch.Tensor) -> None:
+        out.sum().backward()
+
+    def accumulate(whole: bool) -> None:  # ``grads`` until the step's last backward, else ``full``
+        if sharded:
+            layer.set_reshard_after_forward(not whole, recurse=False)
+            layer.set_requires_gradient_sync(not whole, recurse=False)
+            layer.set_reshard_after_backward(not whole, recurse=False)
+
+    for i in range(repeats + 1):
+        keep = i > 0  # the first round warms up
+        layer.zero_grad(set_to_none=True)
+        accumulate(False)  # shard: full
+        out = clock("gather" if keep else None, layer, x)
+        clock("gather_scatter" if keep else None, backward, out)
+        layer.zero_grad(set_to_none=True)
+        accumulate(True)  # shard: grads, a step of two micro-batches
+        out = clock(None, layer, x)
+        clock("kept_backward" if keep else None, backward, out)
+        out = clock("kept_forward" if keep else None, layer, x)
+        if sharded:  # the step's last backward sums into the shards and frees the gathered parameters
+            layer.set_requires_gradient_sync(True, recurse=False)
+            layer.set_reshard_after_backward(True, recurse=False)
+        clock("scatter" if keep else None, backward, out)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
 def measure_cluster(
     device: torch.device,
     *,
     nodes: int = 1,
     repeats: int = 9,
     sizes: tuple[Sequence[int], Sequence[int]] = (MESSAGE_SIZES, MESSAGE_SIZES),
+    shard_replicas: Sequence[int] = (),
+    shard_at: Sequence[int] = MESSAGE_SIZES,
 ) -> Cluster:
     """The links, memory and compute units of the current process group, ``nodes`` nodes of
     ranks numbered node-major (collective on every rank; every rank returns rank 0's figures).
@@ -235,7 +329,9 @@ def measure_cluster(
     figures are the measured ones. The memory is the least any rank may use
     (:func:`device_memory`). ``sizes`` are the point-to-point and the all-reduce message bytes each
     link is timed at (:func:`message_sizes`), fitted as latency + size / bandwidth; the latency is
-    the fit's for rank 0's nearest peer.
+    the fit's for rank 0's nearest peer. For each of ``shard_replicas``, what FSDP2 adds to a sharded
+    layer's passes on a group of that many ranks of node 0 (:func:`measure_shard_costs` at ``shard_at``
+    parameter bytes, :func:`shard_sizes`), for the planner's price of sharding.
     """
     import torch
     import torch.distributed as dist
@@ -243,6 +339,9 @@ def measure_cluster(
     world = dist.get_world_size() if dist.is_initialized() else 1
     members = node_ranks(world, nodes)
     per_node = len(members[0])
+    bad = [r for r in shard_replicas if isinstance(r, bool) or not isinstance(r, int) or not 2 <= r <= per_node]
+    if bad:
+        raise ValueError(f"shard_replicas must be replica counts from 2 to the {per_node} ranks of a node, got {bad}")
     memory = device_memory(device, per_node)
     units = compute_units(device)
     if world == 1:
@@ -260,6 +359,7 @@ def measure_cluster(
     dist.all_reduce(least, op=dist.ReduceOp.MIN)  # the plan must fit the tightest rank
     dist.broadcast(numbers, 0)  # every rank plans from rank 0's figures
     latency, intra_p2p, inter_p2p, intra_ar, inter_ar, _ = numbers.tolist()
+    shard_costs = tuple(_measure_shard_groups(device, members[0], shard_replicas, shard_at, repeats))
     return Cluster(
         nodes,
         per_node,
@@ -270,7 +370,30 @@ def measure_cluster(
         latency_s=latency,
         memory_bytes=float(least.item()),
         compute_units=units,
+        shard_costs=shard_costs,
     )
+
+
+def _measure_shard_groups(
+    device: torch.device, node: Sequence[int], replicas: Sequence[int], sizes: Sequence[int], repeats: int
+) -> Iterator[ShardCosts]:
+    """:func:`measure_shard_costs` on the first ``r`` ranks of ``node`` for each ``r`` of ``replicas``
+    (collective on every rank; every rank gets rank 0's figures)."""
+    import torch
+    import torch.distributed as dist
+
+    for r in replicas:
+        group = dist.new_group(list(node[:r]))
+        try:
+            numbers = torch.zeros(2 * len(SHARD_PASSES), dtype=torch.float64, device=device)
+            if dist.get_rank() in node[:r]:
+                costs = measure_shard_costs(device, group, r, sizes, repeats)
+                numbers = torch.tensor(costs.as_numbers(), dtype=torch.float64, device=device)
+        finally:
+            if dist.get_rank() in node[:r]:
+                dist.destroy_process_group(group)
+        dist.broadcast(numbers, 0)
+        yield ShardCosts.from_numbers(r, numbers.tolist())
 
 
 def _measure_links(

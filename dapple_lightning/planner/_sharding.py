@@ -15,14 +15,20 @@ for the whole step and the gradients accumulate whole until the step's last back
 optimizer state (and its step's temporaries) shrinks.
 
 Time, added to the unsharded stage's step (its gradient all-reduce, which the cost model already
-prices, is replaced): with ``M`` micro-batches, an all-gather (``AG``) and a reduce-scatter
-(``RS``) of the stage's parameter bytes each cost half a ring all-reduce (``AR = AG + RS``)::
+prices, is replaced by the sharded passes): where the cluster holds what FSDP2's passes cost on
+``replicas`` ranks (``Cluster.shard_costs``, measured by ``_links.measure_shard_costs``), each
+sharded layer's passes over the step's ``M`` micro-batches as the runtime makes them
+(``_shard_costs.ShardCosts.added``), less the all-reduce. Without them (a preset cluster, a replica
+count not measured, a stage across nodes), the collectives on the all-reduce links alone, with an
+all-gather (``AG``) and a reduce-scatter (``RS``) of the stage's parameter bytes each half a ring
+all-reduce (``AR = AG + RS``)::
 
     shard: full    2 M AG + M RS - AR = (2 M - 1) AG + (M - 1) RS
     shard: grads   AG + RS - AR = 0, plus AG not hidden (the gather before the step's first forward)
 
-Every collective is counted as exposed (on CPU FSDP2 runs them on the compute thread; on GPUs
-prefetching hides part of them, which this errs against).
+which on CPU comes out far under the measured cost (docs/benchmarks.md: FSDP2's copies and hooks
+around each collective, on the compute thread, weigh more than the bytes). Every pass is counted as exposed (on
+GPUs prefetching hides part of the gathers, which this errs against).
 
 :func:`sharded_plan` is the lever: the stages of replicas over the budget, sharded ``grads`` where
 that fits, else ``full``; ``planner._levers`` tries it after recomputation and before offload, and
@@ -81,9 +87,14 @@ def shard_price(
         closing = closing / replicas
     else:
         raise ValueError(f"shard must be 'grads', 'full' or None, got {mode!r}")
-    per_byte, fixed = cluster.allreduce_coefficients(replicas, nodes_spanned)
-    half = params * per_byte / 2 + fixed / 2  # one all-gather, or one reduce-scatter
-    added = (3 * micro_batches - 2) * half if mode == "full" else half
+    costs = cluster.shard_costs_for(replicas) if nodes_spanned <= 1 else None
+    if costs is not None:
+        units = [float(x.param_bytes) for x in layers if x.param_bytes > 0]
+        added = costs.added(mode, units, micro_batches) - cluster.allreduce_time(params, replicas, nodes_spanned)
+    else:
+        per_byte, fixed = cluster.allreduce_coefficients(replicas, nodes_spanned)
+        half = params * per_byte / 2 + fixed / 2  # one all-gather, or one reduce-scatter
+        added = (3 * micro_batches - 2) * half if mode == "full" else half
     return ShardPrice(peak_bytes((static, kept, transient, grads, closing), depth, micro_batches), added)
 
 

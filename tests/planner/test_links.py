@@ -15,12 +15,14 @@ from dapple_lightning.planner import (
     Cluster,
     LayerProfile,
     ModelProfile,
+    ShardCosts,
     compute_units,
     device_memory,
     fit_link,
     measure_cluster,
     message_sizes,
     node_ranks,
+    shard_sizes,
 )
 
 from distributed import run_ranks
@@ -144,6 +146,11 @@ def test_message_sizes_span_what_plans_of_the_model_send():
     assert max(max(s) for s in message_sizes(huge, 1024)) == 2**26  # timed up to 64 MiB, the fit carries on
     bare = ModelProfile(tuple(LayerProfile("l", 1.0, 1.0, 0, 0) for _ in range(2)), 1)
     assert message_sizes(bare, 8) == (MESSAGE_SIZES, MESSAGE_SIZES)
+    # a sharded layer is timed from the smallest layer's parameters (4 MiB) to the largest's (16 MiB)
+    assert shard_sizes(profile) == (2**22, 2**23, 2**24)
+    assert shard_sizes(bare) == MESSAGE_SIZES
+    one_size = ModelProfile(tuple(LayerProfile("l", 1.0, 1.0, 0, 2**20) for _ in range(3)), 1)
+    assert shard_sizes(one_size) == (2**16, 2**18, 2**20)  # two sizes apart at least, for the fit
 
 
 def _sent_sizes(rank: int, world: int, sizes) -> tuple[dict, list[int], list[int]]:
@@ -175,3 +182,36 @@ def test_links_are_timed_at_the_sizes_given():
     assert sorted(set(sent)) == list(sizes[0]), "point-to-point at each size (rank 0 sends, then receives)"
     assert set(sizes[1]) <= set(reduced), "the all-reduce at each size"
     assert cluster.latency_s >= 0 and cluster.intra_p2p_bw > 0 and cluster.intra_allreduce_bw > 0
+
+
+def _shard_measured(rank: int, world: int) -> tuple[list[list[float]], list[int], list[list[int]]]:
+    """The shard costs as numbers, their replica counts, and the groups this rank created."""
+    created: list[list[int]] = []
+    new_group = dist.new_group
+
+    def spy_new_group(ranks=None, *args, **kwargs):
+        created.append(list(ranks))
+        return new_group(ranks, *args, **kwargs)
+
+    dist.new_group = spy_new_group
+    try:
+        cluster = measure_cluster(torch.device("cpu"), repeats=2, shard_replicas=(2, 3), shard_at=(2**12, 2**16))
+    finally:
+        dist.new_group = new_group
+    return [c.as_numbers() for c in cluster.shard_costs], [c.replicas for c in cluster.shard_costs], created
+
+
+def test_sharded_layers_are_timed_on_a_group_of_each_replica_count_and_every_rank_plans_from_rank_0s():
+    results = run_ranks(_shard_measured, 3)
+    numbers, replicas, _ = results[0]
+    assert replicas == [2, 3]
+    assert all(r[0] == numbers and r[1] == replicas for r in results), "every rank plans from rank 0's figures"
+    assert all(created == [[0, 1], [0, 1, 2]] for _, _, created in results), "every rank creates every group"
+    costs = [ShardCosts.from_numbers(r, n) for r, n in zip(replicas, numbers)]
+    # a backward that gathers and reduce-scatters does more than the same layer's unsharded backward
+    assert all(c.gather_scatter.at(2**16) > 0 for c in costs)
+
+
+def test_shard_costs_are_measured_only_for_replica_counts_a_node_holds():
+    with pytest.raises(ValueError, match="shard_replicas must be replica counts from 2 to the 1 ranks of a node"):
+        measure_cluster(torch.device("cpu"), shard_replicas=(2,))

@@ -27,7 +27,8 @@ its largest size is trained for a few steps by Lightning; each rank's live-bytes
 (``planner.live_bytes``, from the start of training to its end, plus the rank's parameters)
 (a sharded stage's: its shards, and the gathers, whose storages FSDP2 resizes in place) gives its
 measured peak, which must be under the budget: where a plan kept in memory measures over it, the
-next smaller size is planned and run instead (the sizes measured over are reported). The runs go
+planner's budget is lowered by the excess and the largest size planned and run again (the sizes
+measured over, and the margin, are reported). The runs go
 through Lightning's budget:
 ``DappleStrategy(plan, memory_limit=budget)``, whose rank 0 prices the plan again on the real
 batch and would warn if it were over (recorded).
@@ -48,6 +49,7 @@ more from mmap (``MALLOC_MMAP_THRESHOLD_``), so that freed tensors leave the res
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -105,8 +107,6 @@ def profile(rows: int) -> Any:
 
 def deepen(base: Any, blocks: int) -> Any:
     """``base`` (embedding, block, block, head) as a model of ``blocks`` alike blocks."""
-    import dataclasses
-
     from dapple_lightning.planner import ModelProfile
 
     emb, block, _, head = base.layers
@@ -317,6 +317,7 @@ def main() -> None:
     for objective in chosen:
         blocks, planned = largest(objective, base, cluster, args.most)
         over: list[tuple[int, float]] = []  # (blocks, MiB): sizes planned under the budget, measured over it
+        margin = 0.0  # what the runs measured over the budget, taken off the planner's
         while True:
             row = describe(objective, blocks, planned, base)
             if planned is None or args.plan_only:
@@ -324,12 +325,15 @@ def main() -> None:
             row.update(run(objective, blocks, planned, args))
             # The tracker measures a stage in memory; an offloaded one's reads escape it (see above).
             measured = not any(s.offload is not None for s in planned.plan.stages) and objective != "auto"
-            if not measured or max(row["peaks"]) <= args.budget_mib * MiB:
+            excess = max(row["peaks"]) - args.budget_mib * MiB
+            if not measured or excess <= 0:
                 break
             over.append((blocks, max(row["peaks"]) / MiB))
-            blocks -= 1
-            planned = plan_for(objective, deepen(base, blocks), cluster)
-        row["over"] = over
+            print(json.dumps({"objective": objective, "measured_over": over[-1], "plan": row["plan"]}), flush=True)
+            margin += excess
+            tighter = dataclasses.replace(cluster, memory_bytes=cluster.memory_bytes - margin)
+            blocks, planned = largest(objective, base, tighter, blocks - 1)
+        row.update(over=over, margin_mib=margin / MiB)
         rows.append(row)
         print(json.dumps(row), flush=True)
     report(rows, args.budget_mib)
@@ -376,6 +380,10 @@ def report(rows: list[dict[str, Any]], budget_mib: float) -> None:
             print(f"  ({r['objective']}: ran {r['ran']}; {r.get('ran_lever')}; planned in {r.get('profiling_s')} s)")
         for blocks, mib in r.get("over", []):
             print(f"  ({r['objective']}: {blocks} blocks planned under the budget, measured {mib:.1f} MiB on a rank)")
+        if r.get("margin_mib"):
+            print(
+                f"  ({r['objective']}: planned {r['margin_mib']:.1f} MiB under the budget, what the runs over it measured)"
+            )
         if r.get("lever"):
             print(f"  ({r['objective']}: {r['lever']}; windows chosen per rank: {r.get('windows')})")
 

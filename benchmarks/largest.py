@@ -28,8 +28,7 @@ its largest size is trained for a few steps by Lightning; each rank's live-bytes
 (a sharded stage's: its shards, and the gathers, whose storages FSDP2 resizes in place) gives its
 measured peak, which must be under the budget: where a plan kept in memory measures over it, the
 planner's budget is lowered by the excess and the largest size planned and run again (the sizes
-measured over, and the margin, are reported). The runs go
-through Lightning's budget:
+measured over, and the margin, are reported). The runs go through Lightning's budget:
 ``DappleStrategy(plan, memory_limit=budget)``, whose rank 0 prices the plan again on the real
 batch and would warn if it were over (recorded).
 

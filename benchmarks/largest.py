@@ -10,6 +10,11 @@ the budget; the largest fitting size is reported with its plan and predicted ste
     time            ``plan_dapple(objective="time")``: DAPPLE's fastest plan under the budget
     memory          ``plan_dapple(objective="memory")``: mCAP's least per-rank peak
     memory+recompute  the same, stages allowed to recompute (``plan_dapple(recompute=True)``)
+    shard-full      the 2:1 plan on 3 ranks whose first stage shards its state over its 2 replicas
+    shard-grads     (``shard: full`` or ``grads``), the second stage on one rank recomputing only
+                    where it would not fit otherwise (a sharded stage cannot recompute): the cut and
+                    micro-batch count predicted fastest under the budget (``planner.estimate``, which
+                    prices the sharded stage with ``planner.shard_price``); needs ``--ranks 3``
     offload         what ``plan="auto"`` chooses under the budget (``planner.shortlist_with_levers``):
                     in memory while a plan fits, then recomputing, then the stages over it
                     offloaded to local disk (``offload: auto``)
@@ -20,7 +25,10 @@ The profile comes from one run of ``profile_layers`` on a model of 2 blocks (the
 alike, so a model of any depth is that profile's block repeated). Then each objective's plan at
 its largest size is trained for a few steps by Lightning; each rank's live-bytes tracker
 (``planner.live_bytes``, from the start of training to its end, plus the rank's parameters)
-gives its measured peak, which must be under the budget. The runs go through Lightning's budget:
+(a sharded stage's: its shards, and the gathers, whose storages FSDP2 resizes in place) gives its
+measured peak, which must be under the budget: where a plan kept in memory measures over it, the
+planner's budget is lowered by the excess and the largest size planned and run again (the sizes
+measured over, and the margin, are reported). The runs go through Lightning's budget:
 ``DappleStrategy(plan, memory_limit=budget)``, whose rank 0 prices the plan again on the real
 batch and would warn if it were over (recorded).
 
@@ -34,11 +42,13 @@ more from mmap (``MALLOC_MMAP_THRESHOLD_``), so that freed tensors leave the res
     python benchmarks/largest.py                       # plan, then one run per objective
     python benchmarks/largest.py --plan-only           # the planning table alone (seconds)
     python benchmarks/largest.py --objectives memory+recompute,offload   # without and with offload
+    python benchmarks/largest.py --ranks 3 --objectives memory+recompute,shard-full,shard-grads,offload
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -58,7 +68,9 @@ from benchmarks._harness import bare_trainer, launch, lightning_timer, median, s
 
 MiB = 2**20
 BATCH, SEQ = 8, 256
-OBJECTIVES = ("straight", "time", "memory", "memory+recompute", "offload", "auto")
+OBJECTIVES = ("straight", "time", "memory", "memory+recompute", "shard-full", "shard-grads", "offload", "auto")
+SHARDED = {"shard-full": "full", "shard-grads": "grads"}
+SHARDED_RANKS = 3  # the 2:1 plan
 
 
 # ============================================================================ models
@@ -94,8 +106,6 @@ def profile(rows: int) -> Any:
 
 def deepen(base: Any, blocks: int) -> Any:
     """``base`` (embedding, block, block, head) as a model of ``blocks`` alike blocks."""
-    import dataclasses
-
     from dapple_lightning.planner import ModelProfile
 
     emb, block, _, head = base.layers
@@ -115,6 +125,8 @@ def plan_for(objective: str, prof: Any, cluster: Any) -> Any:
         return straight_plan(prof, cluster, BATCH)
     if objective in ("offload", "auto"):
         return _with_levers(prof, cluster)
+    if objective in SHARDED:
+        return _sharded_2_1(SHARDED[objective], prof, cluster)
     kind = "time" if objective == "time" else "memory"
     try:
         return plan_dapple(prof, cluster, BATCH, objective=kind, recompute=objective == "memory+recompute")[0]
@@ -129,14 +141,45 @@ def _with_levers(prof: Any, cluster: Any) -> Any:
     from dapple_lightning.planner import estimate, shortlist_with_levers
 
     try:
-        close, _, lever = shortlist_with_levers(prof, cluster, BATCH)
+        shortlist = shortlist_with_levers(prof, cluster, BATCH)
     except ValueError:
         return None  # no plan fits, even offloaded
+    close, lever = shortlist[0], shortlist[2]  # the plans, priced; what the levers changed
     plan = close[0][0]
     priced = estimate(plan, prof, cluster, BATCH)
     return SimpleNamespace(
         plan=plan, predicted_step_s=priced.step_s, stage_memory_bytes=priced.memory_bytes, lever=lever
     )
+
+
+def _sharded_2_1(mode: str, prof: Any, cluster: Any) -> Any:
+    """The fastest predicted 2:1 plan under the budget whose first stage shards by ``mode``, or ``None``."""
+    from types import SimpleNamespace
+
+    from dapple_lightning import Plan
+    from dapple_lightning.planner import estimate
+
+    budget, layers = cluster.memory_bytes, len(prof.layers)
+    best = None
+    for cut in range(1, layers):
+        for micro_batches in (1, 2, 4, 8):
+            for recompute in (False, True):  # the one-replica stage recomputes only where it must
+                stages = [
+                    {"layers": [0, cut], "replicas": 2, "shard": mode},
+                    {"layers": [cut, layers], "replicas": 1, "recompute": recompute},
+                ]
+                try:
+                    plan = Plan(stages=stages, micro_batches=micro_batches)
+                    priced = estimate(plan, prof, cluster, BATCH)
+                except ValueError:
+                    break  # this micro-batch count does not divide the batch
+                if priced.memory_bytes[1] <= budget:
+                    if priced.memory_bytes[0] <= budget and (best is None or priced.step_s < best.predicted_step_s):
+                        best = SimpleNamespace(
+                            plan=plan, predicted_step_s=priced.step_s, stage_memory_bytes=priced.memory_bytes
+                        )
+                    break
+    return best
 
 
 def largest(objective: str, base: Any, cluster: Any, most: int) -> tuple[int, Any]:
@@ -160,6 +203,7 @@ def worker(args: argparse.Namespace) -> None:
 
     from dapple_lightning import DappleStrategy
     from dapple_lightning.planner import live_bytes
+    from dapple_lightning.runtime import local_part
 
     torch.set_num_threads(1)
 
@@ -168,7 +212,9 @@ def worker(args: argparse.Namespace) -> None:
         the first step, less what the process held at the start besides its parameters."""
 
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-            self.before = sum(t.untyped_storage().nbytes() for t in [*pl_module.parameters(), *pl_module.buffers()])
+            # A sharded stage's parameters are DTensors: their storage is the local shard's.
+            held = [local_part(t).untyped_storage() for t in [*pl_module.parameters(), *pl_module.buffers()]]
+            self.before = sum({s.data_ptr(): s.nbytes() for s in held}.values())
             self.baseline = resident_mib("VmRSS") * MiB - self.before
             self.tracker = live_bytes()
             self.tracker.__enter__()
@@ -265,27 +311,49 @@ def main() -> None:
     chosen = args.objectives.split(",")
     if unknown := sorted(set(chosen) - set(OBJECTIVES)):
         parser.error(f"unknown objectives {unknown}; choose from {list(OBJECTIVES)}")
+    if args.ranks != SHARDED_RANKS and set(chosen) & set(SHARDED):
+        parser.error(f"the sharded objectives plan 2:1: give --ranks {SHARDED_RANKS}")
     for objective in chosen:
         blocks, planned = largest(objective, base, cluster, args.most)
-        row: dict[str, Any] = {"objective": objective, "blocks": blocks}
-        if planned is not None:
-            plan = planned.plan
-            recompute = ",".join(str(k) for k, s in enumerate(plan.stages) if s.recompute) or "-"
-            row.update(
-                plan=plan.describe(),
-                recompute=recompute,
-                lever=getattr(planned, "lever", None),
-                params_m=sum(x.param_bytes for x in deepen(base, blocks).layers) / 4e6,
-                predicted_step_s=planned.predicted_step_s,
-                predicted_mib=[m / MiB for m in planned.stage_memory_bytes],
-            )
-            if not args.plan_only:
-                row.update(run(objective, blocks, planned, args))
+        over: list[tuple[int, float]] = []  # (blocks, MiB): sizes planned under the budget, measured over it
+        margin = 0.0  # what the runs measured over the budget, taken off the planner's
+        while True:
+            row = describe(objective, blocks, planned, base)
+            if planned is None or args.plan_only:
+                break
+            row.update(run(objective, blocks, planned, args))
+            # The tracker measures a stage in memory; an offloaded one's reads escape it (see above).
+            measured = not any(s.offload is not None for s in planned.plan.stages) and objective != "auto"
+            excess = max(row["peaks"]) - args.budget_mib * MiB
+            if not measured or excess <= 0:
+                break
+            over.append((blocks, max(row["peaks"]) / MiB))
+            print(json.dumps({"objective": objective, "measured_over": over[-1], "plan": row["plan"]}), flush=True)
+            margin += excess
+            tighter = dataclasses.replace(cluster, memory_bytes=cluster.memory_bytes - margin)
+            blocks, planned = largest(objective, base, tighter, blocks - 1)
+        row.update(over=over, margin_mib=margin / MiB)
         rows.append(row)
         print(json.dumps(row), flush=True)
     report(rows, args.budget_mib)
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
+
+
+def describe(objective: str, blocks: int, planned: Any, base: Any) -> dict[str, Any]:
+    """The row of ``objective``'s plan at ``blocks`` blocks, as planned (``planned`` ``None``: none fits)."""
+    row: dict[str, Any] = {"objective": objective, "blocks": blocks if planned is not None else 0}
+    if planned is not None:
+        plan = planned.plan
+        row.update(
+            plan=plan.describe(),
+            recompute=",".join(str(k) for k, s in enumerate(plan.stages) if s.recompute) or "-",
+            lever=getattr(planned, "lever", None),
+            params_m=sum(x.param_bytes for x in deepen(base, blocks).layers) / 4e6,
+            predicted_step_s=planned.predicted_step_s,
+            predicted_mib=[m / MiB for m in planned.stage_memory_bytes],
+        )
+    return row
 
 
 def report(rows: list[dict[str, Any]], budget_mib: float) -> None:
@@ -309,6 +377,12 @@ def report(rows: list[dict[str, Any]], budget_mib: float) -> None:
         )
         if r.get("ran") and r["ran"] != r["plan"]:
             print(f"  ({r['objective']}: ran {r['ran']}; {r.get('ran_lever')}; planned in {r.get('profiling_s')} s)")
+        for blocks, mib in r.get("over", []):
+            print(f"  ({r['objective']}: {blocks} blocks planned under the budget, measured {mib:.1f} MiB on a rank)")
+        if r.get("margin_mib"):
+            print(
+                f"  ({r['objective']}: planned {r['margin_mib']:.1f} MiB under the budget, what the runs over it measured)"
+            )
         if r.get("lever"):
             print(f"  ({r['objective']}: {r['lever']}; windows chosen per rank: {r.get('windows')})")
 

@@ -114,6 +114,10 @@ class HeadMLP(MLP):
         x, y = batch
         self.log("val_loss", nn.functional.mse_loss(self.head(self.layers(self.embed(x))), y))
 
+    def predict_step(self, batch, batch_idx):
+        x, _ = batch
+        return self.head(self.layers(self.embed(x)))
+
 
 class ScheduledMLP(MLP):
     """MLP with Adam, two param groups and a per-step LR schedule: optimizer state in checkpoints matters."""

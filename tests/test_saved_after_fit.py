@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -45,16 +46,38 @@ def save_after_fit(out: Path, plan: Plan, url: bool = False, **strategy_kwargs) 
     return out
 
 
+@dataclass
+class Reference:
+    """Single-device Lightning used as the script uses dapple."""
+
+    saved: dict  # the file saved after a 4-step fit
+    resumed: tuple  # a fit resumed from that file to 8 steps: (logged metrics, final state dict)
+    validated: dict  # the file saved after validate, which followed the fit
+    evaluated: dict  # what validate and predict returned after the fit
+    second_fit: dict  # the file saved after a second fit on the same trainer, to 8 steps
+
+
 @pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    """Single-device Lightning: 4 steps, save after fit, resume from that file to 8 steps."""
+def single(tmp_path_factory) -> Reference:
     root = tmp_path_factory.mktemp("single")
     model = MODEL()
-    trainer = quiet_trainer(devices=1, max_steps=4)
+    trainer = quiet_trainer(devices=1, max_steps=4, limit_val_batches=2, limit_predict_batches=2)
     trainer.fit(model, models.loader())
     trainer.save_checkpoint(root / "single.ckpt")
+    validated = trainer.validate(model, models.loader(), verbose=False)
+    trainer.save_checkpoint(root / "validated.ckpt")
+    evaluated = {"validate": validated, "predict": trainer.predict(model, models.loader())}
+    trainer.fit_loop.epoch_loop.max_steps = 8
+    trainer.fit(model, models.loader())
+    trainer.save_checkpoint(root / "second.ckpt")
     resumed = fit(MODEL, root / "resumed", max_steps=8, ckpt_path=str(root / "single.ckpt"))
-    return torch.load(root / "single.ckpt", weights_only=False), resumed
+    return Reference(
+        saved=torch.load(root / "single.ckpt", weights_only=False),
+        resumed=resumed,
+        validated=torch.load(root / "validated.ckpt", weights_only=False),
+        evaluated=evaluated,
+        second_fit=torch.load(root / "second.ckpt", weights_only=False),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +90,7 @@ def sharded(tmp_path_factory):
     return save_after_fit(tmp_path_factory.mktemp("sharded"), PLAN_2_1, state_dict_type="sharded")
 
 
-def _assert_single_device_file(path: Path, want: dict) -> None:
+def _assert_single_device_file(path: Path, want: dict, steps: int = 4) -> None:
     got = torch.load(path, weights_only=False)
     assert list(got["state_dict"]) == list(want["state_dict"])
     assert_close_tree(got["state_dict"], want["state_dict"])
@@ -77,18 +100,39 @@ def _assert_single_device_file(path: Path, want: dict) -> None:
     assert_close_tree(got["optimizer_states"], want["optimizer_states"])
     assert_close_tree(got["lr_schedulers"], want["lr_schedulers"])
     assert_close_tree(got["loops"], want["loops"])
-    assert got["global_step"] == want["global_step"] == 4
+    assert got["global_step"] == want["global_step"] == steps
 
 
 def test_the_file_saved_after_fit_is_complete(single, full):
-    _assert_single_device_file(full / "after_fit.ckpt", single[0])
+    _assert_single_device_file(full / "after_fit.ckpt", single.saved)
 
 
-@pytest.mark.parametrize("mode", ["full", "grads"])
-def test_the_file_saved_after_fit_with_a_sharded_stage_is_complete(single, mode, tmp_path):
+@pytest.fixture(scope="module", params=["full", "grads"])
+def sharded_stage(request, tmp_path_factory):
+    """The 2:1 plan with its 2-replica stage sharded (``shard: full`` or ``grads``), used after fit."""
+    plan = Plan(stages=[{"layers": [0, 4], "replicas": 2, "shard": request.param}, {"layers": [4, 7], "replicas": 1}])
+    return save_after_fit(tmp_path_factory.mktemp(f"shard-{request.param}"), plan)
+
+
+def test_the_file_saved_after_fit_with_a_sharded_stage_is_complete(single, sharded_stage):
     """After fit the sharded stage's replicas hold its whole weights again, and the optimizers follow them."""
-    plan = Plan(stages=[{"layers": [0, 4], "replicas": 2, "shard": mode}, {"layers": [4, 7], "replicas": 1}])
-    _assert_single_device_file(save_after_fit(tmp_path, plan) / "after_fit.ckpt", single[0])
+    _assert_single_device_file(sharded_stage / "after_fit.ckpt", single.saved)
+
+
+def test_validate_predict_and_a_second_fit_after_fit_give_single_device_numbers(single, full):
+    _assert_used_after_fit_as_one_device(full, single)
+
+
+def test_validate_predict_and_a_second_fit_with_a_sharded_stage_give_single_device_numbers(single, sharded_stage):
+    """The stage is sharded again for validate, predict and the second fit; the optimizers kept from the
+    first fit follow it onto the shards and back, so each save in between is the single-device file."""
+    _assert_used_after_fit_as_one_device(sharded_stage, single)
+
+
+def _assert_used_after_fit_as_one_device(out: Path, single: Reference) -> None:
+    assert_close_tree(torch.load(out / "evaluated.pt", weights_only=False), single.evaluated)
+    _assert_single_device_file(out / "after_validate.ckpt", single.validated)
+    _assert_single_device_file(out / "after_second_fit.ckpt", single.second_fit, steps=8)
 
 
 def test_validate_after_fit_keeps_the_optimizer_state(single, full):
@@ -101,7 +145,7 @@ def test_validate_after_fit_keeps_the_optimizer_state(single, full):
 @pytest.mark.parametrize("under", [PLAN_1_1, None], ids=["1:1 on 2 ranks", "one device, plain Lightning"])
 def test_resuming_the_file_gives_single_device_losses(single, full, under, tmp_path):
     got = fit(MODEL, tmp_path, plan=under, max_steps=8, ckpt_path=str(full / "after_fit.ckpt"))
-    assert_same(got, single[1])
+    assert_same(got, single.resumed)
 
 
 def test_each_owner_writes_its_own_part_of_a_sharded_checkpoint(sharded):
@@ -122,15 +166,15 @@ def test_each_owner_writes_its_own_part_of_a_sharded_checkpoint(sharded):
 @pytest.mark.parametrize("under", [PLAN_1_2, PLAN_1_1_1], ids=["1:2", "1:1:1"])
 def test_resuming_a_sharded_checkpoint_under_another_plan(single, sharded, under, tmp_path):
     got = fit(MODEL, tmp_path, plan=under, max_steps=8, ckpt_path=str(sharded / "after_fit.ckpt"))
-    assert_same(got, single[1])
+    assert_same(got, single.resumed)
 
 
 def test_a_consolidated_sharded_checkpoint_is_the_single_device_file(single, sharded, tmp_path):
     path = consolidate_checkpoint(sharded / "after_fit.ckpt", tmp_path / "one.ckpt")
-    _assert_single_device_file(path, single[0])
+    _assert_single_device_file(path, single.saved)
     model = MODEL.load_from_checkpoint(path, map_location="cpu")
-    assert_close_tree(dict(model.state_dict()), dict(single[0]["state_dict"]))
-    assert_same(fit(MODEL, tmp_path / "resumed", max_steps=8, ckpt_path=str(path)), single[1])
+    assert_close_tree(dict(model.state_dict()), dict(single.saved["state_dict"]))
+    assert_same(fit(MODEL, tmp_path / "resumed", max_steps=8, ckpt_path=str(path)), single.resumed)
 
 
 def test_the_consolidation_command(sharded, tmp_path):
@@ -161,7 +205,7 @@ def test_a_checkpoint_to_a_url_round_trips(single, tmp_path):
     """fsspec URLs go through Lightning's checkpoint IO, on every rank, unmangled."""
     save_after_fit(tmp_path / "saved", PLAN_2_1, url=True)
     url = f"file://{tmp_path}/saved/after_fit.ckpt"
-    assert_same(fit(MODEL, tmp_path / "resumed", plan=PLAN_1_1, max_steps=8, ckpt_path=url), single[1])
+    assert_same(fit(MODEL, tmp_path / "resumed", plan=PLAN_1_1, max_steps=8, ckpt_path=url), single.resumed)
 
 
 def test_a_checkpoint_to_memory_round_trips(tmp_path):

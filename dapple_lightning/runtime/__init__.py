@@ -48,6 +48,7 @@ from dapple_lightning.runtime._recorded import Message
 from dapple_lightning.runtime._reducer import GradientReducer
 from dapple_lightning.runtime._sharding import (
     ShardedReducer,
+    follow_shards,
     full_value,
     local_part,
     shard_like,
@@ -88,6 +89,7 @@ __all__ = [
     "backward_weight",
     "broadcast",
     "bubble_fractions",
+    "follow_shards",
     "full_value",
     "local_part",
     "p2p_groups",

@@ -29,7 +29,7 @@ refused by :func:`shard_stage`'s callers before this point (see ``strategy._refu
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 __all__ = [
     "ShardedReducer",
+    "follow_shards",
     "full_value",
     "local_part",
     "shard_like",
@@ -110,21 +111,52 @@ def unshard_stage(stage: nn.Module, optimizers: Sequence[torch.optim.Optimizer] 
         _module_state_mapping.pop(layer, None)
         layer.__class__ = next(c for c in type(layer).__bases__ if not issubclass(c, FSDPModule))
     for optimizer in optimizers:
-        _follow(optimizer, replaced)
+        _follow(optimizer, replaced, _gathered)
 
 
-def _follow(optimizer: torch.optim.Optimizer, replaced: dict[nn.Parameter, nn.Parameter]) -> None:
-    """``optimizer`` on the whole parameters that ``replaced`` its shards, with each shard's state
-    gathered whole (collective over the stage's replicas, which hold the same parameters in one order)."""
+def follow_shards(
+    stage: nn.Module, whole: Mapping[str, nn.Parameter], optimizers: Sequence[torch.optim.Optimizer]
+) -> None:
+    """``optimizers`` built on ``stage``'s ``whole`` parameters (by name, as they were before
+    :func:`shard_stage`: an earlier ``fit``'s, which :func:`unshard_stage` left whole) on their shards
+    instead, each state tensor of a parameter's shape cut as the parameter is (no collective: every
+    replica holds the same whole state). Nothing then keeps the whole parameters alive, and
+    :func:`unshard_stage` at the end finds the optimizers on the shards it gathers, as after ``fit``."""
+    replaced = {
+        whole[name]: p
+        for name, p in stage.named_parameters()
+        if isinstance(p, DTensor) and name in whole and whole[name] is not p
+    }
+    for optimizer in optimizers:
+        _follow(optimizer, replaced, _cut_as)
+
+
+def _follow(
+    optimizer: torch.optim.Optimizer,
+    replaced: Mapping[nn.Parameter, nn.Parameter],
+    convert: Callable[[Tensor, nn.Parameter], Tensor],
+) -> None:
+    """``optimizer`` on the parameters that ``replaced`` its own, with each of their state tensors
+    ``convert``-ed to the new parameter's layout."""
     for group in optimizer.param_groups:
         group["params"] = [replaced.get(p, p) for p in group["params"]]
     state: dict[Tensor, dict] = {}
     for param, values in optimizer.state.items():
-        whole = replaced.get(param)
-        state[whole if whole is not None else param] = (
-            values if whole is None else {k: full_value(v) if isinstance(v, Tensor) else v for k, v in values.items()}
+        new = replaced.get(param)
+        state[param if new is None else new] = (
+            values if new is None else {k: convert(v, new) if isinstance(v, Tensor) else v for k, v in values.items()}
         )
     optimizer.state = defaultdict(dict, state)
+
+
+def _cut_as(value: Tensor, param: nn.Parameter) -> Tensor:
+    """A state tensor of ``param``'s shape cut as ``param`` is; any other (Adam's step) as it is."""
+    return shard_like(value, param) if value.shape == param.shape else value
+
+
+def _gathered(value: Tensor, param: nn.Parameter) -> Tensor:
+    """A state tensor whole (collective over the stage's replicas, which hold the same parameters in one order)."""
+    return full_value(value)
 
 
 def sharded_layers(stage: nn.Module) -> list[FSDPModule]:

@@ -42,7 +42,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from dapple_lightning.plan import Plan
-from dapple_lightning.runtime import Pipeline, StepStats, Timeline, unshard_stage
+from dapple_lightning.runtime import Pipeline, StepStats, Timeline, follow_shards, unshard_stage
 from dapple_lightning.strategy._auto import AutoSetting, choose_automatically, draw_global_batch
 from dapple_lightning.strategy._batch import SameBatch, same_order
 from dapple_lightning.strategy._checkpoint import Checkpoints, group_names
@@ -315,7 +315,10 @@ class DappleStrategy(ParallelStrategy):
             materialize(module, self.root_device, self._shuffle_seed)
         self.model_to_device()
         timeline = Timeline(rank, self.plan.stages_of(rank)[0], enabled=self._trace_path is not None)
+        # An earlier fit's optimizers (Lightning keeps them for validate, predict and a save) hold the whole weights.
+        whole = {} if fitting else dict(self._cut.stage.named_parameters())
         self._pipeline = pipelines.build(self.plan, self._cut.stage, timeline, track_memory=self._track_memory)
+        follow_shards(self._cut.stage, whole, self.optimizers)  # onto a sharded stage's shards, as in fit
         self._buffers = Buffers(module, self._pipeline, self.plan, fitting and self._layer_sync is not None)
         self._checkpoints.attach(
             module, self._cut, self.plan, rank, self.root_device, self._full_state_keys, self._host_group

@@ -43,7 +43,6 @@ from typing import Any
 from dapple_lightning.plan import SCHEDULES, Plan, Stage
 from dapple_lightning.planner._cluster import GB, Cluster
 from dapple_lightning.planner._cost import CostModel, Estimate
-from dapple_lightning.planner._lower_bound import stage_bound
 from dapple_lightning.planner._objective import check_objective, least_memory, peak_limit
 from dapple_lightning.planner._placement import PLACEMENTS, place
 from dapple_lightning.planner._profile import ModelProfile
@@ -504,7 +503,11 @@ def _record(
     work = model.global_batch * per_sample + min(candidates) * (forward_fixed[-1] + backward_fixed[-1])
     lower = work / model.cluster.world_size
     if not exact:
-        # A beam's gap is only as good as its bound: each stage's all-reduce and passes too.
+        # A beam's gap is only as good as its bound: each stage's all-reduce and passes too. Imported
+        # here: the bound needs numpy, whose import starts BLAS threads that would spin beside an
+        # exact search, which has no use for it.
+        from dapple_lightning.planner._lower_bound import stage_bound
+
         lower = max(lower, stage_bound(model, candidates, counts, cuts))
     return SearchRecord(exact, lower, *search.work())
 

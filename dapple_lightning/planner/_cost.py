@@ -483,7 +483,9 @@ def chains(
             ar += [0.0]
             lead += [m * send[k]]
             after = sum(forward[k + 1 :]) + sum(backward[k + 1 :]) + 2 * sum(send[k + 1 :])
-            work += [max(m * send[k] + after + send[k], send[k] + after + m * send[k])]
+            # The next stage's first backward waits for its depth's worth of activations.
+            warm_up = depth[k + 1] * send[k] + forward[k + 1] + backward[k + 1] + m * send[k]
+            work += [max(m * send[k] + after + send[k], send[k] + after + m * send[k], warm_up)]
     out: list[tuple[float, int, int]] = []
     for q in range(len(f)):
         before = sum(f[:q])

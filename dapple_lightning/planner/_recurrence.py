@@ -17,8 +17,10 @@ bit::
 
 (``M F_t + (M - K_t) B_t`` and ``D_t``'s first term are :func:`stage_chain`'s, which adds the
 warm-up window and the ping-pong with the next stage.) Links enter as stages whose chains are
-``M C^F + RT + C^B`` or ``C^F + RT + M C^B`` to their last transfer and ``M C^F`` up to their
-last forward one; RT is the round trip beyond them. Prepending a stage to a suffix is two
+``M C^F + RT + C^B``, ``C^F + RT + M C^B`` or ``K' C^F + (F + B)' + M C^B`` to their last transfer
+and ``M C^F`` up to their last forward one; RT is the round trip beyond them, ``K'`` and
+``(F + B)'`` the next stage's warm-up depth and passes (its first backward waits for its
+``K'``-th forward, so for ``K'`` activations through the link, before any gradient comes back). Prepending a stage to a suffix is two
 steps: :func:`through_link` sees the suffix from the far side of the link in front of it (the
 planner does this once per suffix and reuses it for every candidate stage), and
 :func:`prepend` puts the stage in front of that (once per candidate). :func:`combine` is both.
@@ -135,10 +137,12 @@ def through_link(
     send_forward: float,
     send_backward: float,
     micro_batches: int,
+    depth: int,
 ) -> Link:
     """The suffix whose :data:`Tail` is ``(d, z, round_trip, x, passes)``, seen from the far side
     of the link in front of it, which takes ``send_forward`` and ``send_backward`` per
-    micro-batch (the link's entry of the recurrence, then the two sums :func:`prepend` needs)."""
+    micro-batch (the link's entry of the recurrence, then the two sums :func:`prepend` needs).
+    ``depth``: the warm-up depth ``K`` of the suffix's first stage."""
     m = micro_batches
     both = send_forward + send_backward
     # max of the three, written out as in chain_from
@@ -149,6 +153,9 @@ def through_link(
     backwards = send_forward + round_trip + m * send_backward
     if backwards > d_link:
         d_link = backwards
+    warm_up = depth * send_forward + passes + m * send_backward
+    if warm_up > d_link:
+        d_link = warm_up
     return (
         d_link,
         send_forward + z,
@@ -232,6 +239,6 @@ def combine(
     ``depth`` is the stage's warm-up depth ``K`` and ``next_depth`` the next stage's (``M`` for
     GPipe); ``allreduce`` is the stage's all-reduce and optimizer step.
     """
-    link = None if tail is None else through_link(*tail, send_forward, send_backward, micro_batches)
+    link = None if tail is None else through_link(*tail, send_forward, send_backward, micro_batches, next_depth)
     pairs = not gpipe and next_depth == depth - 1
     return prepend(forward, backward, allreduce, micro_batches, depth, link, pairs, gpipe)

@@ -436,12 +436,15 @@ class _Search:
                 continue
             if suffix.stages != stages:  # one count per front unless it is a beam's
                 # The stage count matters only through K = min(S - s, M) of the stages
-                # before, and whether the next one has K - 1: up to M.
+                # before and of the suffix's first stage, and whether that one has K - 1: up to M.
                 stages = suffix.stages
                 depth = m if gpipe else min(stages + 1, m)
+                next_depth = m if gpipe else min(stages, m)
                 kept = 0 if gpipe else depth
                 pairs = not gpipe and stages == depth - 1
-            link = through_link(suffix.d, suffix.z, suffix.round_trip, suffix.x, suffix.passes, send, send, m)
+            link = through_link(
+                suffix.d, suffix.z, suffix.round_trip, suffix.x, suffix.passes, send, send, m, next_depth
+            )
             out.append((depth, kept, pairs, link, suffix))
         self.links_made += len(out)
         return out

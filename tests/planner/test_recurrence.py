@@ -48,9 +48,12 @@ def test_the_recurrence_is_the_longest_chain(stages, micro_batches, gpipe, numbe
 
 def test_combine_is_a_link_then_a_stage():
     tail = (7.0, 9.0, 3.0, 5.0, 2.0)
-    link = through_link(*tail, 0.5, 0.25, 4)
+    link = through_link(*tail, 0.5, 0.25, 4, 1)
     # D of the link: both transfers then D; M forwards, the round trip, one backward; or the reverse.
     assert link == (max(0.75 + 7.0, 4 * 0.5 + 3.0 + 0.25, 0.5 + 3.0 + 4 * 0.25), 9.5, 3.75, 5.5, 7.0, 2.75)
+    # ... or, when the next stage warms up deeper, its K forwards' activations, its passes, M gradients.
+    slow = through_link(*tail, 4.0, 4.0, 4, 4)
+    assert slow[0] == 4 * 4.0 + 2.0 + 4 * 4.0 > max(8.0 + 7.0, 4 * 4.0 + 3.0 + 4.0)
     assert combine(1.0, 2.0, 0.5, 0.5, 0.25, 4, 2, tail, next_depth=1) == prepend(
         1.0, 2.0, 0.5, 4, 2, link, True, False
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import math
 
@@ -200,6 +201,21 @@ def test_too_little_memory_names_the_least_need():
     with pytest.raises(ValueError, match=r"least memory any plan needs is 8\.00 GB") as info:
         plan_dapple(profile, cluster, 8)
     assert "--memory-gb" in str(info.value)
+
+
+def test_the_garbage_collector_is_as_it_was_after_a_search_returns_or_raises():
+    layers = tuple(LayerProfile(f"l{i}", 1e-3, 2e-3, 1_000_000, 2 * 10**9) for i in range(4))
+    profile, small = ModelProfile(layers, 8), Cluster.v100(1, 4, memory_bytes=6 * GB)
+    try:
+        for enabled in (True, False):
+            (gc.enable if enabled else gc.disable)()
+            assert plan_dapple(profile, Cluster.v100(1, 4), 8)
+            assert gc.isenabled() is enabled
+            with pytest.raises(ValueError, match="no plan fits"):
+                plan_dapple(profile, small, 8)
+            assert gc.isenabled() is enabled
+    finally:
+        gc.enable()
 
 
 def test_replica_candidates():

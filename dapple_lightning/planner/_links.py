@@ -28,7 +28,13 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from dapple_lightning.planner._cluster import Cluster
-from dapple_lightning.planner._shard_costs import SHARD_PASSES, ShardCosts, fit_affine
+from dapple_lightning.planner._shard_costs import (
+    SHARD_PASSES,
+    ShardCosts,
+    fit_affine,
+    least_squares,
+    slope_through_zero,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -95,15 +101,9 @@ def fit_link(sizes: Sequence[float], seconds: Sequence[float]) -> tuple[float, f
     the timings, least squares. A negative intercept (noise on a fast link) is fitted through
     zero; a slope that is not positive (time that does not grow with size) gives the best rate
     seen and no latency."""
-    if len(sizes) != len(seconds) or not sizes:
-        raise ValueError(f"fit_link needs as many timings as sizes, got {len(seconds)} for {len(sizes)}")
-    n = len(sizes)
-    mean_x, mean_t = sum(sizes) / n, sum(seconds) / n
-    spread = sum((x - mean_x) ** 2 for x in sizes)
-    slope = sum((x - mean_x) * (t - mean_t) for x, t in zip(sizes, seconds)) / spread if spread > 0 else 0.0
-    latency = mean_t - slope * mean_x
+    latency, slope, _ = least_squares(sizes, seconds, "fit_link")
     if slope > 0 and latency < 0:
-        latency, slope = 0.0, sum(x * t for x, t in zip(sizes, seconds)) / sum(x * x for x in sizes)
+        latency, slope = 0.0, slope_through_zero(sizes, seconds)
     if slope <= 0:
         return 0.0, max(x / max(t, 1e-9) for x, t in zip(sizes, seconds))
     return latency, 1.0 / slope

@@ -53,19 +53,29 @@ def fit_affine(sizes: Sequence[float], seconds: Sequence[float]) -> Affine:
     """The least-squares line ``seconds = fixed + size x per_byte`` through the timings, kept at or
     above zero: a negative slope (time that does not grow with size: noise) gives the mean as a
     constant, a negative intercept a line through zero, a negative mean nothing."""
+    fixed, slope, mean = least_squares(sizes, seconds, "fit_affine")
+    if slope <= 0:
+        return Affine(max(mean, 0.0), 0.0)
+    if fixed < 0:
+        return Affine(0.0, max(slope_through_zero(sizes, seconds), 0.0))
+    return Affine(fixed, slope)
+
+
+def least_squares(sizes: Sequence[float], seconds: Sequence[float], caller: str) -> tuple[float, float, float]:
+    """``(intercept, slope, mean seconds)`` of the least-squares line through the timings (slope 0
+    where all sizes are equal); ``caller`` names the function in the error for unequal lengths."""
     if len(sizes) != len(seconds) or not sizes:
-        raise ValueError(f"fit_affine needs as many timings as sizes, got {len(seconds)} for {len(sizes)}")
+        raise ValueError(f"{caller} needs as many timings as sizes, got {len(seconds)} for {len(sizes)}")
     n = len(sizes)
     mean_x, mean_t = sum(sizes) / n, sum(seconds) / n
     spread = sum((x - mean_x) ** 2 for x in sizes)
     slope = sum((x - mean_x) * (t - mean_t) for x, t in zip(sizes, seconds)) / spread if spread > 0 else 0.0
-    if slope <= 0:
-        return Affine(max(mean_t, 0.0), 0.0)
-    fixed = mean_t - slope * mean_x
-    if fixed < 0:
-        through_zero = sum(x * t for x, t in zip(sizes, seconds)) / sum(x * x for x in sizes)
-        return Affine(0.0, max(through_zero, 0.0))
-    return Affine(fixed, slope)
+    return mean_t - slope * mean_x, slope, mean_t
+
+
+def slope_through_zero(sizes: Sequence[float], seconds: Sequence[float]) -> float:
+    """The least-squares slope of the line through the origin."""
+    return sum(x * t for x, t in zip(sizes, seconds)) / sum(x * x for x in sizes)
 
 
 @dataclass(frozen=True)

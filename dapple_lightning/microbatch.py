@@ -130,17 +130,27 @@ def _is_batch_encoding(obj: Any) -> bool:
     return transformers is not None and isinstance(obj, transformers.BatchEncoding)
 
 
-def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    """``obj`` with ``fn`` applied to every tensor in it, containers rebuilt as their types."""
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any], *, reinit: bool = True) -> Any:
+    """``obj`` with ``fn`` applied to every tensor in it, containers rebuilt as their types.
+
+    ``reinit=False``, for an ``fn`` that gives each tensor a stand-in for itself (pinned, wrapped,
+    unwrapped): a dataclass is copied and its fields set, so its ``__post_init__`` does not run
+    again on values it already processed."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if isinstance(obj, list):
-        return _rebuild(obj, [map_tensors(o, fn) for o in obj])
+        return _rebuild(obj, [map_tensors(o, fn, reinit=reinit) for o in obj])
     fields = _fields(obj)
     if fields is None:
         return obj
+    values = [map_tensors(v, fn, reinit=reinit) for _, v in fields]
+    if not reinit and _is_dataclass(obj):
+        new = copy.copy(obj)
+        for (label, _), value in zip(fields, values, strict=True):
+            object.__setattr__(new, label[1:], value)  # labels are ".name"
+        return new
     encodings = obj.encodings if _is_batch_encoding(obj) else None
-    return _rebuild(obj, [map_tensors(v, fn) for _, v in fields], encodings=encodings)
+    return _rebuild(obj, values, encodings=encodings)
 
 
 def tensors(obj: Any) -> Iterator[torch.Tensor]:

@@ -10,7 +10,9 @@ losses stay one device's.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -102,6 +104,56 @@ def test_in_place_changes_stay_on_the_copy_and_the_host_batch_is_untouched(lazy)
     leaf[0] = 5
     assert leaf.tolist() == [[5.0, 5.0], [1.0, 1.0], [1.0, 1.0]]
     assert torch.equal(host, torch.zeros(3, 2))
+
+
+def test_metadata_after_an_in_place_change_is_the_copys(lazy):
+    moves = LeafMoves(CPU, True)
+    x = on_device({"x": torch.ones(4, 3)}, moves)["x"]
+    x.requires_grad_()  # an input gradient (a saliency map, a gradient penalty)
+    assert x.requires_grad and x.is_leaf
+    (x * 2).sum().backward()
+    assert x.grad is not None and torch.equal(x.grad, torch.full((4, 3), 2.0))
+    y = on_device({"y": torch.ones(4, 3)}, moves)["y"]
+    y.unsqueeze_(1)
+    assert y.shape == (4, 1, 3) and y.dim() == 3 and (y + 0).shape == (4, 1, 3)
+
+
+@dataclasses.dataclass
+class Scaled:
+    """A batch whose ``__post_init__`` changes what it is given: built twice, it would scale twice."""
+
+    img: torch.Tensor
+
+    def __post_init__(self) -> None:
+        self.img = self.img.float() / 255
+
+
+class Frozen(Mapping):
+    """A mapping built from keyword arguments only: dapple cannot rebuild it from a dict."""
+
+    def __init__(self, **items) -> None:
+        self._items = items
+
+    def __getitem__(self, key):
+        return self._items[key]
+
+    def __iter__(self):
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def test_a_batch_is_not_built_again_on_its_way_to_the_step(lazy):
+    moves = LeafMoves(CPU, True)
+    batch = Scaled(torch.full((4, 3), 255.0))
+    assert torch.equal(batch.img, torch.ones(4, 3))
+    seen = on_device(batch, moves)
+    assert type(seen) is Scaled and torch.equal(seen.img + 0, torch.ones(4, 3))  # scaled once
+    # What a transfer hook returns, holding none of dapple's leaves, is handed on as it is.
+    made = Frozen(x=torch.randn(4, 3))
+    assert plain(made) is made
+    assert plain(batch) is batch
 
 
 def test_your_transfer_hook_sees_host_tensors_and_a_move_of_its_own_is_eager(lazy):

@@ -59,5 +59,6 @@ class StepStats:
     """On a last stage with replicas, after a training step: the sum over the replicas of
     :meth:`UserStep.replica_share` (float64)."""
     batch_bytes_moved: int = 0
-    """Bytes of the batch the step copied from the host to this rank's device (the strategy
-    counts them; 0 where the device is the CPU, as nothing moves)."""
+    """Bytes of the batch the step's lazy moves copied from the host to this rank's device
+    (``DappleStrategy(lazy_batch=...)``, on by default on CUDA). 0 where the batch moves eagerly
+    (``lazy_batch=False``, or the CPU by default): the strategy does not see those copies."""

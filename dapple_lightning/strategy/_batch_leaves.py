@@ -83,7 +83,7 @@ class LeafMoves:
                 return t
             return HostLeaf.of(t, self, key)
 
-        return map_tensors(rows, wrap)
+        return map_tensors(rows, wrap, reinit=False)
 
     def move(self, host: Tensor, key: Key) -> Tensor:
         """``host`` on the device, counted, and ``key`` known as read."""
@@ -99,8 +99,25 @@ class LeafMoves:
 
 
 def plain(batch: Any) -> Any:
-    """``batch`` with each :class:`HostLeaf` in it as the host tensor it stands for."""
-    return map_tensors(batch, _as_host)
+    """``batch`` with each :class:`HostLeaf` in it as the host tensor it stands for (``batch``
+    itself where it holds none: what a transfer hook returned is handed on as it is)."""
+    found = False
+
+    def unwrap(value: Tensor) -> Tensor:
+        nonlocal found
+        if isinstance(value, HostLeaf):
+            found = True
+            return value.as_subclass(Tensor)
+        return value
+
+    try:
+        unwrapped = map_tensors(batch, unwrap, reinit=False)
+    except TypeError:
+        # A container that cannot be rebuilt: every tensor in it was seen before its rebuild.
+        if not found:
+            return batch
+        raise
+    return unwrapped if found else batch
 
 
 def _as_host(value: Any) -> Any:
@@ -219,6 +236,8 @@ class DeviceLeaf(Tensor):
         if func is Tensor.__hash__:
             return id(self)
         if func in _METADATA:
+            if self._copy is not None:  # an in-place change (``requires_grad_``, ``unsqueeze_``) is the copy's
+                return func(self._copy, *args[1:], **kwargs)
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         moves_it = func in (Tensor.to, Tensor.cuda) and isinstance(self, DeviceLeaf)

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch import Callback, LightningModule
+from test_batches import Record
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
@@ -128,22 +128,6 @@ class Scaled:
         self.img = self.img.float() / 255
 
 
-class Frozen(Mapping):
-    """A mapping built from keyword arguments only: dapple cannot rebuild it from a dict."""
-
-    def __init__(self, **items) -> None:
-        self._items = items
-
-    def __getitem__(self, key):
-        return self._items[key]
-
-    def __iter__(self):
-        return iter(self._items)
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-
 def test_a_batch_is_not_built_again_on_its_way_to_the_step(lazy):
     moves = LeafMoves(CPU, True)
     batch = Scaled(torch.full((4, 3), 255.0))
@@ -151,7 +135,7 @@ def test_a_batch_is_not_built_again_on_its_way_to_the_step(lazy):
     seen = on_device(batch, moves)
     assert type(seen) is Scaled and torch.equal(seen.img + 0, torch.ones(4, 3))  # scaled once
     # What a transfer hook returns, holding none of dapple's leaves, is handed on as it is.
-    made = Frozen(x=torch.randn(4, 3))
+    made = Record("hook", {"x": torch.randn(4, 3)})  # its constructor takes no dict
     assert plain(made) is made
     assert plain(batch) is batch
 

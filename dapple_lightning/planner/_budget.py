@@ -84,14 +84,22 @@ def stage_memory_lines(
 
 def over_budget(plan: Plan, stage_bytes: Sequence[float], budget: float) -> str | None:
     """Why ``plan`` is predicted not to fit ``budget`` bytes per rank (the stages over it and
-    their numbers, and what to change), or ``None`` when every stage fits."""
+    their numbers, and what to change), or ``None`` when every stage fits. With chunks,
+    ``stage_bytes`` holds one peak per rank group."""
     over = [k for k, peak in enumerate(stage_bytes) if peak > budget]
     if not over:
         return None
-    named = "; ".join(
-        f"stage {k} (layers {plan.stages[k].start}-{plan.stages[k].end - 1}) {format_bytes(stage_bytes[k])}"
-        for k in over
-    )
+    if plan.chunks > 1:
+        named = "; ".join(
+            f"rank group {k} (stages {', '.join(map(str, plan.stages_of(plan.stage_ranks(k)[0])))}) "
+            f"{format_bytes(stage_bytes[k])}"
+            for k in over
+        )
+    else:
+        named = "; ".join(
+            f"stage {k} (layers {plan.stages[k].start}-{plan.stages[k].end - 1}) {format_bytes(stage_bytes[k])}"
+            for k in over
+        )
     return (
         f"plan {plan.describe()} is predicted to need more memory per rank than memory_limit "
         f"{format_bytes(budget)}: {named}. Give the heavy stages fewer layers or more replicas, use more "

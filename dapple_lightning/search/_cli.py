@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dapple_lightning.plan import ALL_SCHEDULES, SCHEDULES
+from dapple_lightning.plan import ALL_SCHEDULES, CHUNKED_SCHEDULES, SCHEDULES
 from dapple_lightning.search._files import write_atomic
 from dapple_lightning.search._redact import redact
 
@@ -49,8 +49,9 @@ def _ints(text: str) -> tuple[int, ...]:
 def _schedules(text: str) -> tuple[str, ...]:
     values = tuple(x.strip() for x in text.split(",") if x.strip())
     for v in values:
-        if v not in ALL_SCHEDULES:
-            raise argparse.ArgumentTypeError(f"unknown schedule {v!r}; choose from {','.join(ALL_SCHEDULES)}")
+        if v not in (*ALL_SCHEDULES, *CHUNKED_SCHEDULES):
+            known = ",".join((*ALL_SCHEDULES, *CHUNKED_SCHEDULES))
+            raise argparse.ArgumentTypeError(f"unknown schedule {v!r}; choose from {known}")
     return values
 
 
@@ -122,8 +123,11 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--micro-batches", type=_ints, default=None, help="counts to search, e.g. 1,2,4,8 (default: divisors of B)"
     )
-    run.add_argument("--schedules", type=_schedules, default=SCHEDULES, help="e.g. dapple,gpipe,zb-h2,zb-tail")
-    run.add_argument("--max-stages", type=int, default=None)
+    run.add_argument(
+        "--schedules", type=_schedules, default=SCHEDULES, help="e.g. dapple,gpipe,zb-h2,zb-tail,interleaved,zb-v"
+    )
+    run.add_argument("--max-stages", type=int, default=None, help="most stages a plan has (with chunks, all of them)")
+    run.add_argument("--chunks", type=int, default=2, help="stages per rank group of interleaved plans (default: 2)")
     run.add_argument("--planner-seeds", type=int, default=3, help="measure the planner's top K plans first (0: off)")
     run.add_argument("--memory-limit", help="per-rank budget the planner's seeds fit, e.g. 6GiB (default: RAM/ranks)")
     run.add_argument(
@@ -197,6 +201,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         micro_batches=args.micro_batches,
         schedules=args.schedules,
         max_stages=args.max_stages,
+        chunks=args.chunks,
         planner_seeds=args.planner_seeds,
         memory_limit=args.memory_limit,
         baselines=tuple(b for b in args.baselines.split(",") if b),

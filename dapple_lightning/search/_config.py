@@ -54,6 +54,8 @@ class SearchConfig:
     """Schedules to search."""
     max_stages: int | None = None
     """Most stages a plan may have; ``None``: ``min(layers, world size)``."""
+    chunks: int = 2
+    """Stages per rank group of the ``interleaved`` plans searched (``schedules`` must name it)."""
     planner_seeds: int = 3
     """Measure the planner's top this-many plans first (once per study; 0: do not ask the planner)."""
     memory_limit: float | str | None = None

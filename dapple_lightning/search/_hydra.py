@@ -69,6 +69,7 @@ class SweepSettings:
     micro_batches: tuple[int, ...] | None = None
     schedules: tuple[str, ...] = SCHEDULES
     max_stages: int | None = None
+    chunks: int = 2
     storage: str = "sqlite:///dapple_sweep.db"
     study_name: str = "dapple-sweep"
     n_trials: int = 20
@@ -131,12 +132,19 @@ class SweepSettings:
             micro_batches=tup(space.get("micro_batches")),
             schedules=tup(space.get("schedules")) or SCHEDULES,
             max_stages=space.get("max_stages"),
+            chunks=space.get("chunks", 2),
             **settings,
         )
 
     def space(self) -> PlanSpace:
         return PlanSpace(
-            self.num_layers, self.world_size, self.global_batch, self.micro_batches, self.schedules, self.max_stages
+            self.num_layers,
+            self.world_size,
+            self.global_batch,
+            self.micro_batches,
+            self.schedules,
+            self.max_stages,
+            self.chunks,
         )
 
     def fingerprint(self) -> Fingerprint:

@@ -148,7 +148,7 @@ def _check_resumable(
         # Optuna refuses to change a categorical parameter's choices within a study.
         changed = [
             f"{k}: study {searched.get(k)} != now {now[k]}"
-            for k in ("micro_batches", "schedules")
+            for k in ("micro_batches", "schedules", *(("chunks", "max_stages") if "chunks" in now else ()))
             if searched.get(k) != now[k]
         ]
         if changed:

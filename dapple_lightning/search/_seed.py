@@ -19,7 +19,7 @@ from typing import Any
 
 import optuna
 
-from dapple_lightning.plan import SCHEDULES, ZERO_BUBBLE, Plan
+from dapple_lightning.plan import CHUNKED_SCHEDULES, SCHEDULES, ZERO_BUBBLE, Plan
 from dapple_lightning.search._space import PlanSpace, describe_plan
 from dapple_lightning.trials import TrialConfig
 
@@ -89,12 +89,16 @@ def local_cluster(world_size: int, units: int | None = None, memory_limit: float
 EXHAUSTIVE = 20_000
 """Spaces of at most this many plans are ranked plan by plan with the cost model; larger ones by
 the planner's dynamic program."""
+CHUNKED_EXHAUSTIVE = 2_000
+"""The most chunked plans ranked plan by plan: each is priced by replaying its schedule, many times
+slower than a plain plan's closed form (the figures: docs/benchmarks.md). Beyond it the chunked
+plans are not ranked; they come in as the chunked variants of the seeded pipelines."""
 
 
 def _runs_as(plan: Plan) -> tuple[Any, ...]:
     """What tells plans apart when they run: one stage or one micro-batch runs alike under every
     schedule, so such plans are measured once (as the space's first schedule that ranks best)."""
-    alike = plan.num_stages == 1 or plan.micro_batches == 1
+    alike = plan.chunks == 1 and (plan.num_stages == 1 or plan.micro_batches == 1)
     return (plan.stages, plan.micro_batches, None if alike else plan.schedule)
 
 
@@ -116,8 +120,16 @@ def planner_seeds(
     model_profile = ModelProfile.from_dict(profile)
     cluster = local_cluster(space.world_size, units, memory_limit)
     model = CostModel(model_profile, cluster, space.global_batch)
-    if space.size <= EXHAUSTIVE:
-        estimates = [model.estimate(plan) for plan in space.plans()]
+    chunked = sum(space.schedule_size(s) for s in space.schedules if s in CHUNKED_SCHEDULES)
+    if space.size - chunked <= EXHAUSTIVE:
+        rank_chunked = chunked <= CHUNKED_EXHAUSTIVE
+        if not rank_chunked and chunked == space.size:
+            raise ValueError(
+                f"the space holds {chunked} chunked plans and no other, more than the {CHUNKED_EXHAUSTIVE} the cost "
+                "model replays one by one; add dapple to the searched schedules: its pipelines are ranked, and "
+                "their chunked variants offered"
+            )
+        estimates = [_estimate(model, p) for p in space.plans() if rank_chunked or p.chunks == 1]
         ranked = sorted((e for e in estimates if e.fits), key=lambda e: e.step_s)
         if not ranked:
             least = min(max(e.memory_bytes) for e in estimates)
@@ -153,6 +165,15 @@ def planner_seeds(
     return out[:top]
 
 
+def _estimate(model: Any, plan: Plan) -> Any:
+    """The cost model's estimate of ``plan``, chunked or not (both have ``step_s``, ``memory_bytes``, ``fits``)."""
+    if plan.chunks == 1:
+        return model.estimate(plan)
+    from dapple_lightning.planner import estimate_chunked
+
+    return estimate_chunked(model, plan)
+
+
 def chunked_offers(
     profile: dict[str, Any],
     space: PlanSpace,
@@ -163,8 +184,8 @@ def chunked_offers(
     """For each pipeline among ``seeds`` under DAPPLE's schedule, its fastest variant with two stages
     per rank group that the cost model predicts faster within the memory budget
     (``planner.best_chunked_offers``, as ``plan="auto"`` offers them), with its predicted step and
-    the sentence saying why; each plan once. The space has no parameters for such plans, so the
-    search reports them rather than seeding them (``enqueue_planner_seeds``)."""
+    the sentence saying why; each plan once. The search seeds those its space holds (its
+    ``schedules`` name the chunked schedule) and reports the others (``enqueue_planner_seeds``)."""
     from dapple_lightning.planner import CostModel, ModelProfile, best_chunked_offers
 
     cluster = local_cluster(space.world_size, units, memory_limit)
@@ -183,7 +204,7 @@ def memory_refusal(profile: dict[str, Any], space: PlanSpace, memory_limit: floa
     model = CostModel(ModelProfile.from_dict(profile), cluster, space.global_batch)
 
     def refusal(plan: Plan) -> str | None:
-        return over_budget(plan, model.estimate(plan).memory_bytes, memory_limit)
+        return over_budget(plan, _estimate(model, plan).memory_bytes, memory_limit)
 
     return refusal
 
@@ -216,11 +237,17 @@ def enqueue_planner_seeds(
             study.set_user_attr("planner_seeded", [describe_plan(s.plan) for s in seeds])
             offers = chunked_offers(profile, space, seeds, units, memory_limit)
             for plan, step, why in offers:
-                say(
-                    f"planner offers {plan.describe()} (predicted {step:.3g} s/step), not seeded: the search space "
-                    f"has no parameters for plans with several stages per rank group yet; train it as a given plan "
-                    f"to measure it. Why: {why}"
-                )
+                try:
+                    params = space.params(plan)
+                except ValueError as outside:
+                    say(
+                        f"planner offers {plan.describe()} (predicted {step:.3g} s/step), not seeded: {outside}; add "
+                        f"{plan.schedule} to the searched schedules to measure it. Why: {why}"
+                    )
+                    continue
+                attrs = {"source": "planner", "planner_offer": why, "predicted_step_s": step}
+                study.enqueue_trial(params, user_attrs=attrs, skip_if_exists=True)
+                say(f"planner offers {plan.describe()} (predicted {step:.3g} s/step), seeded. Why: {why}")
             study.set_user_attr("planner_chunked_offers", [plan.to_dict() for plan, _, _ in offers])
             return
     say(f"not seeding with the planner: {reason}")

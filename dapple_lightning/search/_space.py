@@ -27,6 +27,27 @@ name                distribution                           why this range
                     ``c_{i-1} + 1`` to ``L - (S - i)``     every later stage at least one layer
 ==================  =====================================  =========================================
 
+A chunked schedule (``interleaved``, ``zb-v``, ``v-half``; opt-in) gives each of ``G`` rank groups
+``C`` stages (``C = chunks`` looped, 2 in the V layout), so its plans have their own micro-batch and
+group parameters; the replicas (per rank group) and the cut points (of ``S = G x C`` stages) keep the
+names above:
+
+===========================  ==============================  ==========================================
+name                         distribution                    why this range
+===========================  ==============================  ==========================================
+``chunks``                   int ``[C, C]``                  fixed by the space; recorded so that the
+                                                             parameters alone name the plan
+``{schedule}_micro_batches`` categorical over the ``M``      fixed: ``M`` is kept when some group count
+                             the schedule can run            below fits it
+``{schedule}_m{M}_groups``   categorical over ``G``          fixed: ``2 <= G``, ``G x C <= L`` (and
+                                                             ``max_stages``), at most ``B // M``
+                                                             replicas a group, and the schedule's rule:
+                                                             ``M`` a multiple of ``G`` (interleaved),
+                                                             ``M >= 2G`` (V)
+===========================  ==============================  ==========================================
+
+One rank group holding every stage would be data parallelism with extra hand-overs, so ``G >= 2``.
+
 **The trade-off of conditional ranges.** The replica and cut parameters carry the stage count in
 their names (``s3_c1`` exists only in trials with 3 stages), so a parameter name always means the
 same thing, but their *ranges* depend on earlier choices. Optuna accepts this (a parameter's
@@ -52,7 +73,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
-from dapple_lightning.plan import ALL_SCHEDULES, SCHEDULES, Plan, Stage, whole
+from dapple_lightning.plan import ALL_SCHEDULES, CHUNKED_SCHEDULES, LAYOUTS, SCHEDULES, Plan, Stage, whole
 
 if TYPE_CHECKING:
     import optuna
@@ -93,11 +114,15 @@ class PlanSpace:
     """Samples per optimizer step (``B``)."""
     micro_batches: tuple[int, ...] | None = None
     """Micro-batch counts to consider; ``None``: the divisors of ``global_batch`` (equal micro-batches,
-    as the planner assumes). Counts no plan can use (``M * ceil(W / S_max) > B``) are dropped."""
+    as the planner assumes). Counts no plan of any searched schedule can use are dropped."""
     schedules: tuple[str, ...] = SCHEDULES
-    """Schedules to consider (``"dapple"``, ``"gpipe"``, opt-in ``"zb-h1"``, ``"zb-h2"`` and ``"zb-tail"``)."""
+    """Schedules to consider (``"dapple"``, ``"gpipe"``; opt-in the zero-bubble ``"zb-h1"``,
+    ``"zb-h2"``, ``"zb-tail"`` and the chunked ``"interleaved"``, ``"zb-v"``, ``"v-half"``)."""
     max_stages: int | None = None
-    """Most stages a plan may have; ``None``: ``min(num_layers, world_size)``."""
+    """Most stages a plan may have (with chunks, ``groups x chunks``); ``None``: no limit beyond
+    ``num_layers`` (and ``world_size`` rank groups)."""
+    chunks: int = 2
+    """Stages per rank group of the ``interleaved`` plans (looped layout); the V layout's hold 2."""
 
     def __post_init__(self) -> None:
         whole(self.num_layers, "num_layers")
@@ -105,12 +130,13 @@ class PlanSpace:
         whole(self.global_batch, "global_batch")
         if self.max_stages is not None:
             whole(self.max_stages, "max_stages")
+        whole(self.chunks, "chunks", low=2)
         schedules = tuple(self.schedules) if not isinstance(self.schedules, str) else (self.schedules,)
         if not schedules:
             raise ValueError(f"schedules is empty; choose from {list(SCHEDULES)}")
         for s in schedules:
-            if s not in ALL_SCHEDULES:
-                raise ValueError(f"unknown schedule {s!r}; choose from {list(ALL_SCHEDULES)}")
+            if s not in (*ALL_SCHEDULES, *CHUNKED_SCHEDULES):
+                raise ValueError(f"unknown schedule {s!r}; choose from {[*ALL_SCHEDULES, *CHUNKED_SCHEDULES]}")
         object.__setattr__(self, "schedules", tuple(dict.fromkeys(schedules)))
         if self.micro_batches is None:
             candidates = tuple(m for m in range(1, self.global_batch + 1) if self.global_batch % m == 0)
@@ -120,22 +146,49 @@ class PlanSpace:
             candidates = tuple(sorted({whole(m, "micro-batch count") for m in self.micro_batches}))
             if not candidates:
                 raise ValueError("micro_batches is empty; give at least one count, or None for the divisors of B")
-        feasible = tuple(m for m in candidates if m <= self.global_batch and self._min_stages(m) <= self.stage_limit)
-        if not feasible:
-            raise ValueError(
+        candidates = tuple(m for m in candidates if m <= self.global_batch)
+        for schedule in self.schedules:
+            if not any(self._fits(schedule, m) for m in candidates):
+                raise ValueError(self._no_count_fits(schedule, candidates))
+        object.__setattr__(
+            self, "micro_batches", tuple(m for m in candidates if any(self._fits(s, m) for s in self.schedules))
+        )
+
+    def _no_count_fits(self, schedule: str, candidates: tuple[int, ...]) -> str:
+        if schedule not in CHUNKED_SCHEDULES:
+            return (
                 f"no micro-batch count of {list(candidates)} fits: with a global batch of {self.global_batch}, "
                 f"{self.world_size} ranks and at most {self.stage_limit} stages, every micro-batch needs at least "
                 f"{math.ceil(self.world_size / self.stage_limit)} rows; use fewer micro-batches or a larger batch"
             )
-        object.__setattr__(self, "micro_batches", feasible)
+        rule = "a multiple of the group count G" if schedule == "interleaved" else "at least 2G"
+        return (
+            f"schedule {schedule!r} fits no micro-batch count of {list(candidates)}: its plans need at least 2 rank "
+            f"groups of {self.chunks_of(schedule)} stages each (at most {self.group_limit(schedule)} groups here: "
+            f"{self.num_layers} layers, {self.world_size} ranks, max_stages {self.max_stages}), a micro-batch count "
+            f"{rule}, and at most {self.global_batch} // M replicas a group; search other micro-batch counts or "
+            f"drop {schedule!r}"
+        )
 
     # ---------------------------------------------------------------------------- queries
 
     @property
     def stage_limit(self) -> int:
-        """The most stages a plan of this space has."""
+        """The most stages a plan of one stage per rank group has."""
         limit = min(self.num_layers, self.world_size)
         return limit if self.max_stages is None else min(limit, self.max_stages)
+
+    def chunks_of(self, schedule: str) -> int:
+        """Stages per rank group of ``schedule``'s plans: 1, ``chunks`` (interleaved) or 2 (V layout)."""
+        if schedule not in CHUNKED_SCHEDULES:
+            return 1
+        return 2 if schedule in LAYOUTS["v"] else self.chunks
+
+    def group_limit(self, schedule: str) -> int:
+        """The most rank groups a plan of chunked ``schedule`` has."""
+        chunks = self.chunks_of(schedule)
+        stages = self.num_layers if self.max_stages is None else min(self.num_layers, self.max_stages)
+        return min(self.world_size, stages // chunks)
 
     def replica_cap(self, micro_batches: int) -> int:
         """The most replicas a stage may have with ``micro_batches`` micro-batches (``B // M``)."""
@@ -149,18 +202,46 @@ class PlanSpace:
         """Smallest and largest stage count a plan with ``micro_batches`` micro-batches can have."""
         return self._min_stages(micro_batches), self.stage_limit
 
+    def groups(self, schedule: str, micro_batches: int) -> tuple[int, ...]:
+        """The rank-group counts of chunked ``schedule``'s plans with ``micro_batches`` (module docstring)."""
+        low = max(2, self._min_stages(micro_batches))
+        return tuple(
+            g
+            for g in range(low, self.group_limit(schedule) + 1)
+            if (micro_batches % g == 0 if schedule == "interleaved" else micro_batches >= 2 * g)
+        )
+
+    def _fits(self, schedule: str, micro_batches: int) -> bool:
+        if schedule in CHUNKED_SCHEDULES:
+            return bool(self.groups(schedule, micro_batches))
+        return self._min_stages(micro_batches) <= self.stage_limit
+
+    def schedule_micro_batches(self, schedule: str) -> tuple[int, ...]:
+        """The searched micro-batch counts ``schedule``'s plans can run."""
+        return tuple(m for m in self.micro_batches or () if self._fits(schedule, m))
+
+    def _shapes(self, schedule: str) -> Iterator[tuple[int, int, int, int]]:
+        """``(M, groups, chunks, replica cap)`` of every plan shape of ``schedule`` in the space."""
+        chunks = self.chunks_of(schedule)
+        for m in self.schedule_micro_batches(schedule):
+            counts = self.groups(schedule, m) if chunks > 1 else range(self._min_stages(m), self.stage_limit + 1)
+            for groups in counts:
+                yield m, groups, chunks, self.replica_cap(m)
+
     @property
     def size(self) -> int:
         """Number of distinct plans in the space (closed form, no enumeration)."""
-        total = 0
-        for m in self.micro_batches:  # type: ignore[union-attr]
-            low, high = self.stage_range(m)
-            for s in range(low, high + 1):
-                cuts = math.comb(self.num_layers - 1, s - 1)
-                total += cuts * _bounded_compositions(self.world_size, s, self.replica_cap(m))
-        return total * len(self.schedules)
+        return sum(self.schedule_size(schedule) for schedule in self.schedules)
+
+    def schedule_size(self, schedule: str) -> int:
+        """Number of the space's plans under ``schedule`` (closed form)."""
+        return sum(
+            math.comb(self.num_layers - 1, g * c - 1) * _bounded_compositions(self.world_size, g, cap)
+            for _, g, c, cap in self._shapes(schedule)
+        )
 
     def to_dict(self) -> dict[str, Any]:
+        chunked = {"chunks": self.chunks} if set(self.schedules) & set(CHUNKED_SCHEDULES) else {}
         return {
             "num_layers": self.num_layers,
             "world_size": self.world_size,
@@ -168,6 +249,7 @@ class PlanSpace:
             "micro_batches": list(self.micro_batches or ()),
             "schedules": list(self.schedules),
             "max_stages": self.max_stages,
+            **chunked,
         }
 
     # ---------------------------------------------------------------------------- sampling
@@ -175,23 +257,29 @@ class PlanSpace:
     def suggest(self, trial: optuna.Trial) -> Plan:
         """Sample one valid plan with ``trial`` (define-by-run; see the module docstring for the names)."""
         schedule = trial.suggest_categorical("schedule", list(self.schedules))
-        m = trial.suggest_categorical("micro_batches", list(self.micro_batches))  # type: ignore[arg-type]
-        low, high = self.stage_range(m)
-        s = trial.suggest_int("stages", low, high)
+        chunks = self.chunks_of(schedule)
+        if chunks == 1:
+            m = trial.suggest_categorical("micro_batches", list(self.micro_batches))  # type: ignore[arg-type]
+            groups = trial.suggest_int("stages", *self.stage_range(m))
+        else:
+            trial.suggest_int("chunks", chunks, chunks)
+            m = trial.suggest_categorical(f"{schedule}_micro_batches", list(self.schedule_micro_batches(schedule)))
+            groups = trial.suggest_categorical(f"{schedule}_m{m}_groups", list(self.groups(schedule, m)))
         cap = self.replica_cap(m)
         replicas: list[int] = []
         rest = self.world_size
-        for i in range(s - 1):
-            later = s - 1 - i
-            r = trial.suggest_int(f"s{s}_r{i}", max(1, rest - later * cap), min(cap, rest - later))
+        for i in range(groups - 1):
+            later = groups - 1 - i
+            r = trial.suggest_int(f"s{groups}_r{i}", max(1, rest - later * cap), min(cap, rest - later))
             replicas.append(r)
             rest -= r
         replicas.append(rest)
+        s = groups * chunks
         cuts = [0]
         for i in range(1, s):
             cuts.append(trial.suggest_int(f"s{s}_c{i}", cuts[-1] + 1, self.num_layers - (s - i)))
         cuts.append(self.num_layers)
-        return _plan(cuts, replicas, m, schedule)
+        return _plan(cuts, replicas, m, schedule, chunks)
 
     def params(self, plan: Plan | Mapping[str, Any] | str) -> dict[str, Any]:
         """The parameters under which :meth:`suggest` returns ``plan``, for ``study.enqueue_trial``.
@@ -214,12 +302,22 @@ class PlanSpace:
             raise ValueError(
                 f"the plan's schedule {plan.schedule!r} is not searched (schedules: {list(self.schedules)})"
             )
-        if plan.micro_batches not in self.micro_batches:  # type: ignore[operator]
+        if plan.chunks != self.chunks_of(plan.schedule):
             raise ValueError(
-                f"the plan's micro-batch count {plan.micro_batches} is not searched "
-                f"(micro_batches: {list(self.micro_batches or ())})"
+                f"the plan gives each rank group {plan.chunks} stages; the space searches {plan.schedule!r} with "
+                f"{self.chunks_of(plan.schedule)} (chunks: {self.chunks})"
             )
-        if plan.num_stages > self.stage_limit:
+        if plan.micro_batches not in self.schedule_micro_batches(plan.schedule):
+            raise ValueError(
+                f"the plan's micro-batch count {plan.micro_batches} is not searched under {plan.schedule!r} "
+                f"(micro_batches: {list(self.schedule_micro_batches(plan.schedule))})"
+            )
+        if plan.chunks > 1 and plan.num_groups not in self.groups(plan.schedule, plan.micro_batches):
+            raise ValueError(
+                f"the plan has {plan.num_groups} rank groups; with {plan.micro_batches} micro-batches the space "
+                f"searches {list(self.groups(plan.schedule, plan.micro_batches))} under {plan.schedule!r}"
+            )
+        if plan.chunks == 1 and plan.num_stages > self.stage_limit:
             raise ValueError(f"the plan has {plan.num_stages} stages; the space allows at most {self.stage_limit}")
         widest = max(s.replicas for s in plan.stages)
         if plan.micro_batches * widest > self.global_batch:
@@ -236,15 +334,12 @@ class PlanSpace:
         return True
 
     def plans(self) -> Iterator[Plan]:
-        """Every plan of the space, in a fixed order (schedule, M, stage count, replicas, cuts)."""
+        """Every plan of the space, in a fixed order (schedule, M, group count, replicas, cuts)."""
         for schedule in self.schedules:
-            for m in self.micro_batches:  # type: ignore[union-attr]
-                low, high = self.stage_range(m)
-                cap = self.replica_cap(m)
-                for s in range(low, high + 1):
-                    for replicas in _compositions(self.world_size, s, cap):
-                        for inner in itertools.combinations(range(1, self.num_layers), s - 1):
-                            yield _plan([0, *inner, self.num_layers], list(replicas), m, schedule)
+            for m, groups, chunks, cap in self._shapes(schedule):
+                for replicas in _compositions(self.world_size, groups, cap):
+                    for inner in itertools.combinations(range(1, self.num_layers), groups * chunks - 1):
+                        yield _plan([0, *inner, self.num_layers], list(replicas), m, schedule, chunks)
 
     def grid(self, most: int = DEFAULT_MAX_PLANS) -> list[Plan]:
         """Every plan of the space (:meth:`plans`), refused when there are more than ``most``: a grid
@@ -268,9 +363,17 @@ def _compositions(total: int, parts: int, cap: int) -> Iterator[tuple[int, ...]]
             yield (r, *rest)
 
 
-def _plan(cuts: Sequence[int], replicas: Sequence[int], micro_batches: int, schedule: str) -> Plan:
-    stages = tuple(Stage(a, b, r) for (a, b), r in zip(itertools.pairwise(cuts), replicas))
-    return Plan(stages=stages, micro_batches=micro_batches, schedule=schedule)
+def _plan(cuts: Sequence[int], replicas: Sequence[int], micro_batches: int, schedule: str, chunks: int = 1) -> Plan:
+    """The plan cut at ``cuts`` whose rank group ``g`` has ``replicas[g]`` (its stages in the
+    schedule's layout when ``chunks > 1``)."""
+    if chunks == 1:
+        stages = tuple(Stage(a, b, r) for (a, b), r in zip(itertools.pairwise(cuts), replicas, strict=True))
+        return Plan(stages=stages, micro_batches=micro_batches, schedule=schedule)
+    layout = next(name for name, schedules in LAYOUTS.items() if schedule in schedules)
+    groups = len(replicas)
+    owner = [s % groups if layout == "looped" else min(s, 2 * groups - 1 - s) for s in range(groups * chunks)]
+    stages = tuple(Stage(a, b, replicas[owner[s]]) for s, (a, b) in enumerate(itertools.pairwise(cuts)))
+    return Plan(stages=stages, micro_batches=micro_batches, schedule=schedule, chunks=chunks, layout=layout)
 
 
 def params_from_plan(plan: Plan | Mapping[str, Any] | str) -> dict[str, Any]:
@@ -279,10 +382,14 @@ def params_from_plan(plan: Plan | Mapping[str, Any] | str) -> dict[str, Any]:
     Explicit stage ``ranks`` are dropped (the space places stage ``s`` on the next ``r_s`` ranks).
     """
     plan = Plan.coerce(plan)
-    s = plan.num_stages
-    params: dict[str, Any] = {"schedule": plan.schedule, "micro_batches": plan.micro_batches, "stages": s}
-    for i, stage in enumerate(plan.stages[:-1]):
-        params[f"s{s}_r{i}"] = stage.replicas
+    g, s, m = plan.num_groups, plan.num_stages, plan.micro_batches
+    params: dict[str, Any] = {"schedule": plan.schedule}
+    if plan.chunks == 1:
+        params.update({"micro_batches": m, "stages": s})
+    else:
+        params.update({"chunks": plan.chunks, f"{plan.schedule}_micro_batches": m, f"{plan.schedule}_m{m}_groups": g})
+    for i, stage in enumerate(plan.stages[: g - 1]):
+        params[f"s{g}_r{i}"] = stage.replicas
     for i, stage in enumerate(plan.stages[1:], start=1):
         params[f"s{s}_c{i}"] = stage.start
     return params
@@ -294,21 +401,27 @@ def plan_from_params(params: Mapping[str, Any], *, num_layers: int, world_size: 
     ``num_layers`` and ``world_size`` close the last stage (its end and its replicas are not
     parameters: they are what is left).
     """
+    schedule = str(params.get("schedule", "dapple"))
     try:
-        s = int(params["stages"])
-        m = int(params["micro_batches"])
-        schedule = str(params.get("schedule", "dapple"))
-        replicas = [int(params[f"s{s}_r{i}"]) for i in range(s - 1)]
+        if schedule in CHUNKED_SCHEDULES:
+            chunks = int(params["chunks"])
+            m = int(params[f"{schedule}_micro_batches"])
+            g = int(params[f"{schedule}_m{m}_groups"])
+        else:
+            chunks, m, g = 1, int(params["micro_batches"]), int(params["stages"])
+        s = g * chunks
+        replicas = [int(params[f"s{g}_r{i}"]) for i in range(g - 1)]
         cuts = [0, *(int(params[f"s{s}_c{i}"]) for i in range(1, s)), num_layers]
     except KeyError as e:
         raise ValueError(
-            f"plan parameters lack {e.args[0]!r}; expected stages, micro_batches, schedule and s<S>_r<i>, "
-            f"s<S>_c<i> as written by params_from_plan; got {sorted(params)}"
+            f"plan parameters lack {e.args[0]!r}; expected the names params_from_plan writes (schedule, "
+            f"micro_batches, stages, s<S>_r<i>, s<S>_c<i>; chunks, <schedule>_micro_batches and "
+            f"<schedule>_m<M>_groups for chunked schedules); got {sorted(params)}"
         ) from e
     last = world_size - sum(replicas)
     if last < 1:
         raise ValueError(f"replicas {replicas} leave {last} of {world_size} ranks for the last stage")
-    return _plan(cuts, [*replicas, last], m, schedule)
+    return _plan(cuts, [*replicas, last], m, schedule, chunks)
 
 
 def describe_plan(plan: Plan | Mapping[str, Any]) -> str:

@@ -87,7 +87,7 @@ class PlanSearch:
         self.model = info = probe_model(cfg.trial, profile=want_profile)
         t = cfg.trial
         self.space = space = PlanSpace(
-            info.num_layers, t.world_size, t.global_batch, cfg.micro_batches, cfg.schedules, cfg.max_stages
+            info.num_layers, t.world_size, t.global_batch, cfg.micro_batches, cfg.schedules, cfg.max_stages, cfg.chunks
         )
         # grid: every plan is enqueued; the random sampler only fills what nothing fixed.
         kind = "random" if cfg.sampler == "grid" else cfg.sampler

@@ -155,7 +155,7 @@ def main(spec_path: str) -> int:
     stats = strategy.step_stats
     record = {
         "rank": rank,
-        "stage": plan.stage_of(rank),
+        "stage": plan.group_of(rank),  # its stage; with chunks, its rank group
         "step_times": timer.times,
         "rows": timer.rows,
         "peak_live_bytes": int(stats.peak_live_bytes),

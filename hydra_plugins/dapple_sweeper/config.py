@@ -31,7 +31,10 @@ class PlanSpaceConf:
     micro_batches: list[int] | None = None
     """Micro-batch counts; null: the divisors of the global batch."""
     schedules: list[str] = field(default_factory=lambda: ["dapple", "gpipe"])
+    """Add interleaved, zb-v or v-half to search plans with several stages per rank group."""
     max_stages: int | None = None
+    chunks: int = 2
+    """Stages per rank group of the interleaved plans."""
 
 
 @dataclass

@@ -64,26 +64,32 @@ def test_micro_batch_counts_no_plan_can_use_are_dropped():
         PlanSpace(num_layers=2, world_size=4, global_batch=8, micro_batches=(8,))
 
 
-@pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
-@pytest.mark.parametrize("sampler", ["random", "tpe"])
-def test_sampled_plans_are_valid_and_cover_the_space(sampler):
-    space = PlanSpace(num_layers=5, world_size=3, global_batch=6, micro_batches=(1, 2, 3, 6))
+def sample(space: PlanSpace, sampler: str, n_trials: int) -> set[Plan]:
+    """The plans ``sampler`` draws from ``space``, each checked valid and read back from its parameters."""
     make = {
         "random": lambda: optuna.samplers.RandomSampler(seed=0),
         "tpe": lambda: optuna.samplers.TPESampler(seed=0, n_startup_trials=5, multivariate=True, group=True),
     }[sampler]
     study = optuna.create_study(sampler=make())
-    seen = set()
+    seen: set[Plan] = set()
 
     def objective(trial):
         plan = space.suggest(trial)
         assert space.contains(plan)
-        assert plan_from_params(trial.params, num_layers=5, world_size=3) == plan
+        assert plan_from_params(trial.params, num_layers=space.num_layers, world_size=space.world_size) == plan
         assert params_from_plan(plan) == trial.params
         seen.add(plan)
         return float(len(seen))
 
-    study.optimize(objective, n_trials=150)
+    study.optimize(objective, n_trials=n_trials)
+    return seen
+
+
+@pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
+@pytest.mark.parametrize("sampler", ["random", "tpe"])
+def test_sampled_plans_are_valid_and_cover_the_space(sampler):
+    space = PlanSpace(num_layers=5, world_size=3, global_batch=6, micro_batches=(1, 2, 3, 6))
+    seen = sample(space, sampler, 150)
     if sampler == "random":
         assert len(seen) > space.size // 2  # the constrained ranges reach all over the space
 

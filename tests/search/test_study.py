@@ -273,3 +273,18 @@ def test_the_command_line_confirms_its_leader_once(tmp_path, capsys):
     assert cli(args) == 0
     assert len(optuna.load_study(study_name="confirm", storage=storage).trials) == len(study.trials)
     assert "confirmation round of these trials (confirmation_after_2) was measured already" in capsys.readouterr().out
+
+
+def test_a_search_over_chunked_schedules_measures_chunked_plans(tmp_path, capsys):
+    """The planner's chunked picks are measured to the end in real processes, and one is the choice."""
+    storage = f"sqlite:///{tmp_path / 'chunks.db'}"
+    args = ["run", "--model", MLP, "--devices", "2", "--batch-size", "8", "--schedules", "zb-v,interleaved"]
+    args += ["--trials", "2", "--warmup", "1", "--steps", "2", "--planner-seeds", "2", "--baselines", ""]
+    args += ["--pruner", "none", "--confirm-repeats", "0", "--storage", storage, "--study", "chunks"]
+    assert cli(args) == 0, capsys.readouterr()
+    study = optuna.load_study(study_name="chunks", storage=storage)
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 2
+    plans = [Plan.from_dict(t.user_attrs["plan"]) for t in study.trials]
+    assert all(p.chunks == 2 and p.schedule in ("zb-v", "interleaved") for p in plans)
+    assert all(t.values[0] == t.user_attrs["samples_per_s"] > 0 for t in study.trials)
+    assert "rank group(s) x 2 chunks" in capsys.readouterr().out.split("best: trial")[1]

@@ -100,6 +100,21 @@ def test_sweeper_runs_plans_as_jobs_and_resumes(tmp_path):
     assert "world_size: 4 != 2" in other.stderr
 
 
+def test_the_sweeper_searches_chunked_schedules_and_hands_the_plans_to_the_jobs(tmp_path):
+    storage = f"sqlite:///{tmp_path / 'sweep.db'}"
+    spaced = ("hydra.sweeper.space.schedules=[dapple,interleaved,v-half]", "hydra.sweeper.space.chunks=3")
+    settings = ("hydra.sweeper.n_trials=12", "hydra.sweeper.confirm_repeats=0", "hydra.sweeper.baselines=[]")
+    done = sweep(tmp_path, f"hydra.sweeper.storage={storage}", "hydra.sweeper.study_name=chunks", *spaced, *settings)
+    assert done.returncode == 0, done.stderr[-3000:]
+    study = optuna.load_study(study_name="chunks", storage=storage)
+    assert study.user_attrs["space"]["chunks"] == 3
+    plans = {t.number: Plan.from_dict(t.user_attrs["plan"]) for t in study.get_trials()}
+    assert {(p.schedule, p.chunks) for p in plans.values()} >= {("interleaved", 3), ("v-half", 2)}
+    for t in study.get_trials(states=(TrialState.COMPLETE,)):
+        # The job's value is computed from the plan it received: a chunked plan arrived whole.
+        assert t.value == pytest.approx(fake_samples_per_s(plans[t.number], 16))
+
+
 def test_the_planner_seeds_the_sweep_after_the_baselines(tmp_path):
     storage = f"sqlite:///{tmp_path / 'sweep.db'}"
     common = (f"hydra.sweeper.storage={storage}", "hydra.sweeper.confirm_repeats=0")

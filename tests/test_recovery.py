@@ -91,6 +91,18 @@ def test_offloaded_stages_recover_like_stages_in_memory(reference: Path, tmp_pat
     assert_like_the_reference(out, reference, "forward")
 
 
+def test_a_killed_replica_of_a_chunked_plans_rank_group_recovers(tmp_path_factory, tmp_path: Path) -> None:
+    """Rank 1 holds two stages (layers 0-2 and 5-6, looped, with rank 0): killed in its forward, it gets
+    both back from rank 0, and the run ends as the same plan's uninterrupted run does."""
+    reference = tmp_path_factory.mktemp("chunked-reference") / "run"
+    train(reference, "none", reference.parent, "chunks")
+    out = tmp_path / "run"
+    log = recovered(out, "forward", tmp_path, "chunks")
+    assert "sent to replacements: rank 1 from rank 0" in log
+    assert len(re.findall(r"4 stage\(s\) in 2 rank group\(s\) x 2 chunks \(looped\)", log)) == 2  # both attempts
+    assert_like_the_reference(out, reference, "forward")
+
+
 def assert_like_the_reference(out: Path, reference: Path, where: str) -> None:
     """Every step's loss, every validation's and the final weights, optimizer and scheduler state are
     the uninterrupted run's; only the step the kill interrupted was trained twice."""

@@ -33,6 +33,7 @@ def check_before_start(
     node_devices: Sequence[Any] = (),
     ranks_per_node: int | None = None,
     recovering: bool = False,
+    logging: bool = False,
 ) -> Chain:
     """The containers to pipeline, once the module, an explicit plan and the devices pass.
 
@@ -74,7 +75,7 @@ def check_before_start(
         raise ValueError(problem)
     if isinstance(plan, Plan):  # plan="auto" profiles the chain's layers and makes a plan that fits them
         plan.check(num_layers=len(chain), world_size=world_size)
-        if (problem := _chunks_refusal(plan, recovering)) is not None:
+        if (problem := _chunks_refusal(plan, logging)) is not None:
             raise ValueError(problem)
         if (problem := sharding_refusal(module, chain, plan, ranks_per_node, recovering)) is not None:
             raise ValueError(problem)
@@ -105,13 +106,15 @@ def shared_gpu_refusal(backend: str, node_devices: Sequence[Any], plan: Plan | s
     )
 
 
-def _chunks_refusal(plan: Plan, recovering: bool) -> str | None:
-    """What a plan with several stages per rank group cannot run with yet."""
-    if plan.chunks > 1 and recovering:
+def _chunks_refusal(plan: Plan, logging: bool) -> str | None:
+    """What a plan with several stages per rank group cannot run with yet: the log that replays a
+    lost rank's stage (a lost rank of a replicated group recovers from its replica as without chunks)."""
+    if plan.chunks > 1 and logging:
         return (
-            f"recovery is on (torchrun --max-restarts > 0 or recovery='log') and the plan gives each rank group "
-            f"{plan.chunks} stages (chunks), which recovery does not handle yet: pass recovery=False to "
-            "DappleStrategy (and resume from checkpoints), or set chunks: 1"
+            f"recovery='log' keeps a log to replay a lost rank's stage, and the plan gives each rank group "
+            f"{plan.chunks} stages (chunks), which the replay does not handle yet: use recovery='auto' (under "
+            "torchrun --max-restarts a lost rank recovers from a replica of its rank group; give every group "
+            "2 or more replicas), or set chunks: 1"
         )
     return None
 
@@ -153,12 +156,10 @@ def sharding_refusal(module: Any, chain: Chain, plan: Plan, ranks_per_node: int 
     return None
 
 
-def auto_chunks_refusal(recovering: bool) -> str | None:
+def auto_chunks_refusal(logging: bool) -> str | None:
     """Why ``plan="auto"`` must not offer plans with several stages per rank group to this run, or ``None``."""
-    if recovering:
-        return (
-            "recovery is on (torchrun --max-restarts > 0 or recovery='log'), and it does not handle chunked plans yet"
-        )
+    if logging:
+        return "recovery='log' replays a lost rank's stage from its log, which does not handle chunked plans yet"
     return None
 
 

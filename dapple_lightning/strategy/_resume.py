@@ -131,7 +131,7 @@ def recover(
     sources = {}
     for needy in (r for r in range(world) if held[r] != step):
         source = min(
-            r for r in range(world) if held[r] == step and (needy in lost or plan.stage_of(r) == plan.stage_of(needy))
+            r for r in range(world) if held[r] == step and (needy in lost or plan.group_of(r) == plan.group_of(needy))
         )
         sources[needy] = source
         if rank == source:  # a replayed rank needs only the small state: its own weights are replayed

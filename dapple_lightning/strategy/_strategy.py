@@ -286,6 +286,7 @@ class DappleStrategy(ParallelStrategy):
             node_devices=self.parallel_devices or (),
             ranks_per_node=self.num_processes,
             recovering=is_active(self._recovery.mode),
+            logging=self._recovery.mode == "log",
         )
 
     @override
@@ -378,7 +379,7 @@ class DappleStrategy(ParallelStrategy):
             self._steps,
             self.precision_plugin.train_step_context,
             self._memory_limit,
-            auto_chunks_refusal(is_active(self._recovery.mode)),
+            auto_chunks_refusal(self._recovery.mode == "log"),
             functools.partial(
                 sharding_refusal,
                 self.lightning_module,

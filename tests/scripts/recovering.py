@@ -1,6 +1,6 @@
 """Trains under torchrun with restarts and kills a stage-0 replica at one point of step 5, once.
 
-Usage: torchrun --nproc_per_node 3 --max-restarts 1 recovering.py OUT_DIR WHERE [auto | log | offload]
+Usage: torchrun --nproc_per_node 3 --max-restarts 1 recovering.py OUT_DIR WHERE [auto | log | offload | chunks]
 WHERE: none (the uninterrupted reference) | forward | backward | allreduce | optimizer | step (at
 the start of training_step, in any stage) | validation (in the validation run after step 5's
 update), or stop (SIGSTOP in the forward: a hung rank, which only the heartbeat detects). With
@@ -9,7 +9,8 @@ rank 1 recovers whatever plan auto chose: from a replica where its stage has one
 no replica) is the victim, ``recovery="log"``, and every rank saves a checkpoint after step 2: the
 restarted rank 0 replays steps 2-4 from its neighbours' log. With ``offload``, both stages keep
 their layers on disk (``offload: 1``): the survivors' state and the replica's hand-over are read
-from there.
+from there. With ``chunks``, the same 2:1 replication gives each rank group two stages (looped,
+``interleaved``): layers 0-2 and 5-6 on ranks 0 and 1, layers 3-4 and 7-8 on rank 2.
 
 Plan 2:1 over an MLP: layers 0-3 on ranks 0 and 1, the rest (with a dropout, so the last stage's
 RNG state must come back too) on rank 2. Shuffled batches over 2.5 epochs and a per-step LR
@@ -37,7 +38,7 @@ from dapple_lightning import DappleStrategy
 
 out, where = Path(sys.argv[1]), sys.argv[2]
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-AUTO, LOG, OFFLOAD = (sys.argv[3:] == [option] for option in ("auto", "log", "offload"))
+AUTO, LOG, OFFLOAD, CHUNKS = (sys.argv[3:] == [option] for option in ("auto", "log", "offload", "chunks"))
 KILL_AT = 5  # the sixth optimizer step
 victim = 0 if LOG else 1  # a replica of stage 0 (plan="auto": whatever rank 1 holds)
 STEPS = 10
@@ -135,6 +136,18 @@ plan = {
 if OFFLOAD:
     for stage in plan["stages"]:
         stage["offload"] = 1
+if CHUNKS:  # the same replication, each rank group holding two stages (looped)
+    plan = {
+        "micro_batches": 2,
+        "schedule": "interleaved",
+        "chunks": 2,
+        "stages": [
+            {"layers": [0, 3], "replicas": 2},
+            {"layers": [3, 5], "replicas": 1},
+            {"layers": [5, 7], "replicas": 2},
+            {"layers": [7, 9], "replicas": 1},
+        ],
+    }
 trainer = Trainer(
     accelerator="cpu",
     devices=3,

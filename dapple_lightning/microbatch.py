@@ -118,10 +118,13 @@ def _rebuild_mapping(obj: Mapping, items: dict, encodings: list | None) -> Mappi
 
 
 def _rebuild_dataclass(obj: Any, values: dict[str, Any]) -> Any:
-    init = {f.name for f in dataclasses.fields(obj) if f.init}
-    new = dataclasses.replace(obj, **{k: v for k, v in values.items() if k in init})
-    for k in values.keys() - init:
-        object.__setattr__(new, k, values[k])
+    """A copy of ``obj`` with its fields set to ``values``: not built again, so its ``__post_init__``
+    does not run on values it already processed (a ``/ 255`` would scale every slice once more),
+    as Lightning's own ``apply_to_collection`` copies a dataclass batch; fields left out of
+    ``__init__`` are set (and cut) like the others."""
+    new = copy.copy(obj)
+    for name, value in values.items():
+        object.__setattr__(new, name, value)
     return new
 
 
@@ -130,25 +133,17 @@ def _is_batch_encoding(obj: Any) -> bool:
     return transformers is not None and isinstance(obj, transformers.BatchEncoding)
 
 
-def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any], *, reinit: bool = True) -> Any:
-    """``obj`` with ``fn`` applied to every tensor in it, containers rebuilt as their types.
-
-    ``reinit=False``, for an ``fn`` that gives each tensor a stand-in for itself (pinned, wrapped,
-    unwrapped): a dataclass is copied and its fields set, so its ``__post_init__`` does not run
-    again on values it already processed."""
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """``obj`` with ``fn`` applied to every tensor in it, containers rebuilt as their types (a
+    dataclass copied, not built again)."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if isinstance(obj, list):
-        return _rebuild(obj, [map_tensors(o, fn, reinit=reinit) for o in obj])
+        return _rebuild(obj, [map_tensors(o, fn) for o in obj])
     fields = _fields(obj)
     if fields is None:
         return obj
-    values = [map_tensors(v, fn, reinit=reinit) for _, v in fields]
-    if not reinit and _is_dataclass(obj):
-        new = copy.copy(obj)
-        for (label, _), value in zip(fields, values, strict=True):
-            object.__setattr__(new, label[1:], value)  # labels are ".name"
-        return new
+    values = [map_tensors(v, fn) for _, v in fields]
     encodings = obj.encodings if _is_batch_encoding(obj) else None
     return _rebuild(obj, values, encodings=encodings)
 

@@ -263,3 +263,26 @@ def test_cutting_then_joining_gives_the_batch_back(rows, parts, kind):
     pieces = [slice_batch(batch, r) for r in split]
     assert [batch_size_of(p) for p in pieces] == [len(r) for r in split]
     _same(concat_slices(pieces, [len(r) for r in split]), batch)
+
+
+@dataclasses.dataclass
+class Normalised:
+    """A batch whose ``__post_init__`` scales what it is given and derives a field of its own."""
+
+    img: torch.Tensor
+    total: torch.Tensor = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.img = self.img / 255
+        self.total = self.img.sum(dim=1)
+
+
+def test_a_dataclass_batch_is_cut_and_joined_without_being_built_again():
+    batch = Normalised(torch.arange(24.0).reshape(6, 4) * 255)
+    piece = slice_batch(batch, Rows(1, 3))
+    assert type(piece) is Normalised
+    torch.testing.assert_close(piece.img, batch.img[1:3])  # scaled once, when the loader built it
+    torch.testing.assert_close(piece.total, batch.total[1:3])  # the derived field is cut too
+    joined = concat_slices([slice_batch(batch, Rows(0, 3)), slice_batch(batch, Rows(3, 6))], [3, 3])
+    torch.testing.assert_close(joined.img, batch.img)
+    torch.testing.assert_close(joined.total, batch.total)

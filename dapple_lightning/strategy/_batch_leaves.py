@@ -83,7 +83,7 @@ class LeafMoves:
                 return t
             return HostLeaf.of(t, self, key)
 
-        return map_tensors(rows, wrap, reinit=False)
+        return map_tensors(rows, wrap)
 
     def move(self, host: Tensor, key: Key) -> Tensor:
         """``host`` on the device, counted, and ``key`` known as read."""
@@ -111,7 +111,7 @@ def plain(batch: Any) -> Any:
         return value
 
     try:
-        unwrapped = map_tensors(batch, unwrap, reinit=False)
+        unwrapped = map_tensors(batch, unwrap)
     except TypeError:
         # A container that cannot be rebuilt: every tensor in it was seen before its rebuild.
         if not found:

@@ -189,9 +189,7 @@ class PipelinedSteps:
         Callbacks and hooks see the batch as loaded; elsewhere it is used as it is."""
         if self.device.type != "cuda" or self.dataloader_idx is None:
             return batch
-        return map_tensors(
-            batch, lambda t: t.pin_memory() if t.device.type == "cpu" and not t.is_pinned() else t, reinit=False
-        )
+        return map_tensors(batch, lambda t: t.pin_memory() if t.device.type == "cpu" and not t.is_pinned() else t)
 
     def log(self, values: Logged) -> None:
         for name, (value, kwargs) in values.items():

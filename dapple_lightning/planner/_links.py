@@ -378,20 +378,36 @@ def _measure_shard_groups(
     device: torch.device, node: Sequence[int], replicas: Sequence[int], sizes: Sequence[int], repeats: int
 ) -> Iterator[ShardCosts]:
     """:func:`measure_shard_costs` on the first ``r`` ranks of ``node`` for each ``r`` of ``replicas``
-    (collective on every rank; every rank gets rank 0's figures)."""
+    (collective on every rank; every rank gets rank 0's figures).
+
+    A measurement that raises on a member raises on every rank, at once and saying so, rather than
+    when the member's process ends or at the process group's timeout: the ranks agree on whether
+    any failed before rank 0's figures are broadcast (members blocked inside the failed one's
+    collectives still wait for the timeout)."""
     import torch
     import torch.distributed as dist
 
     for r in replicas:
         group = dist.new_group(list(node[:r]))
-        try:
-            numbers = torch.zeros(2 * len(SHARD_PASSES), dtype=torch.float64, device=device)
-            if dist.get_rank() in node[:r]:
+        numbers = torch.zeros(2 * len(SHARD_PASSES), dtype=torch.float64, device=device)
+        error: Exception | None = None
+        if dist.get_rank() in node[:r]:
+            try:
                 costs = measure_shard_costs(device, group, r, sizes, repeats)
                 numbers = torch.tensor(costs.as_numbers(), dtype=torch.float64, device=device)
-        finally:
-            if dist.get_rank() in node[:r]:
+            except Exception as e:  # every rank raises below
+                error = e
+            finally:
                 dist.destroy_process_group(group)
+        failed = torch.tensor([float(error is not None)], device=device)
+        dist.all_reduce(failed)
+        if error is not None:
+            raise error
+        if failed.item():
+            raise RuntimeError(
+                f"timing sharded layers on {r} replicas failed on {int(failed.item())} of ranks {list(node[:r])}; "
+                "their own errors say why"
+            )
         dist.broadcast(numbers, 0)
         yield ShardCosts.from_numbers(r, numbers.tolist())
 

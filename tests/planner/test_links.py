@@ -212,6 +212,29 @@ def test_sharded_layers_are_timed_on_a_group_of_each_replica_count_and_every_ran
     assert all(c.gather_scatter.at(2**16) > 0 for c in costs)
 
 
+def _shard_measure_fails_on_its_members(rank: int, world: int) -> str:
+    import dapple_lightning.planner._links as links
+
+    def broken(*args, **kwargs):
+        raise ValueError(f"no FSDP2 here (rank {rank})")
+
+    links.measure_shard_costs = broken
+    try:
+        measure_cluster(torch.device("cpu"), repeats=1, shard_replicas=(2,), shard_at=(2**12,))
+    except (ValueError, RuntimeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def test_a_shard_measurement_that_fails_on_its_members_fails_every_rank_at_once():
+    # Before the ranks agreed on failures, rank 2 (not a member) waited in the broadcast of rank 0's
+    # figures until the members' processes ended (gloo's "Connection closed by peer") or, while they
+    # lived on, until the process group's timeout.
+    results = run_ranks(_shard_measure_fails_on_its_members, 3, timeout=50)
+    assert results[:2] == ["ValueError: no FSDP2 here (rank 0)", "ValueError: no FSDP2 here (rank 1)"]
+    assert results[2].startswith("RuntimeError: timing sharded layers on 2 replicas failed on 2 of ranks [0, 1]")
+
+
 def test_shard_costs_are_measured_only_for_replica_counts_a_node_holds():
     with pytest.raises(ValueError, match="shard_replicas must be replica counts from 2 to the 1 ranks of a node"):
         measure_cluster(torch.device("cpu"), shard_replicas=(2,))

@@ -121,7 +121,7 @@ def _rebuild_dataclass(obj: Any, values: dict[str, Any]) -> Any:
     """A copy of ``obj`` with its fields set to ``values``: not built again, so its ``__post_init__``
     does not run on values it already processed (a ``/ 255`` would scale every slice once more),
     as Lightning's own ``apply_to_collection`` copies a dataclass batch; fields left out of
-    ``__init__`` are set (and cut) like the others."""
+    ``__init__`` are set (and cut) like the others, attributes that are not fields kept as they are."""
     new = copy.copy(obj)
     for name, value in values.items():
         object.__setattr__(new, name, value)

@@ -24,7 +24,7 @@ are predicted faster within the memory budget, each with the sentence their repo
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -130,37 +130,46 @@ def _group_memory(model: CostModel, plan: Plan, samples: Sequence[int], actions:
     return static + peak
 
 
-def chunked_variants(model: CostModel, plan: Plan) -> list[Plan]:
-    """Plans with the replication of ``plan`` (one stage per group) and two stages per group: each
-    layout with each of its schedules, the layers re-cut into ``2G`` stages of equal compute.
-    Variants whose micro-batch count the schedule cannot run are left out."""
+def chunked_variants(model: CostModel, plan: Plan, looped_chunks: int = 2) -> list[Plan]:
+    """Plans with the replication of ``plan`` (one stage per group) and several stages per group:
+    each layout with each of its schedules, ``looped_chunks`` stages per group looped and 2 in the
+    V, the layers re-cut into stages of equal compute. Variants whose micro-batch count the
+    schedule cannot run are left out."""
     if plan.chunks != 1:
         return []
     groups = plan.num_stages
-    if 2 * groups > model.num_layers:
-        return []
     weights = [sum(model.compute(i, i + 1, model.profile.profile_batch_size)) for i in range(model.num_layers)]
-    bounds = balanced_cuts(weights, 2 * groups)
     out = []
     for layout, schedules in LAYOUTS.items():
-        owner = [s % groups if layout == "looped" else min(s, 2 * groups - 1 - s) for s in range(2 * groups)]
+        chunks = looped_chunks if layout == "looped" else 2
+        if chunks * groups > model.num_layers:
+            continue
+        count = chunks * groups
+        owner = [s % groups if layout == "looped" else min(s, 2 * groups - 1 - s) for s in range(count)]
         stages = [
             Stage(a, b, plan.stages[owner[s]].replicas, plan.stages[owner[s]].ranks)
-            for s, (a, b) in enumerate(itertools.pairwise(bounds))
+            for s, (a, b) in enumerate(itertools.pairwise(balanced_cuts(weights, count)))
         ]
         for name in schedules:
             try:
-                out.append(Plan(stages, plan.micro_batches, name, chunks=2, layout=layout))
+                out.append(Plan(stages, plan.micro_batches, name, chunks=chunks, layout=layout))
             except ValueError:
                 continue  # e.g. interleaved with M not a multiple of G
     return out
 
 
-def offer_chunks(model: CostModel, baseline: Estimate) -> list[tuple[ChunkedEstimate, str]]:
-    """The chunked variants of ``baseline``'s plan predicted faster than it within the memory budget,
-    fastest first, each with the reason a report prints."""
+def offer_chunks(
+    model: CostModel,
+    baseline: Estimate,
+    looped_chunks: int = 2,
+    keep: Callable[[Plan], bool] | None = None,
+) -> list[tuple[ChunkedEstimate, str]]:
+    """The chunked variants of ``baseline``'s plan (those ``keep`` keeps) predicted faster than it
+    within the memory budget, fastest first, each with the reason a report prints."""
     offers = []
-    for variant in chunked_variants(model, baseline.plan):
+    for variant in chunked_variants(model, baseline.plan, looped_chunks):
+        if keep is not None and not keep(variant):
+            continue
         estimate = estimate_chunked(model, variant)
         if estimate.fits and estimate.step_s < baseline.step_s:
             offers.append((estimate, _reason(estimate, baseline)))
@@ -168,7 +177,12 @@ def offer_chunks(model: CostModel, baseline: Estimate) -> list[tuple[ChunkedEsti
 
 
 def best_chunked_offers(
-    model: CostModel, plans: Iterable[Plan], allowed: float | None = None
+    model: CostModel,
+    plans: Iterable[Plan],
+    allowed: float | None = None,
+    *,
+    looped_chunks: int = 2,
+    keep: Callable[[Plan], bool] | None = None,
 ) -> list[tuple[Plan, float, str]]:
     """The fastest chunked variant (:func:`offer_chunks`) of each pipeline among ``plans`` under
     DAPPLE's schedule whose stages neither recompute nor are offloaded (chunked plans run neither),
@@ -182,7 +196,7 @@ def best_chunked_offers(
             continue
         if any(stage.recompute or stage.offload is not None for stage in plan.stages):
             continue
-        for chunked, reason in offer_chunks(model, model.estimate(plan)):
+        for chunked, reason in offer_chunks(model, model.estimate(plan), looped_chunks, keep):
             if allowed is None or max(chunked.memory_bytes) <= allowed:
                 if all(chunked.plan != offered for offered, _, _ in out):
                     out.append((chunked.plan, chunked.step_s, reason))

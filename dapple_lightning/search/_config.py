@@ -53,7 +53,8 @@ class SearchConfig:
     schedules: tuple[str, ...] = SCHEDULES
     """Schedules to search."""
     max_stages: int | None = None
-    """Most stages a plan may have; ``None``: ``min(layers, world size)``."""
+    """Most stages a plan may have (with chunks, ``groups x chunks``); ``None``: ``min(layers, world
+    size)`` for plans of one stage per rank group, ``layers`` for chunked ones."""
     chunks: int = 2
     """Stages per rank group of the ``interleaved`` plans searched (``schedules`` must name it)."""
     planner_seeds: int = 3
@@ -101,6 +102,7 @@ class SearchConfig:
             raise ValueError(f"baselines: {sorted(unknown)} unknown; the baselines are data_parallel and straight")
         whole(self.confirm_repeats, "confirm_repeats", 0)
         whole(self.planner_seeds, "planner_seeds", 0)
+        whole(self.chunks, "chunks")
         if self.memory_limit is not None:
             object.__setattr__(self, "memory_limit", parse_memory(self.memory_limit, "memory_limit"))
         if not isinstance(self.storage, str) or "://" not in self.storage:

@@ -126,7 +126,8 @@ def existing_study(storage: str, study_name: str) -> optuna.Study | None:
 
 
 def _space_attrs(space: PlanSpace) -> dict[str, Any]:
-    return {**space.to_dict(), "max_stages": space.stage_limit, "size": space.size}
+    chunked = {"choices": choices} if (choices := space.categorical_choices()) else {}
+    return {**space.to_dict(), "max_stages": space.stage_limit, "size": space.size, **chunked}
 
 
 def _check_resumable(
@@ -148,7 +149,7 @@ def _check_resumable(
         # Optuna refuses to change a categorical parameter's choices within a study.
         changed = [
             f"{k}: study {searched.get(k)} != now {now[k]}"
-            for k in ("micro_batches", "schedules", *(("chunks", "max_stages") if "chunks" in now else ()))
+            for k in ("micro_batches", "schedules", *(("chunks", "choices") if "chunks" in now else ()))
             if searched.get(k) != now[k]
         ]
         if changed:

@@ -147,7 +147,11 @@ def _optuna_figures(study: optuna.Study, say: Callable[[str], None]) -> dict[str
     else:
         figures["intermediate_values"] = vis.plot_intermediate_values(study)
         target = {"target_name": "samples/s"}
-    figures["slice"] = vis.plot_slice(study, params=["micro_batches", "stages", "schedule"], **target)
+    # The plan's shape, as far as the trials have it: chunked plans name their own micro-batch counts.
+    seen = {name for t in study.get_trials(deepcopy=False) for name in t.params}
+    shape = ["micro_batches", "stages", "schedule", "chunks", *sorted(n for n in seen if n.endswith("_micro_batches"))]
+    if params := [name for name in shape if name in seen]:
+        figures["slice"] = vis.plot_slice(study, params=params, **target)
     try:
         figures["importances"] = vis.plot_param_importances(study, **target)
     except (ValueError, RuntimeError) as e:  # too few completed trials

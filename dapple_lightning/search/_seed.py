@@ -108,12 +108,16 @@ def planner_seeds(
     """The cost model's best ``top`` plans of ``space``, best first, on :func:`local_cluster`;
     none predicted over ``memory_limit`` bytes per rank (``None``: the machine's memory shared).
 
-    A space of up to :data:`EXHAUSTIVE` plans is ranked whole (each estimate takes microseconds);
-    a larger one is searched by :func:`~dapple_lightning.planner.plan_dapple`, which knows nothing
-    of the space's stage limit, so it is asked for more plans and those outside are skipped.
+    A space of up to :data:`EXHAUSTIVE` plans of one stage per rank group is ranked whole (each
+    estimate takes microseconds), its chunked plans with them when there are at most
+    :data:`CHUNKED_EXHAUSTIVE` (each is a replay of its schedule; beyond that they are left to the
+    offers, :func:`chunked_offers`); a larger one is searched by
+    :func:`~dapple_lightning.planner.plan_dapple`, which knows nothing of the space's stage limit,
+    so it is asked for more plans and those outside are skipped.
 
     Raises:
-        ValueError: When no plan of the space fits in memory (the planner's message says why).
+        ValueError: When no plan of the space fits in memory (the planner's message says why), or
+            the space holds only chunked plans, more than are ranked one by one.
     """
     from dapple_lightning.planner import CostModel, ModelProfile, plan_dapple
 
@@ -184,13 +188,18 @@ def chunked_offers(
     """For each pipeline among ``seeds`` under DAPPLE's schedule, its fastest variant with two stages
     per rank group that the cost model predicts faster within the memory budget
     (``planner.best_chunked_offers``, as ``plan="auto"`` offers them), with its predicted step and
-    the sentence saying why; each plan once. The search seeds those its space holds (its
-    ``schedules`` name the chunked schedule) and reports the others (``enqueue_planner_seeds``)."""
+    the sentence saying why; each plan once. A space that searches chunked schedules gets only
+    variants it holds (its chunk count, schedules, micro-batch and group counts), which the search
+    seeds; another gets them all, which the search reports (``enqueue_planner_seeds``). A seed under
+    another schedule than DAPPLE's is offered as DAPPLE's pipeline of the same stages."""
     from dapple_lightning.planner import CostModel, ModelProfile, best_chunked_offers
 
     cluster = local_cluster(space.world_size, units, memory_limit)
     model = CostModel(ModelProfile.from_dict(profile), cluster, space.global_batch)
-    return best_chunked_offers(model, [seed.plan for seed in seeds])
+    pipelines = dict.fromkeys(Plan(s.plan.stages, s.plan.micro_batches) for s in seeds if s.plan.chunks == 1)
+    searched = set(space.schedules) & set(CHUNKED_SCHEDULES)
+    keep = space.contains if searched else None
+    return best_chunked_offers(model, pipelines, looped_chunks=space.chunks, keep=keep)
 
 
 def memory_refusal(profile: dict[str, Any], space: PlanSpace, memory_limit: float) -> Callable[[Plan], str | None]:
@@ -236,18 +245,21 @@ def enqueue_planner_seeds(
                 say(f"planner pick #{s.rank}: {describe_plan(s.plan)} (predicted {s.predicted_step_s:.3g} s/step)")
             study.set_user_attr("planner_seeded", [describe_plan(s.plan) for s in seeds])
             offers = chunked_offers(profile, space, seeds, units, memory_limit)
+            picked = [s.plan for s in seeds]
             for plan, step, why in offers:
-                try:
-                    params = space.params(plan)
-                except ValueError as outside:
+                offered = f"planner offers {plan.describe()} (predicted {step:.3g} s/step)"
+                if not space.contains(plan):
                     say(
-                        f"planner offers {plan.describe()} (predicted {step:.3g} s/step), not seeded: {outside}; add "
-                        f"{plan.schedule} to the searched schedules to measure it. Why: {why}"
+                        f"{offered}, not seeded: the space searches no chunked schedule; add {plan.schedule} to the "
+                        f"searched schedules{f' (and chunks: {plan.chunks})' if plan.chunks != 2 else ''} to "
+                        f"measure it. Why: {why}"
                     )
-                    continue
-                attrs = {"source": "planner", "planner_offer": why, "predicted_step_s": step}
-                study.enqueue_trial(params, user_attrs=attrs, skip_if_exists=True)
-                say(f"planner offers {plan.describe()} (predicted {step:.3g} s/step), seeded. Why: {why}")
+                elif plan in picked:
+                    say(f"{offered}: one of the planner's picks already. Why: {why}")
+                else:
+                    attrs = {"source": "planner", "planner_offer": why, "predicted_step_s": step}
+                    study.enqueue_trial(space.params(plan), user_attrs=attrs, skip_if_exists=True)
+                    say(f"{offered}, seeded. Why: {why}")
             study.set_user_attr("planner_chunked_offers", [plan.to_dict() for plan, _, _ in offers])
             return
     say(f"not seeding with the planner: {reason}")

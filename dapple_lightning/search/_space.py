@@ -130,7 +130,7 @@ class PlanSpace:
         whole(self.global_batch, "global_batch")
         if self.max_stages is not None:
             whole(self.max_stages, "max_stages")
-        whole(self.chunks, "chunks", low=2)
+        whole(self.chunks, "chunks")
         schedules = tuple(self.schedules) if not isinstance(self.schedules, str) else (self.schedules,)
         if not schedules:
             raise ValueError(f"schedules is empty; choose from {list(SCHEDULES)}")
@@ -138,6 +138,8 @@ class PlanSpace:
             if s not in (*ALL_SCHEDULES, *CHUNKED_SCHEDULES):
                 raise ValueError(f"unknown schedule {s!r}; choose from {[*ALL_SCHEDULES, *CHUNKED_SCHEDULES]}")
         object.__setattr__(self, "schedules", tuple(dict.fromkeys(schedules)))
+        if "interleaved" in self.schedules and self.chunks < 2:
+            raise ValueError(f"interleaved plans give each rank group chunks >= 2 stages; got chunks: {self.chunks}")
         if self.micro_batches is None:
             candidates = tuple(m for m in range(1, self.global_batch + 1) if self.global_batch % m == 0)
         else:
@@ -219,6 +221,16 @@ class PlanSpace:
     def schedule_micro_batches(self, schedule: str) -> tuple[int, ...]:
         """The searched micro-batch counts ``schedule``'s plans can run."""
         return tuple(m for m in self.micro_batches or () if self._fits(schedule, m))
+
+    def categorical_choices(self) -> dict[str, list[int]]:
+        """The choices of the chunked schedules' categorical parameters, by name: a study must keep
+        them (Optuna refuses a categorical whose choices change), whatever made them change."""
+        out: dict[str, list[int]] = {}
+        for schedule in (s for s in self.schedules if s in CHUNKED_SCHEDULES):
+            out[f"{schedule}_micro_batches"] = list(self.schedule_micro_batches(schedule))
+            for m in self.schedule_micro_batches(schedule):
+                out[f"{schedule}_m{m}_groups"] = list(self.groups(schedule, m))
+        return out
 
     def _shapes(self, schedule: str) -> Iterator[tuple[int, int, int, int]]:
         """``(M, groups, chunks, replica cap)`` of every plan shape of ``schedule`` in the space."""

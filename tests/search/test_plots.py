@@ -148,3 +148,22 @@ def test_plot_of_a_study_without_measurements_says_so(tmp_path, capsys):
     optuna.create_study(storage=storage, study_name="empty", direction="maximize")
     assert cli(["plot", "--storage", storage, "--study", "empty", "--out", str(tmp_path / "plots")]) == 1
     assert "has no measured trial yet" in capsys.readouterr().out
+
+
+def test_plot_of_a_study_of_chunked_plans_only_slices_by_their_own_parameters(tmp_path, capsys):
+    storage = f"sqlite:///{tmp_path / 'plots.db'}"
+    study = optuna.create_study(storage=storage, study_name="chunks", direction="maximize")
+    for plan, speed in ((Plan.chunked(6, "1:1", layout="v", micro_batches=4), 90.0), (Plan.chunked(6, "1:1"), 80.0)):
+        attrs = {"plan": plan.to_dict(), "plan_str": plan.describe(), "samples_per_s": speed, "median_step_s": 0.1}
+        params = params_from_plan(plan)
+        distributions = {
+            k: CategoricalDistribution(["zb-v", "interleaved"]) if k == "schedule" else IntDistribution(0, 10)
+            for k in params
+        }
+        study.add_trial(
+            optuna.trial.create_trial(params=params, distributions=distributions, values=[speed], user_attrs=attrs)
+        )
+    out = tmp_path / "plots"
+    assert cli(["plot", "--storage", storage, "--study", "chunks", "--out", str(out), "--no-png"]) == 0
+    html = (out / "slice.html").read_text()
+    assert "zb-v_micro_batches" in html and "interleaved_micro_batches" in html and "chunks" in html

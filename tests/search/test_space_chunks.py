@@ -199,7 +199,7 @@ def test_an_offer_outside_the_space_says_what_to_add():
     outside = [line for line in said if "not seeded" in line]
     assert outside and len(outside) == len(study.user_attrs["planner_chunked_offers"])
     for line in outside:
-        assert "is not searched (schedules: ['dapple'])" in line and "to the searched schedules" in line
+        assert "not seeded: the space searches no chunked schedule; add" in line and "to the searched schedules" in line
     assert not any("planner_offer" in t.user_attrs for t in study.get_trials(deepcopy=False))
 
 
@@ -237,6 +237,31 @@ def test_a_study_resumed_with_another_chunk_count_is_refused(tmp_path):
         open_with(3)
 
 
+def test_a_study_resumed_with_other_group_choices_is_refused(tmp_path):
+    # max_stages 7 leaves the stage limit at 4 ranks and the micro-batch counts as they were, but
+    # takes 4 groups of 2 chunks (8 stages) out of the interleaved choices.
+    storage = f"sqlite:///{tmp_path / 's.db'}"
+    fingerprint = Fingerprint(16, "m", 4, "cpu", 16)
+
+    def open_with(max_stages):
+        space = PlanSpace(16, 4, 16, None, ("dapple", "interleaved"), max_stages)
+        return open_study(
+            storage,
+            "s",
+            fingerprint=fingerprint,
+            space=space,
+            directions=["maximize"],
+            objectives=["samples_per_s"],
+            sampler=lambda _: optuna.samplers.RandomSampler(),
+            existing=existing_study(storage, "s"),
+            say=lambda _: None,
+        )
+
+    open_with(None)
+    with pytest.raises(ValueError, match=r"choices: study .*'interleaved_m4_groups': \[2, 4\]"):
+        open_with(7)
+
+
 PROFILE_12 = ModelProfile(
     tuple(LayerProfile(f"l{i}", 1e-3, 2e-3, 10**3, 10**8, weight_s=1e-3) for i in range(12)), 4
 ).to_dict()
@@ -254,3 +279,28 @@ def test_too_many_chunked_plans_to_replay_leave_them_to_the_offers():
     assert any("seeded. Why" in line for line in said)  # and a chunked variant beside them
     with pytest.raises(ValueError, match=r"chunked plans and no other, more than the 2000 .* add dapple"):
         planner_seeds(PROFILE_12, PlanSpace(12, 4, 16, None, MIXED[1:]), 3, memory_limit=1e12)
+
+
+@pytest.mark.parametrize(
+    ("schedules", "chunks", "offered"),
+    [
+        (("dapple", "interleaved"), 3, {("interleaved", 3)}),
+        (("dapple", "zb-v"), 2, {("zb-v", 2)}),
+        (("gpipe", "v-half"), 2, {("v-half", 2)}),  # a gpipe seed's pipeline is offered as DAPPLE's
+    ],
+)
+def test_the_offers_are_the_variants_the_space_searches(schedules, chunks, offered):
+    space = PlanSpace(40, 4, 16, (8, 16), schedules, chunks=chunks)
+    said: list[str] = []
+    study = optuna.create_study()
+    enqueue_planner_seeds(study, space, PROFILE_40, 3, None, said.append, memory_limit=1e12)
+    offers = [Plan.from_dict(d) for d in study.user_attrs["planner_chunked_offers"]]
+    assert offers and {(p.schedule, p.chunks) for p in offers} == offered, said
+    assert all(space.contains(p) for p in offers) and not any("not seeded" in line for line in said)
+    assert sum("planner_offer" in t.user_attrs for t in study.get_trials(deepcopy=False)) == len(offers)
+
+
+def test_chunks_below_2_are_refused_only_where_interleaved_plans_are_searched():
+    assert PlanSpace(6, 2, 8, schedules=("dapple", "zb-v"), chunks=1).chunks == 1
+    with pytest.raises(ValueError, match="interleaved plans give each rank group chunks >= 2 stages; got chunks: 1"):
+        PlanSpace(6, 2, 8, schedules=("dapple", "interleaved"), chunks=1)

@@ -213,53 +213,36 @@ def test_memory_refusal_prices_chunked_plans_per_rank_group():
     assert why is not None and "rank group 0 (stages 0, 3)" in why and "rank group 1 (stages 1, 2)" in why
 
 
+def _open(storage: str, space: PlanSpace) -> optuna.Study:
+    """Open (or resume) study ``s`` of ``space``, as the search does."""
+    return open_study(
+        storage,
+        "s",
+        fingerprint=Fingerprint(space.num_layers, "m", space.world_size, "cpu", space.global_batch),
+        space=space,
+        directions=["maximize"],
+        objectives=["samples_per_s"],
+        sampler=lambda _: optuna.samplers.RandomSampler(),
+        existing=existing_study(storage, "s"),
+        say=lambda _: None,
+    )
+
+
 def test_a_study_resumed_with_another_chunk_count_is_refused(tmp_path):
     storage = f"sqlite:///{tmp_path / 's.db'}"
-    fingerprint = Fingerprint(9, "m", 2, "cpu", 12)
-
-    def open_with(chunks):
-        space = PlanSpace(9, 2, 12, (2, 4, 6), ("dapple", "interleaved"), chunks=chunks)
-        return open_study(
-            storage,
-            "s",
-            fingerprint=fingerprint,
-            space=space,
-            directions=["maximize"],
-            objectives=["samples_per_s"],
-            sampler=lambda _: optuna.samplers.RandomSampler(),
-            existing=existing_study(storage, "s"),
-            say=lambda _: None,
-        )
-
-    open_with(2)
-    open_with(2)
+    _open(storage, PlanSpace(9, 2, 12, (2, 4, 6), ("dapple", "interleaved"), chunks=2))
+    _open(storage, PlanSpace(9, 2, 12, (2, 4, 6), ("dapple", "interleaved"), chunks=2))
     with pytest.raises(ValueError, match="chunks: study 2 != now 3"):
-        open_with(3)
+        _open(storage, PlanSpace(9, 2, 12, (2, 4, 6), ("dapple", "interleaved"), chunks=3))
 
 
 def test_a_study_resumed_with_other_group_choices_is_refused(tmp_path):
     # max_stages 7 leaves the stage limit at 4 ranks and the micro-batch counts as they were, but
     # takes 4 groups of 2 chunks (8 stages) out of the interleaved choices.
     storage = f"sqlite:///{tmp_path / 's.db'}"
-    fingerprint = Fingerprint(16, "m", 4, "cpu", 16)
-
-    def open_with(max_stages):
-        space = PlanSpace(16, 4, 16, None, ("dapple", "interleaved"), max_stages)
-        return open_study(
-            storage,
-            "s",
-            fingerprint=fingerprint,
-            space=space,
-            directions=["maximize"],
-            objectives=["samples_per_s"],
-            sampler=lambda _: optuna.samplers.RandomSampler(),
-            existing=existing_study(storage, "s"),
-            say=lambda _: None,
-        )
-
-    open_with(None)
+    _open(storage, PlanSpace(16, 4, 16, None, ("dapple", "interleaved")))
     with pytest.raises(ValueError, match=r"choices: study .*'interleaved_m4_groups': \[2, 4\]"):
-        open_with(7)
+        _open(storage, PlanSpace(16, 4, 16, None, ("dapple", "interleaved"), 7))
 
 
 PROFILE_12 = ModelProfile(

@@ -123,9 +123,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--micro-batches", type=_ints, default=None, help="counts to search, e.g. 1,2,4,8 (default: divisors of B)"
     )
-    run.add_argument(
-        "--schedules", type=_schedules, default=SCHEDULES, help="e.g. dapple,gpipe,zb-h2,zb-tail,interleaved,zb-v"
-    )
+    run.add_argument("--schedules", type=_schedules, default=SCHEDULES, help="e.g. dapple,gpipe,zb-h2,interleaved,zb-v")
     run.add_argument("--max-stages", type=int, default=None, help="most stages a plan has (with chunks, all of them)")
     run.add_argument("--chunks", type=int, default=2, help="stages per rank group of interleaved plans (default: 2)")
     run.add_argument("--planner-seeds", type=int, default=3, help="measure the planner's top K plans first (0: off)")

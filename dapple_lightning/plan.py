@@ -48,7 +48,9 @@ __all__ = [
     "ZERO_BUBBLE",
     "Plan",
     "Stage",
+    "layout_of",
     "number",
+    "stage_groups",
     "whole",
 ]
 
@@ -64,6 +66,23 @@ LAYOUTS = {"looped": ("interleaved",), "v": ("zb-v", "v-half")}
 ``looped`` gives group ``g`` stages ``g, g + G, g + 2G, ...``; ``v`` gives it ``g`` and ``2G - 1 - g``."""
 CHUNKED_SCHEDULES = tuple(name for names in LAYOUTS.values() for name in names)
 """The schedules of plans with several chunks (stages) per rank group."""
+
+
+def layout_of(schedule: str) -> str:
+    """The layout a chunked ``schedule`` runs (a key of :data:`LAYOUTS`)."""
+    return next(layout for layout, names in LAYOUTS.items() if schedule in names)
+
+
+def stage_groups(groups: int, chunks: int, layout: str) -> list[int]:
+    """The rank group of each of the ``groups x chunks`` stages, in pipeline order (:func:`_group_of`)."""
+    return [_group_of(s, groups, layout) for s in range(groups * chunks)]
+
+
+def _group_of(stage: int, groups: int, layout: str) -> int:
+    """The rank group of ``stage``: ``stage mod G`` looped; ``stage`` or ``2G - 1 - stage`` in the V layout."""
+    return min(stage, 2 * groups - 1 - stage) if layout == "v" else stage % groups
+
+
 SHARDING = ("grads", "full")
 """What a stage's replicas may split among themselves (``shard:``): ``"grads"``, the gradients and the
 optimizer state (parameters gathered once per step and kept through it); ``"full"``, the parameters too
@@ -322,9 +341,7 @@ class Plan:
         groups = self.num_groups
         if not 0 <= stage < self.num_stages:
             raise ValueError(f"stage {stage} is outside the plan's {self.num_stages} stages")
-        if self.layout == "v":
-            return stage if stage < groups else 2 * groups - 1 - stage
-        return stage % groups
+        return _group_of(stage, groups, self.layout)
 
     def group_of(self, rank: int) -> int:
         """The rank group of ``rank`` (its stage's index without chunks)."""
@@ -379,7 +396,7 @@ class Plan:
             if name in CHUNKED_SCHEDULES:
                 raise ValueError(
                     f"schedule {name!r} runs several stages per rank group; set chunks: 2 (and layout: "
-                    f"{next(k for k, v in LAYOUTS.items() if name in v)}) or choose one of {list(ALL_SCHEDULES)}"
+                    f"{layout_of(name)}) or choose one of {list(ALL_SCHEDULES)}"
                 )
             return
         if name not in LAYOUTS[layout]:
@@ -609,7 +626,7 @@ class Plan:
         if groups * chunks > num_layers:
             raise ValueError(f"cannot cut {num_layers} layers into {groups} groups x {chunks} chunks (fewer layers)")
         bounds = balanced_cuts(weights, groups * chunks)
-        owner = [s % groups if layout == "looped" else min(s, 2 * groups - 1 - s) for s in range(groups * chunks)]
+        owner = stage_groups(groups, chunks, layout)
         stages = tuple(Stage(a, b, counts[owner[s]]) for s, (a, b) in enumerate(itertools.pairwise(bounds)))
         return cls(
             stages=stages,

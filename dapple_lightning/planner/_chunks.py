@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from dapple_lightning.plan import LAYOUTS, Plan, Stage, balanced_cuts
+from dapple_lightning.plan import LAYOUTS, Plan, Stage, balanced_cuts, stage_groups
 from dapple_lightning.planner._budget import format_bytes
 from dapple_lightning.planner._cost import Placement
 from dapple_lightning.planner._zero_bubble import stage_weight
@@ -145,7 +145,7 @@ def chunked_variants(model: CostModel, plan: Plan, looped_chunks: int = 2) -> li
         if chunks * groups > model.num_layers:
             continue
         count = chunks * groups
-        owner = [s % groups if layout == "looped" else min(s, 2 * groups - 1 - s) for s in range(count)]
+        owner = stage_groups(groups, chunks, layout)
         stages = [
             Stage(a, b, plan.stages[owner[s]].replicas, plan.stages[owner[s]].ranks)
             for s, (a, b) in enumerate(itertools.pairwise(balanced_cuts(weights, count)))

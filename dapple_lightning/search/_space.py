@@ -73,7 +73,17 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
-from dapple_lightning.plan import ALL_SCHEDULES, CHUNKED_SCHEDULES, LAYOUTS, SCHEDULES, Plan, Stage, whole
+from dapple_lightning.plan import (
+    ALL_SCHEDULES,
+    CHUNKED_SCHEDULES,
+    LAYOUTS,
+    SCHEDULES,
+    Plan,
+    Stage,
+    layout_of,
+    stage_groups,
+    whole,
+)
 
 if TYPE_CHECKING:
     import optuna
@@ -381,9 +391,8 @@ def _plan(cuts: Sequence[int], replicas: Sequence[int], micro_batches: int, sche
     if chunks == 1:
         stages = tuple(Stage(a, b, r) for (a, b), r in zip(itertools.pairwise(cuts), replicas, strict=True))
         return Plan(stages=stages, micro_batches=micro_batches, schedule=schedule)
-    layout = next(name for name, schedules in LAYOUTS.items() if schedule in schedules)
-    groups = len(replicas)
-    owner = [s % groups if layout == "looped" else min(s, 2 * groups - 1 - s) for s in range(groups * chunks)]
+    layout = layout_of(schedule)
+    owner = stage_groups(len(replicas), chunks, layout)
     stages = tuple(Stage(a, b, replicas[owner[s]]) for s, (a, b) in enumerate(itertools.pairwise(cuts)))
     return Plan(stages=stages, micro_batches=micro_batches, schedule=schedule, chunks=chunks, layout=layout)
 

@@ -28,7 +28,7 @@ No Lightning and no Optuna here.
 """
 
 from dapple_lightning.runtime._batchnorm import agree_buffers, synchronize_batch_norms
-from dapple_lightning.runtime._blocks import Placeholder, stand_in_chunks, stand_in_layers
+from dapple_lightning.runtime._blocks import Placeholder, stand_in_layers
 from dapple_lightning.runtime._comm import (
     Link,
     P2PGroups,
@@ -97,7 +97,6 @@ __all__ = [
     "sharded_layers",
     "share",
     "stage_group",
-    "stand_in_chunks",
     "stand_in_layers",
     "storable_linears",
     "synchronize_batch_norms",

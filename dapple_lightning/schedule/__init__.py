@@ -50,14 +50,8 @@ Lowered, a message between two stages of the same rank is marked local: the runt
 over in the process.
 """
 
-from dapple_lightning.schedule._chunked import (
-    chunked_schedule,
-    interleaved_schedule,
-    peak_bound,
-    v_half_schedule,
-    zb_v_schedule,
-)
-from dapple_lightning.schedule._lower import Op, Program, lower, lower_stages
+from dapple_lightning.schedule._chunked import chunked_schedule, peak_bound
+from dapple_lightning.schedule._lower import Op, Program, lower
 from dapple_lightning.schedule._orders import (
     Action,
     dapple_schedule,
@@ -82,19 +76,15 @@ __all__ = [
     "dapple_schedule",
     "gpipe_schedule",
     "grid",
-    "interleaved_schedule",
     "lower",
-    "lower_stages",
     "peak_bound",
     "peak_in_flight",
     "peak_stashed",
     "schedule",
     "simulate",
     "split_backwards",
-    "v_half_schedule",
     "warmup_depth",
     "zb_h1_schedule",
     "zb_h2_schedule",
     "zb_tail_schedule",
-    "zb_v_schedule",
 ]

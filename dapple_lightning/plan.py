@@ -581,19 +581,15 @@ class Plan:
         num_layers: int,
         num_stages: int,
         micro_batches: int | None = None,
-        weights: Sequence[float] | None = None,
         schedule: str = "dapple",
     ) -> Plan:
-        """A straight pipeline (one device per stage), cut so stages carry equal ``weights``.
+        """A straight pipeline (one device per stage), cut into stages of as equal layer counts as can be.
 
-        Without weights every layer counts the same. ``micro_batches`` defaults to ``2 * num_stages``.
+        ``micro_batches`` defaults to ``2 * num_stages``.
         """
         if num_stages > num_layers:
             raise ValueError(f"cannot cut {num_layers} layers into {num_stages} stages (fewer layers than stages)")
-        weights = list(weights) if weights is not None else [1.0] * num_layers
-        if len(weights) != num_layers:
-            raise ValueError(f"got {len(weights)} weights for {num_layers} layers")
-        bounds = balanced_cuts(weights, num_stages)
+        bounds = balanced_cuts([1.0] * num_layers, num_stages)
         stages = tuple(Stage(a, b, 1) for a, b in itertools.pairwise(bounds))
         return cls(stages=stages, micro_batches=micro_batches or 2 * num_stages, schedule=schedule)
 
@@ -607,10 +603,9 @@ class Plan:
         layout: str = "looped",
         micro_batches: int | None = None,
         schedule: str | None = None,
-        weights: Sequence[float] | None = None,
     ) -> Plan:
         """A plan of ``chunks`` stages per rank group, replicated as ``replicas`` (``"2:1"`` or
-        ``[2, 1]``, one count per group), cut so stages carry equal ``weights``.
+        ``[2, 1]``, one count per group), cut into stages of as equal layer counts as can be.
 
         ``Plan.chunked(8, "2:1", layout="v")`` cuts 8 layers into 4 stages, gives stages 0 and 3 to
         ranks 0 and 1 and stages 1 and 2 to rank 2, and runs ``zb-v``. The schedule defaults to the
@@ -620,12 +615,9 @@ class Plan:
         groups = len(counts)
         if layout not in LAYOUTS:
             raise ValueError(f"unknown layout {layout!r}; choose 'looped' (interleaved) or 'v' (zb-v, v-half)")
-        weights = list(weights) if weights is not None else [1.0] * num_layers
-        if len(weights) != num_layers:
-            raise ValueError(f"got {len(weights)} weights for {num_layers} layers")
         if groups * chunks > num_layers:
             raise ValueError(f"cannot cut {num_layers} layers into {groups} groups x {chunks} chunks (fewer layers)")
-        bounds = balanced_cuts(weights, groups * chunks)
+        bounds = balanced_cuts([1.0] * num_layers, groups * chunks)
         owner = stage_groups(groups, chunks, layout)
         stages = tuple(Stage(a, b, counts[owner[s]]) for s, (a, b) in enumerate(itertools.pairwise(bounds)))
         return cls(

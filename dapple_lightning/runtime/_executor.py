@@ -346,11 +346,7 @@ class Pipeline:
         layers = self._chunk_layers.get(stage)
         if layers is None:
             return list(self.module.parameters())
-        seen: dict[int, nn.Parameter] = {}
-        for layer in layers:
-            for p in layer.parameters():
-                seen.setdefault(id(p), p)
-        return list(seen.values())
+        return list(dict.fromkeys(p for layer in layers for p in layer.parameters()))  # a tensor hashes by identity
 
     def _at(self, op: Op) -> int:
         """The stage ``op`` runs on: the one it names, or this rank's only one."""
@@ -519,11 +515,7 @@ class Pipeline:
 
     def _weights(self, stage: int) -> list[nn.Parameter]:
         """What a ``W`` of ``stage`` computes gradients for: the stage's parameters and the shared ones."""
-        seen: dict[int, nn.Parameter] = {}
-        for p in (*self._stage_parameters(stage), *self.shared_params):
-            if p.requires_grad:
-                seen.setdefault(id(p), p)
-        return list(seen.values())
+        return list(dict.fromkeys(p for p in (*self._stage_parameters(stage), *self.shared_params) if p.requires_grad))
 
     # ------------------------------------------------------------------------ the rest
 

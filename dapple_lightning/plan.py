@@ -15,13 +15,8 @@ The stable, documented serialised form (what the search stores and the YAML file
 ``layers`` is a half-open range ``[start, end)`` of indices into the module's
 ``nn.Sequential``. A stage may also name its ranks explicitly (``ranks: [0, 2]``), which is how
 a placement other than "consecutive ranks" is written; by default stage ``s`` takes the next
-``replicas`` ranks after stage ``s - 1``. ``recompute: true`` (default false) makes the stage
-recompute its activations in the backward (each layer under ``torch.utils.checkpoint``): it keeps
-only each layer's input per micro-batch, for one more forward per micro-batch. ``offload: 2`` keeps
-the stage's parameters, gradients and optimizer state in files, with a working window of 2 layers
-in memory (see :mod:`dapple_lightning.runtime._offload`). ``shard: grads`` or ``shard: full`` makes a
-stage's replicas split its state among themselves instead of each holding all of it (see
-:mod:`dapple_lightning.runtime._sharding`).
+``replicas`` ranks after stage ``s - 1``. ``recompute: true``, ``offload: 2`` (a window of 2 layers)
+and ``shard: grads`` or ``full`` trade time for memory, each as its :class:`Stage` field says.
 
 ``chunks: 2`` (with ``layout: looped`` or ``v``) gives every rank group several stages: ``stages``
 then lists ``groups x chunks`` stages in pipeline order, the stages of one group naming the same

@@ -543,7 +543,7 @@ class Plan:
             chunk = [s for s in range(self.num_stages) if self.group_of_stage(s) == group].index(index)
             cells = {
                 "recompute": "yes" if stage.recompute else "",
-                "offload": _window(stage.offload),
+                "offload": "" if stage.offload is None else f"window {stage.offload}",
                 "shard": stage.shard or "",
                 "group": str(group),
                 "chunk": str(chunk),
@@ -651,10 +651,6 @@ def balanced_cuts(weights: Sequence[float], parts: int) -> list[int]:
     for k in range(parts, 0, -1):
         bounds.append(cut[k][bounds[-1]])
     return bounds[::-1]
-
-
-def _window(offload: int | str | None) -> str:
-    return "" if offload is None else f"window {offload}"
 
 
 def _is_omegaconf(obj: Any) -> bool:

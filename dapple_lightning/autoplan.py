@@ -363,12 +363,7 @@ def _measured_cluster(
     shards = tuple(range(2, world // nodes + 1)) if memory_limit is not None and world % nodes == 0 else ()
     sizes = message_sizes(profile, global_batch)
     measured = measure_cluster(device, nodes=nodes, sizes=sizes, shard_replicas=shards, shard_at=shard_sizes(profile))
-    return _within(measured, memory_limit)
-
-
-def _within(cluster: Cluster, memory_limit: float | None) -> Cluster:
-    """``cluster`` with ``memory_limit`` as its memory per device, when given."""
-    return cluster if memory_limit is None else replace(cluster, memory_bytes=float(memory_limit))
+    return measured if memory_limit is None else replace(measured, memory_bytes=float(memory_limit))
 
 
 def choose_plan(

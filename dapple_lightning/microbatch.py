@@ -49,18 +49,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from dapple_lightning.rows import Rows, Transfer, even_split, transfers
+from dapple_lightning.rows import Rows, even_split
 
 __all__ = [
     "Rows",
-    "Transfer",
     "batch_size_of",
     "concat_slices",
     "even_split",
     "map_tensors",
     "slice_batch",
     "tensors",
-    "transfers",
 ]
 
 

@@ -15,13 +15,8 @@ The stable, documented serialised form (what the search stores and the YAML file
 ``layers`` is a half-open range ``[start, end)`` of indices into the module's
 ``nn.Sequential``. A stage may also name its ranks explicitly (``ranks: [0, 2]``), which is how
 a placement other than "consecutive ranks" is written; by default stage ``s`` takes the next
-``replicas`` ranks after stage ``s - 1``. ``recompute: true`` (default false) makes the stage
-recompute its activations in the backward (each layer under ``torch.utils.checkpoint``): it keeps
-only each layer's input per micro-batch, for one more forward per micro-batch. ``offload: 2`` keeps
-the stage's parameters, gradients and optimizer state in files, with a working window of 2 layers
-in memory (see :mod:`dapple_lightning.runtime._offload`). ``shard: grads`` or ``shard: full`` makes a
-stage's replicas split its state among themselves instead of each holding all of it (see
-:mod:`dapple_lightning.runtime._sharding`).
+``replicas`` ranks after stage ``s - 1``. ``recompute: true``, ``offload: 2`` (a window of 2 layers)
+and ``shard: grads`` or ``full`` trade time for memory, each as its :class:`Stage` field says.
 
 ``chunks: 2`` (with ``layout: looped`` or ``v``) gives every rank group several stages: ``stages``
 then lists ``groups x chunks`` stages in pipeline order, the stages of one group naming the same
@@ -150,7 +145,7 @@ class Stage:
                     f"stage [{self.start}, {self.end}) sets both recompute and offload; choose one of them"
                 )
         whole(self.end, "stage end layer", low=None)
-        whole(self.replicas, "stage replicas", low=None)
+        whole(self.replicas, "stage replicas")
         if self.start < 0:
             raise ValueError(f"stage layers must start at 0 or later, got start={self.start}")
         if self.end <= self.start:
@@ -158,8 +153,6 @@ class Stage:
                 f"stage layer range [{self.start}, {self.end}) is empty; a stage needs at least one layer "
                 "(write layers as [start, end) with end > start)"
             )
-        if self.replicas < 1:
-            raise ValueError(f"stage replicas must be >= 1, got {self.replicas}")
         if self.ranks is not None:
             ranks = tuple(whole(r, "stage rank", low=None) for r in self.ranks)
             object.__setattr__(self, "ranks", ranks)
@@ -548,7 +541,7 @@ class Plan:
             chunk = [s for s in range(self.num_stages) if self.group_of_stage(s) == group].index(index)
             cells = {
                 "recompute": "yes" if stage.recompute else "",
-                "offload": _window(stage.offload),
+                "offload": "" if stage.offload is None else f"window {stage.offload}",
                 "shard": stage.shard or "",
                 "group": str(group),
                 "chunk": str(chunk),
@@ -581,19 +574,15 @@ class Plan:
         num_layers: int,
         num_stages: int,
         micro_batches: int | None = None,
-        weights: Sequence[float] | None = None,
         schedule: str = "dapple",
     ) -> Plan:
-        """A straight pipeline (one device per stage), cut so stages carry equal ``weights``.
+        """A straight pipeline (one device per stage), cut into stages of as equal layer counts as can be.
 
-        Without weights every layer counts the same. ``micro_batches`` defaults to ``2 * num_stages``.
+        ``micro_batches`` defaults to ``2 * num_stages``.
         """
         if num_stages > num_layers:
             raise ValueError(f"cannot cut {num_layers} layers into {num_stages} stages (fewer layers than stages)")
-        weights = list(weights) if weights is not None else [1.0] * num_layers
-        if len(weights) != num_layers:
-            raise ValueError(f"got {len(weights)} weights for {num_layers} layers")
-        bounds = balanced_cuts(weights, num_stages)
+        bounds = balanced_cuts([1.0] * num_layers, num_stages)
         stages = tuple(Stage(a, b, 1) for a, b in itertools.pairwise(bounds))
         return cls(stages=stages, micro_batches=micro_batches or 2 * num_stages, schedule=schedule)
 
@@ -607,10 +596,9 @@ class Plan:
         layout: str = "looped",
         micro_batches: int | None = None,
         schedule: str | None = None,
-        weights: Sequence[float] | None = None,
     ) -> Plan:
         """A plan of ``chunks`` stages per rank group, replicated as ``replicas`` (``"2:1"`` or
-        ``[2, 1]``, one count per group), cut so stages carry equal ``weights``.
+        ``[2, 1]``, one count per group), cut into stages of as equal layer counts as can be.
 
         ``Plan.chunked(8, "2:1", layout="v")`` cuts 8 layers into 4 stages, gives stages 0 and 3 to
         ranks 0 and 1 and stages 1 and 2 to rank 2, and runs ``zb-v``. The schedule defaults to the
@@ -620,12 +608,9 @@ class Plan:
         groups = len(counts)
         if layout not in LAYOUTS:
             raise ValueError(f"unknown layout {layout!r}; choose 'looped' (interleaved) or 'v' (zb-v, v-half)")
-        weights = list(weights) if weights is not None else [1.0] * num_layers
-        if len(weights) != num_layers:
-            raise ValueError(f"got {len(weights)} weights for {num_layers} layers")
         if groups * chunks > num_layers:
             raise ValueError(f"cannot cut {num_layers} layers into {groups} groups x {chunks} chunks (fewer layers)")
-        bounds = balanced_cuts(weights, groups * chunks)
+        bounds = balanced_cuts([1.0] * num_layers, groups * chunks)
         owner = stage_groups(groups, chunks, layout)
         stages = tuple(Stage(a, b, counts[owner[s]]) for s, (a, b) in enumerate(itertools.pairwise(bounds)))
         return cls(
@@ -664,10 +649,6 @@ def balanced_cuts(weights: Sequence[float], parts: int) -> list[int]:
     for k in range(parts, 0, -1):
         bounds.append(cut[k][bounds[-1]])
     return bounds[::-1]
-
-
-def _window(offload: int | str | None) -> str:
-    return "" if offload is None else f"window {offload}"
 
 
 def _is_omegaconf(obj: Any) -> bool:

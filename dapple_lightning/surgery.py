@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from dapple_lightning.plan import Plan
-from dapple_lightning.runtime import StageExit, StageModule, stand_in_chunks, stand_in_layers
+from dapple_lightning.runtime import StageExit, StageModule, stand_in_layers
 
 __all__ = [
     "Chain",
@@ -280,15 +280,11 @@ class Cut:
             )
         retie = _retie(module, ties)
         stage = partition(chain, plan, rank)
-        layers = plan.stages[plan.stages_of(rank)[0]]  # one stage where stand-ins are built (no chunks)
         unhook: Callable[[], None] = lambda: None  # noqa: E731
         stand_ins: tuple[nn.Module, ...] = (stage,)
-        if not chain.called_whole and plan.chunks > 1:
+        if not chain.called_whole:
             ranges = {s: (plan.stages[s].start, plan.stages[s].end) for s in plan.stages_of(rank)}
-            stand_in_list, unhook = stand_in_chunks(chain.containers, stage, ranges)
-            stand_ins = tuple(stand_in_list)
-        elif not chain.called_whole:
-            stand_in_list, unhook = stand_in_layers(chain.containers, stage, layers.start, layers.end)
+            stand_in_list, unhook = stand_in_layers(chain.containers, stage, ranges)
             stand_ins = tuple(stand_in_list)
         local = set(stage.children())
         for _, layer in chain.named_layers():

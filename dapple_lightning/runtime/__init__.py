@@ -28,7 +28,7 @@ No Lightning and no Optuna here.
 """
 
 from dapple_lightning.runtime._batchnorm import agree_buffers, synchronize_batch_norms
-from dapple_lightning.runtime._blocks import Placeholder, stand_in_chunks, stand_in_layers
+from dapple_lightning.runtime._blocks import Placeholder, stand_in_layers
 from dapple_lightning.runtime._comm import (
     Link,
     P2PGroups,
@@ -40,10 +40,9 @@ from dapple_lightning.runtime._comm import (
     stage_group,
 )
 from dapple_lightning.runtime._contract import StepStats, UserStep
-from dapple_lightning.runtime._executor import Pipeline, Recorder
+from dapple_lightning.runtime._executor import Pipeline
 from dapple_lightning.runtime._linear_split import LinearStore, StoredGrads, backward_stored, storable_linears
 from dapple_lightning.runtime._offload import Offloader
-from dapple_lightning.runtime._offload_records import Residency
 from dapple_lightning.runtime._recorded import Message
 from dapple_lightning.runtime._reducer import GradientReducer
 from dapple_lightning.runtime._sharding import (
@@ -52,7 +51,6 @@ from dapple_lightning.runtime._sharding import (
     full_value,
     local_part,
     shard_like,
-    sharded_layers,
     unshard_stage,
 )
 from dapple_lightning.runtime._split_backward import WeightWork, backward_input, backward_weight
@@ -71,8 +69,6 @@ __all__ = [
     "Pending",
     "Pipeline",
     "Placeholder",
-    "Recorder",
-    "Residency",
     "ShardedReducer",
     "Signature",
     "StageCall",
@@ -94,10 +90,8 @@ __all__ = [
     "local_part",
     "p2p_groups",
     "shard_like",
-    "sharded_layers",
     "share",
     "stage_group",
-    "stand_in_chunks",
     "stand_in_layers",
     "storable_linears",
     "synchronize_batch_norms",

@@ -41,7 +41,7 @@ from torch import nn
 
 from dapple_lightning.runtime._stage import StageCall, StageModule
 
-__all__ = ["Placeholder", "stand_in_chunks", "stand_in_layers"]
+__all__ = ["Placeholder", "stand_in_layers"]
 
 
 def _check_not_recomputed(index: int) -> None:
@@ -106,52 +106,19 @@ class Placeholder(nn.Module):
 
 
 def stand_in_layers(
-    containers: Sequence[nn.Module], stage: StageModule, start: int, end: int
+    containers: Sequence[nn.Module], stage: StageModule, ranges: Mapping[int, tuple[int, int]]
 ) -> tuple[list[nn.Module], Callable[[], None]]:
     """A stand-in for each of ``containers`` (whose children, in order, are a plan's layers) on
-    the rank of ``stage`` (layers ``[start, end)``), and a function that removes the hooks this
-    puts on the stage's layers.
+    the rank of ``stage``, whose stages hold the layers ``ranges`` gives (``[start, end)`` per
+    stage), and a function that removes the hooks this puts on the stage's layers.
 
     A stand-in is a shallow copy of its container, of the same class, with the same names and
     length: slicing, ``len``, indexing, iteration and the container's own ``forward`` work as on
-    one device, and its state-dict keys are those of the stage's layers under their original
-    names.
-    """
-    handles = []
-    stand_ins: list[nn.Module] = []
-    index = 0
-    for container in containers:
-        elements: OrderedDict[str, nn.Module] = OrderedDict()
-        for name, layer in container.named_children():
-            if start <= index < end:
-                pre, post = _hooks(index, stage, first=index == start, last=index == end - 1)
-                handles.append(layer.register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
-                handles.append(layer.register_forward_hook(post, with_kwargs=True))
-                elements[name] = layer
-            else:
-                elements[name] = Placeholder(index, layer, stage, entry=index == start - 1)
-            index += 1
-        stand_in = copy.copy(container)
-        stand_in.__dict__["_modules"] = elements
-        stand_ins.append(stand_in)
-
-    def remove() -> None:
-        for handle in handles:
-            handle.remove()
-
-    return stand_ins, remove
-
-
-def stand_in_chunks(
-    containers: Sequence[nn.Module], stage: StageModule, ranges: Mapping[int, tuple[int, int]]
-) -> tuple[list[nn.Module], Callable[[], None]]:
-    """:func:`stand_in_layers` for a rank that holds several stages (chunks): ``ranges`` gives each
-    stage's layers ``[start, end)``.
-
-    While a micro-batch of one of them runs, each stand-in holds that stage's layers and
-    placeholders everywhere else, the other stages' layers of this rank included (they must not
-    compute, nor draw random numbers); outside a step it holds all of the rank's layers, so its
-    state-dict keys are theirs.
+    one device, and its state-dict keys are those of the rank's layers under their original
+    names. Where the rank holds several stages (chunks), each stand-in holds, while a micro-batch
+    of one of them runs, that stage's layers and placeholders everywhere else, the other stages'
+    layers of this rank included (they must not compute, nor draw random numbers); outside a step
+    it holds all of the rank's layers.
     """
     handles = []
     views: dict[int, list[OrderedDict[str, nn.Module]]] = {s: [] for s in ranges}
@@ -176,6 +143,9 @@ def stand_in_chunks(
                 real = start <= index < end
                 view[-1][name] = layer if real else Placeholder(index, layer, stage, entry=index == start - 1)
             index += 1
+    chunked = len(views) > 1
+    if not chunked:  # one stage: its view is the whole, nothing to switch
+        (whole,) = views.values()
     stand_ins = [copy.copy(container) for container in containers]
     for stand_in, elements in zip(stand_ins, whole, strict=True):
         stand_in.__dict__["_modules"] = elements
@@ -185,10 +155,12 @@ def stand_in_chunks(
         for stand_in, elements in zip(stand_ins, chosen, strict=True):
             stand_in.__dict__["_modules"] = elements
 
-    stage.on_call.append(switch)
+    if chunked:
+        stage.on_call.append(switch)
 
     def remove() -> None:
-        stage.on_call.remove(switch)
+        if chunked:
+            stage.on_call.remove(switch)
         for handle in handles:
             handle.remove()
 

@@ -44,7 +44,6 @@ import torch.distributed as dist
 from dapple_lightning.plan import Plan
 
 __all__ = [
-    "HEADER_SIZE",
     "MAX_DIMS",
     "MAX_TENSORS",
     "Incoming",
@@ -82,7 +81,6 @@ _AS_BYTES = (torch.int16, torch.complex64)
 AS_EXPECTED, NEW_SIGNATURE = 0, 1
 # [status, is_tuple, count, (dtype, ndim, dim_0 .. dim_{MAX_DIMS-1}) * MAX_TENSORS]
 _HEADER = 3 + MAX_TENSORS * (2 + MAX_DIMS)
-HEADER_SIZE = _HEADER
 _HOST = torch.device("cpu")
 
 
@@ -245,10 +243,6 @@ class Link:
         works = [dist.irecv(head, src, group=self.header_group if on_host else self.group)]
         works += [dist.irecv(self.wire(t), src, group=self.group) for t in buffers]
         return Incoming(self, src, rows, head, expected, buffers, works)
-
-    def recv(self, src: int, rows: int) -> tuple[list[torch.Tensor], bool]:
-        """Receive the next message from ``src`` now (post and wait)."""
-        return self.post(src, rows).wait()
 
 
 def share(

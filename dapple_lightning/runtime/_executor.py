@@ -56,8 +56,6 @@ __all__ = ["Pipeline", "Recorder"]
 
 Recorder = Callable[[str, int, list[torch.Tensor], bool], None]
 """Called with each message a rank sends: its link (``"F"`` or ``"B"``), destination, tensors, tuple flag."""
-_PASSES = ("F", "B", "W")
-"""Ops after which the timeline samples the memory in use."""
 
 
 @dataclass
@@ -275,7 +273,7 @@ class Pipeline:
                 for position, op in enumerate(program):
                     step.inbox.reach(position)
                     self._handlers[op.kind](step, op)
-                    if self.timeline.enabled and op.kind in _PASSES:
+                    if self.timeline.enabled and op.kind in _Inbox.ACTIONS:  # the memory after each pass
                         self.timeline.counter("memory", self._memory_in_use(step))
             for outstanding in step.outstanding():
                 outstanding.wait()
@@ -348,11 +346,7 @@ class Pipeline:
         layers = self._chunk_layers.get(stage)
         if layers is None:
             return list(self.module.parameters())
-        seen: dict[int, nn.Parameter] = {}
-        for layer in layers:
-            for p in layer.parameters():
-                seen.setdefault(id(p), p)
-        return list(seen.values())
+        return list(dict.fromkeys(p for layer in layers for p in layer.parameters()))  # a tensor hashes by identity
 
     def _at(self, op: Op) -> int:
         """The stage ``op`` runs on: the one it names, or this rank's only one."""
@@ -521,11 +515,7 @@ class Pipeline:
 
     def _weights(self, stage: int) -> list[nn.Parameter]:
         """What a ``W`` of ``stage`` computes gradients for: the stage's parameters and the shared ones."""
-        seen: dict[int, nn.Parameter] = {}
-        for p in (*self._stage_parameters(stage), *self.shared_params):
-            if p.requires_grad:
-                seen.setdefault(id(p), p)
-        return list(seen.values())
+        return list(dict.fromkeys(p for p in (*self._stage_parameters(stage), *self.shared_params) if p.requires_grad))
 
     # ------------------------------------------------------------------------ the rest
 
@@ -560,8 +550,8 @@ class _Inbox:
     until the data comes, so a first stage that posted its first gradient receive at the step's
     start would hold them through its whole warm-up. Posted too late, the data moves only once
     the action that needs it waits (gloo moves data only to a posted receive). So a receive is
-    posted when the executor reaches the ``ahead``-th action (``F``, ``B`` or ``W``) before it:
-    its data moves while that action runs.
+    posted when the executor reaches the action (``F``, ``B`` or ``W``) before it: its data moves
+    while that action runs.
 
     A channel is a direction (link) and a peer. Messages on a channel are matched in posting
     order, and the link learns what the next message holds from the previous one, so at most one
@@ -570,16 +560,16 @@ class _Inbox:
 
     ACTIONS = ("F", "B", "W")
 
-    def __init__(self, program: Sequence[Op], links: Mapping[str, Link | RecordedLink], *, ahead: int = 1) -> None:
+    def __init__(self, program: Sequence[Op], links: Mapping[str, Link | RecordedLink]) -> None:
         self.links = links
         # (the position from which a receive may be posted, the receive), in program order
         self.waiting: deque[tuple[int, Op]] = deque()
-        actions: list[int] = []
+        action = 0  # the position of the latest action
         for index, op in enumerate(program):
             if op.kind in self.ACTIONS:
-                actions.append(index)
+                action = index
             elif op.kind.startswith("RECV") and not op.local:  # local ones are handed over, never posted
-                self.waiting.append((actions[-ahead] if len(actions) >= ahead else 0, op))
+                self.waiting.append((action, op))
         self.posted: dict[tuple[str, int], tuple[Op, Incoming]] = {}
         self.position = 0
         self.most_posted = 0

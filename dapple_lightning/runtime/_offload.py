@@ -132,12 +132,7 @@ class Offloader:
         """Every replica reads the same layers in the same order and sums each gradient in place (a
         replica without one adds zeros, and then holds the sum: the others did have one)."""
         layers = [layer for layer in self.layers if any(p.requires_grad for p in layer.params)]
-        if layers:
-            self._submit_load(layers[0], grads=True, state=False)
-        for at, layer in enumerate(layers):
-            if at + 1 < len(layers):
-                self._submit_load(layers[at + 1], grads=True, state=False)
-            self._wait(layer)
+        for layer in self._in_turn(layers, state=False):
             for p in layer.params:
                 if p.requires_grad:
                     if p.grad is None:
@@ -267,12 +262,7 @@ class Offloader:
                 step()
             return
         self.begin()  # after a read-back (a checkpoint) everything goes out first
-        if self.layers:
-            self._submit_load(self.layers[0], grads=True, state=True)
-        for at, layer in enumerate(self.layers):
-            if at + 1 < len(self.layers):
-                self._submit_load(self.layers[at + 1], grads=True, state=True)
-            self._wait(layer)
+        for layer in self._in_turn(self.layers, state=True):
             self._sample()
             ids = {id(p) for p in layer.params}
             with _only(optimizer, lambda p, ids=ids: id(p) in ids):
@@ -388,6 +378,17 @@ class Offloader:
     def _timed(self, kind: str, layer: _Layer, seconds: float) -> None:
         if self.timing is not None and seconds > 0:  # the layer's tensors moved, all of them
             self.timing.transfer(kind, layer.index, seconds)
+
+    def _in_turn(self, layers: Sequence[_Layer], *, state: bool) -> Iterator[_Layer]:
+        """Each of ``layers`` once its parameters and gradients (and with ``state`` its optimizer state)
+        are read in, the next one being read meanwhile."""
+        if layers:
+            self._submit_load(layers[0], grads=True, state=state)
+        for at, layer in enumerate(layers):
+            if at + 1 < len(layers):
+                self._submit_load(layers[at + 1], grads=True, state=state)
+            self._wait(layer)
+            yield layer
 
     def _wait(self, layer: _Layer) -> None:
         if layer.future is not None:

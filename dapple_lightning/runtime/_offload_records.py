@@ -94,9 +94,7 @@ class TransferTimes:
     def choose(self) -> WindowChoice:
         """The smallest window whose measured transfers hide behind the measured compute."""
         self.end()
-        forward = [0.0 if math.isinf(t) else t for t in self.forward_s]
-        backward = [0.0 if math.isinf(t) else t for t in self.backward_s]
+        measured = (self.forward_s, self.backward_s, self.read_s, self.write_s)
+        forward, backward, read, write = ([0.0 if math.isinf(t) else t for t in times] for times in measured)
         backward[0] = 2 * forward[0]  # nothing announces its end (see the module's docstring)
-        read = [0.0 if math.isinf(t) else t for t in self.read_s]
-        write = [0.0 if math.isinf(t) else t for t in self.write_s]
         return choose_window(forward, backward, read, write)

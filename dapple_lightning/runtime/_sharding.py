@@ -53,8 +53,6 @@ __all__ = [
 def shard_stage(stage: nn.Module, mode: str, group: dist.ProcessGroup, device: torch.device) -> ShardedReducer:
     """Shard each of ``stage``'s layers that hold parameters over ``group`` (in place: the layers'
     parameters become ``DTensor`` shards); the reducer that sums their gradients once per step."""
-    if mode not in ("grads", "full"):
-        raise ValueError(f"shard must be 'grads' or 'full', got {mode!r}")
     if any(isinstance(layer, FSDPModule) for layer in stage.children()):
         raise RuntimeError("the stage's layers are sharded already; shard a stage once")
     mesh = DeviceMesh.from_group(group, device.type)
@@ -182,10 +180,6 @@ class ShardedReducer:
             layer.set_force_sum_reduction_for_comms(True)
         self._extra: Callable[[], Tensor] | None = None
         self._accumulate()
-
-    @property
-    def params(self) -> list[nn.Parameter]:
-        return [p for layer in self.layers for p in layer.parameters() if p.requires_grad]  # type: ignore[attr-defined]
 
     def _accumulate(self) -> None:
         """Until :meth:`arm`: under ``shard: full`` every backward sums its gradients into shards (the

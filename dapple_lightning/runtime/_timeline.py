@@ -199,8 +199,6 @@ def bubble_fractions(events: Sequence[Event]) -> dict[int, float]:
     per_stage: dict[int, list[float]] = {}
     for step in steps:
         in_step = [e for e in events if e.step == step]
-        if not in_step:
-            continue
         span = max(e.end for e in in_step) - min(e.start for e in in_step)
         if span <= 0:
             continue

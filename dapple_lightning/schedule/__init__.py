@@ -28,10 +28,9 @@ activations at once. GPipe runs every forward, then every backward, and holds al
 ZB-H1 (zero bubble, Qi et al., ICLR 2024; ``schedule="zb-h1"``) splits each backward into ``B``,
 the gradient with respect to the stage's input (the previous stage waits for it), and ``W``, the
 gradient with respect to the weights (nobody waits for it). Each stage keeps DAPPLE's order of
-forwards and ``B``s and defers its ``W``s so that every stage holds at most ``min(S, M)``
-micro-batches from forward to ``W``, the first stage's DAPPLE peak: the later a stage, the more
-``W``s it stashes before its first one, and those stashed ``W``s fill the cooldown's bubble. With
-``F = B = W`` and ``M >= S`` a step takes ``3M + S - 1`` units against DAPPLE's ``3M + 3(S - 1)``
+forwards and ``B``s and defers its ``W``s into the cooldown's bubble, holding at most ``min(S, M)``
+micro-batches, DAPPLE's first stage's peak (:func:`zb_h1_schedule`). With ``F = B = W`` and
+``M >= S`` a step takes ``3M + S - 1`` units against DAPPLE's ``3M + 3(S - 1)``
 (``python -m dapple_lightning.schedule 4 8 zb-h1``).
 
 ZB-H2 (``schedule="zb-h2"``) trades memory for slack: up to ``min(2S - 1, M)`` micro-batches per
@@ -50,14 +49,8 @@ Lowered, a message between two stages of the same rank is marked local: the runt
 over in the process.
 """
 
-from dapple_lightning.schedule._chunked import (
-    chunked_schedule,
-    interleaved_schedule,
-    peak_bound,
-    v_half_schedule,
-    zb_v_schedule,
-)
-from dapple_lightning.schedule._lower import Op, Program, lower, lower_stages
+from dapple_lightning.schedule._chunked import chunked_schedule, peak_bound
+from dapple_lightning.schedule._lower import Op, Program, lower
 from dapple_lightning.schedule._orders import (
     Action,
     dapple_schedule,
@@ -82,19 +75,15 @@ __all__ = [
     "dapple_schedule",
     "gpipe_schedule",
     "grid",
-    "interleaved_schedule",
     "lower",
-    "lower_stages",
     "peak_bound",
     "peak_in_flight",
     "peak_stashed",
     "schedule",
     "simulate",
     "split_backwards",
-    "v_half_schedule",
     "warmup_depth",
     "zb_h1_schedule",
     "zb_h2_schedule",
     "zb_tail_schedule",
-    "zb_v_schedule",
 ]

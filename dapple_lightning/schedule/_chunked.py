@@ -35,11 +35,6 @@ from dapple_lightning.schedule._orders import Action
 __all__ = ["chunked_schedule", "interleaved_schedule", "peak_bound", "v_half_schedule", "zb_v_schedule"]
 
 
-def _check(groups: int, micro_batches: int) -> None:
-    if groups < 1 or micro_batches < 1:
-        raise ValueError(f"need groups >= 1 and micro_batches >= 1, got {groups} and {micro_batches}")
-
-
 def interleaved_warmup(groups: int, chunks: int, micro_batches: int, group: int) -> int:
     """Forwards group ``group`` runs before its first backward under interleaved 1F1B."""
     return min(micro_batches * chunks, 2 * (groups - 1 - group) + (chunks - 1) * groups)
@@ -47,7 +42,6 @@ def interleaved_warmup(groups: int, chunks: int, micro_batches: int, group: int)
 
 def interleaved_schedule(groups: int, chunks: int, micro_batches: int) -> list[list[Action]]:
     """Every group's interleaved 1F1B order (looped layout); ``micro_batches`` a multiple of ``groups``."""
-    _check(groups, micro_batches)
     if micro_batches % groups:
         raise ValueError(f"interleaved 1F1B needs micro_batches a multiple of the {groups} groups, got {micro_batches}")
     total = micro_batches * chunks
@@ -72,9 +66,6 @@ def interleaved_schedule(groups: int, chunks: int, micro_batches: int) -> list[l
 
 def zb_v_schedule(groups: int, micro_batches: int) -> list[list[Action]]:
     """Every group's ZB-V order (V layout); ``micro_batches >= 2 x groups``."""
-    _check(groups, micro_batches)
-    if micro_batches < 2 * groups:
-        raise ValueError(f"zb-v needs at least 2 x {groups} groups = {2 * groups} micro-batches, got {micro_batches}")
     return [_zb_v_group(groups, micro_batches, g) for g in range(groups)]
 
 
@@ -119,10 +110,8 @@ def _zb_v_group(groups: int, micro_batches: int, g: int) -> list[Action]:
 
 
 def v_half_schedule(groups: int, micro_batches: int) -> list[list[Action]]:
-    """Every group's V-Half order (V layout): at most ``groups + 1`` chunk micro-batches per group."""
-    _check(groups, micro_batches)
-    if micro_batches < 2 * groups:
-        raise ValueError(f"v-half needs at least 2 x {groups} groups = {2 * groups} micro-batches, got {micro_batches}")
+    """Every group's V-Half order (V layout): at most ``groups + 1`` chunk micro-batches per group;
+    ``micro_batches >= 2 x groups``."""
     last = 2 * groups - 1
     cap = groups + 1
     done: set[Action] = set()  # finished by the end of the previous slot
@@ -172,6 +161,10 @@ def chunked_schedule(name: str, groups: int, chunks: int, micro_batches: int) ->
         raise ValueError(f"unknown chunked schedule {name!r}; choose one of {sorted(_CHUNKED)}")
     if _CHUNKED[name] and chunks != _CHUNKED[name]:
         raise ValueError(f"{name} runs {_CHUNKED[name]} chunks per group (the V layout), not {chunks}")
+    if groups < 1 or micro_batches < 1:
+        raise ValueError(f"need groups >= 1 and micro_batches >= 1, got {groups} and {micro_batches}")
+    if _CHUNKED[name] and micro_batches < 2 * groups:
+        raise ValueError(f"{name} needs at least 2 x {groups} groups = {2 * groups} micro-batches, got {micro_batches}")
     if name == "interleaved":
         return interleaved_schedule(groups, chunks, micro_batches)
     return zb_v_schedule(groups, micro_batches) if name == "zb-v" else v_half_schedule(groups, micro_batches)

@@ -9,6 +9,7 @@ from typing import Literal
 
 from dapple_lightning.plan import Plan
 from dapple_lightning.rows import Rows, even_split, transfers
+from dapple_lightning.schedule._chunked import chunked_schedule
 from dapple_lightning.schedule._orders import Action, schedule
 
 OpKind = Literal["F", "B", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "REDUCE"]
@@ -110,111 +111,64 @@ class Program:
         )
 
 
-def _stage_ops(
-    plan: Plan, stage: int, replica: int, micro: list[Rows], order: Sequence[Action], train: bool
-) -> list[Op]:
-    """One replica's ops: each computation with the receives it needs before it and the sends
-    of what it made after it, in the order both ends of every pair follow."""
-    prev = plan.stage_ranks(stage - 1) if stage > 0 else ()
-    next_ = plan.stage_ranks(stage + 1) if stage < plan.num_stages - 1 else ()
-    mine = plan.stages[stage].replicas
-    # The weights' gradients are final in the last W, or in the last B where there is no W.
-    weights = "W" if any(a.kind == "W" for a in order) else "B"
-    last_backward = max((i for i, a in enumerate(order) if a.kind == weights), default=-1)
-    ops: list[Op] = []
-    for index, action in enumerate(order):
-        m, rows = action.micro_batch, len(micro[action.micro_batch])
-        upstream = [t for t in transfers(rows, len(prev), mine) if t.dst == replica] if prev else []
-        downstream = [t for t in transfers(rows, mine, len(next_)) if t.src == replica] if next_ else []
-        if action.kind == "F":
-            ops += [Op("RECV_F", m, prev[t.src], t.dst_rows) for t in upstream]
-            ops.append(Op("F", m))
-            ops += [Op("SEND_F", m, next_[t.dst], t.src_rows) for t in downstream]
-            continue
-        if index == last_backward and train:
-            ops.append(Op("REDUCE"))
-        if action.kind == "W":
-            ops.append(Op("W", m))
-            continue
-        ops += [Op("RECV_B", m, next_[t.dst], t.src_rows) for t in downstream]
-        ops.append(Op("B", m))
-        ops += [Op("SEND_B", m, prev[t.src], t.dst_rows) for t in upstream]
-    return ops
-
-
 def lower(plan: Plan, batch_rows: int, *, train: bool = True) -> Program:
     """Every rank's ops for a global batch of ``batch_rows`` rows under ``plan``.
 
     Training runs the plan's schedule; evaluation (``train=False``) runs the forwards in order.
     Between stages with different replica counts each micro-batch travels in pieces
-    (split-concat, see :func:`~dapple_lightning.rows.transfers`), one message per piece.
+    (split-concat, see :func:`~dapple_lightning.rows.transfers`), one message per piece. Where
+    the plan gives a rank group several stages (chunks), each op names its stage and a message
+    between two stages of one rank is local.
     """
     micro = even_split(batch_rows, plan.micro_batches, "batch rows (micro-batches)")
-    if plan.chunks > 1:
-        return _lower_chunked(plan, micro, train)
-    orders = (
-        schedule(plan.schedule, plan.num_stages, plan.micro_batches)
-        if train
-        else [[Action("F", m) for m in range(plan.micro_batches)]] * plan.num_stages
-    )
-    stage_of = tuple(plan.stage_of(r) for r in range(plan.world_size))
-    ranks = tuple(
-        tuple(_stage_ops(plan, stage_of[r], plan.replica_of(r), micro, orders[stage_of[r]], train))
-        for r in range(plan.world_size)
-    )
-    return Program(ranks, stage_of)
-
-
-def _lower_chunked(plan: Plan, micro: list[Rows], train: bool) -> Program:
-    """:func:`lower` for a plan whose rank groups hold several stages: the same messages per
-    stage boundary, each op naming its stage, those between two stages of one rank local, and a
-    ``REDUCE`` before each stage's last backward (its gradients are final there)."""
-    from dapple_lightning.schedule._chunked import chunked_schedule
-
-    if train:
+    if train and plan.chunks > 1:
         orders = chunked_schedule(plan.schedule, plan.num_groups, plan.chunks, plan.micro_batches)
+    elif train:
+        orders = schedule(plan.schedule, plan.num_stages, plan.micro_batches)
     else:  # evaluation: every forward, stage by stage in pipeline order, micro-batch by micro-batch
         orders = [
             [
-                Action("F", m, s)
+                Action("F", m, s if plan.chunks > 1 else -1)  # naming its stage where a group holds several
                 for m in range(plan.micro_batches)
                 for s in range(plan.num_stages)
                 if g == plan.group_of_stage(s)
             ]
             for g in range(plan.num_groups)
         ]
-    last = plan.num_stages - 1
-    ranks = []
-    for rank in range(plan.world_size):
-        replica, order = plan.replica_of(rank), orders[plan.group_of(rank)]
-        ends = {}
-        for index, action in enumerate(order):
-            if action.kind != "F":
-                ends[action.stage] = index  # the last backward of each stage: its W where it has them
-        ops: list[Op] = []
-        for index, action in enumerate(order):
-            m, s, rows = action.micro_batch, action.stage, len(micro[action.micro_batch])
-            mine = plan.stages[s].replicas
-            prev = plan.stage_ranks(s - 1) if s > 0 else ()
-            next_ = plan.stage_ranks(s + 1) if s < last else ()
-            upstream = [t for t in transfers(rows, len(prev), mine) if t.dst == replica] if prev else []
-            downstream = [t for t in transfers(rows, mine, len(next_)) if t.src == replica] if next_ else []
+    groups = tuple(plan.group_of(r) for r in range(plan.world_size))
+    return Program(tuple(_rank_ops(plan, r, micro, orders[groups[r]], train) for r in range(plan.world_size)), groups)
 
-            if action.kind == "F":
-                ops += [_message("RECV_F", m, prev[t.src], t.dst_rows, s, rank) for t in upstream]
-                ops.append(Op("F", m, stage=s))
-                ops += [_message("SEND_F", m, next_[t.dst], t.src_rows, s, rank) for t in downstream]
-                continue
-            if train and ends.get(s) == index:
-                ops.append(Op("REDUCE", stage=s))
-            if action.kind == "W":
-                ops.append(Op("W", m, stage=s))
-                continue
-            ops += [_message("RECV_B", m, next_[t.dst], t.src_rows, s, rank) for t in downstream]
-            ops.append(Op("B", m, stage=s))
-            ops += [_message("SEND_B", m, prev[t.src], t.dst_rows, s, rank) for t in upstream]
-        ranks.append(tuple(ops))
-    return Program(tuple(ranks), tuple(plan.group_of(r) for r in range(plan.world_size)))
+
+def _rank_ops(plan: Plan, rank: int, micro: list[Rows], order: Sequence[Action], train: bool) -> tuple[Op, ...]:
+    """One rank's ops: each computation with the receives it needs before it and the sends of what it
+    made after it, in the order both ends of every pair follow, and a ``REDUCE`` before each stage's
+    last backward (its last ``W`` where it has them: the stage's gradients are final there)."""
+    replica, last = plan.replica_of(rank), plan.num_stages - 1
+    ends = {action.stage: index for index, action in enumerate(order) if action.kind != "F"}
+    ops: list[Op] = []
+    for index, action in enumerate(order):
+        m, tag, rows = action.micro_batch, action.stage, len(micro[action.micro_batch])
+        s = tag if tag >= 0 else plan.group_of(rank)  # an action names its stage where a rank holds several
+        mine = plan.stages[s].replicas
+        prev = plan.stage_ranks(s - 1) if s > 0 else ()
+        next_ = plan.stage_ranks(s + 1) if s < last else ()
+        upstream = [t for t in transfers(rows, len(prev), mine) if t.dst == replica] if prev else []
+        downstream = [t for t in transfers(rows, mine, len(next_)) if t.src == replica] if next_ else []
+
+        if action.kind == "F":
+            ops += [_message("RECV_F", m, prev[t.src], t.dst_rows, tag, rank) for t in upstream]
+            ops.append(Op("F", m, stage=tag))
+            ops += [_message("SEND_F", m, next_[t.dst], t.src_rows, tag, rank) for t in downstream]
+            continue
+        if train and ends[tag] == index:
+            ops.append(Op("REDUCE", stage=tag))
+        if action.kind == "W":
+            ops.append(Op("W", m, stage=tag))
+            continue
+        ops += [_message("RECV_B", m, next_[t.dst], t.src_rows, tag, rank) for t in downstream]
+        ops.append(Op("B", m, stage=tag))
+        ops += [_message("SEND_B", m, prev[t.src], t.dst_rows, tag, rank) for t in upstream]
+    return tuple(ops)
 
 
 def _message(kind: OpKind, m: int, peer: int, rows: Rows, stage: int, rank: int) -> Op:

@@ -52,11 +52,16 @@ def warmup_depth(num_stages: int, micro_batches: int, stage: int) -> int:
 
 def dapple_schedule(num_stages: int, micro_batches: int, stage: int) -> list[Action]:
     """Early-backward (1F1B) order of stage ``stage``."""
-    k = warmup_depth(num_stages, micro_batches, stage)
-    actions = [Action("F", m) for m in range(k)]
-    for m in range(micro_batches - k):
-        actions += [Action("B", m), Action("F", m + k)]
-    actions += [Action("B", m) for m in range(micro_batches - k, micro_batches)]
+    return _one_f_one_b(micro_batches, warmup_depth(num_stages, micro_batches, stage))
+
+
+def _one_f_one_b(micro_batches: int, warmup: int) -> list[Action]:
+    """``warmup`` forwards, then per micro-batch its backward and the next forward, while one is left."""
+    actions = [Action("F", m) for m in range(warmup)]
+    for m in range(micro_batches):
+        actions.append(Action("B", m))
+        if m + warmup < micro_batches:
+            actions.append(Action("F", m + warmup))
     return actions
 
 
@@ -123,12 +128,7 @@ def zb_tail_schedule(num_stages: int, micro_batches: int, stage: int) -> list[Ac
     _check(num_stages, micro_batches, stage)
     warmup = min(2 * (num_stages - stage) - 1, micro_batches)
     tail = 0 if stage == 0 else min(2 * stage + 1, micro_batches)
-    actions = [Action("F", m) for m in range(warmup)]
-    for m in range(micro_batches):
-        actions.append(Action("B", m))
-        if m + warmup < micro_batches:
-            actions.append(Action("F", m + warmup))
-    return actions + [Action("W", m) for m in range(micro_batches - tail, micro_batches)]
+    return _one_f_one_b(micro_batches, warmup) + [Action("W", m) for m in range(micro_batches - tail, micro_batches)]
 
 
 def _deferred_weights(micro_batches: int, warmup: int, deferred: int) -> list[Action]:

@@ -26,7 +26,7 @@ from dapple_lightning.autoplan import AutoPlan, choose_plan, draw_batch, optimiz
 from dapple_lightning.microbatch import Rows, batch_size_of, slice_batch
 from dapple_lightning.plan import Plan
 from dapple_lightning.planner import SETTLE_STEPS, Measured
-from dapple_lightning.runtime import Pipeline, StageModule, Timeline, stand_in_chunks, stand_in_layers
+from dapple_lightning.runtime import Pipeline, StageModule, Timeline, stand_in_layers
 from dapple_lightning.strategy._auto_blocks import BlockChain, put_in_place
 from dapple_lightning.strategy._lightning import training_loader
 from dapple_lightning.strategy._pipelines import PipelineBuilder
@@ -285,11 +285,7 @@ class Trials:
         if self._chain.called_whole:
             self._put((stage,))
             return
-        if plan.chunks > 1:
-            stand_ins, self._unhook = stand_in_chunks(self._chain.containers, stage, ranges)
-        else:
-            ((start, end),) = ranges.values()
-            stand_ins, self._unhook = stand_in_layers(self._chain.containers, stage, start, end)
+        stand_ins, self._unhook = stand_in_layers(self._chain.containers, stage, ranges)
         self._put(stand_ins)
 
 

@@ -69,7 +69,8 @@ def check_before_start(
                 "has no pinned-memory tier for GPUs yet; leave offload out of the plan (recompute, or more stages, "
                 "lower a stage's memory) or train on accelerator='cpu'"
             )
-        _check_offload(module.trainer)
+        if (problem := _offload_trainer_refusal(module.trainer)) is not None:
+            raise ValueError(problem)
     chain = find_chain(module, sequential_name)
     if (problem := _encoder_decoder_refusal(module, chain, plan, world_size)) is not None:
         raise ValueError(problem)
@@ -202,13 +203,8 @@ def _encoder_decoder_refusal(module: Any, chain: Chain, plan: Plan | str, world_
     return None
 
 
-def _check_offload(trainer: Any) -> None:
-    """Refuse what an offloaded stage's gradients, which live on disk, cannot do yet."""
-    if (problem := _offload_trainer_refusal(trainer)) is not None:
-        raise ValueError(problem)
-
-
 def _offload_trainer_refusal(trainer: Any) -> str | None:
+    """Why an offloaded stage's gradients, which live on disk, cannot train under ``trainer``'s settings, or ``None``."""
     if trainer.accumulate_grad_batches != 1:
         return (
             f"accumulate_grad_batches={trainer.accumulate_grad_batches} with an offloaded stage: its gradients "

@@ -51,6 +51,7 @@ __all__ = [
     "STALE_S",
     "Heartbeat",
     "attempt",
+    "end_rank",
     "launcher_client",
     "long_host_work",
     "watch_peers",
@@ -243,12 +244,7 @@ class Heartbeat:
         self._on_lost(reason)
 
     def _exit(self, reason: str) -> None:
-        sys.stdout.flush()
-        sys.stderr.write(
-            f"dapple: rank {self.rank} ends: {reason}. The failed rank's own error, if any, is in its output.\n"
-        )
-        sys.stderr.flush()
-        os._exit(1)
+        end_rank(self.rank, f"{reason}. The failed rank's own error, if any, is in its output.")
 
     # ------------------------------------------------------------------ the store
 
@@ -262,6 +258,14 @@ class Heartbeat:
     def _try(action) -> None:
         with contextlib.suppress(Exception):  # best effort on the way out: the store or group may be gone
             action()
+
+
+def end_rank(rank: int, why: str) -> None:
+    """End this process at once with status 1, saying ``why`` on stderr after its output so far."""
+    sys.stdout.flush()
+    sys.stderr.write(f"dapple: rank {rank} ends: {why}\n")
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def _process_space() -> str:

@@ -7,16 +7,8 @@ collectives (as DDP's, with barriers on a gloo host group), checkpoints (each ra
 loads only what it holds, in the single-device layout: :mod:`._checkpoint`; a state recovered
 after torchrun's restart: :mod:`._resume`), ``plan="auto"`` (:mod:`._auto`), meta-device models
 (:mod:`._materialize`) and launching. Whatever it changes on Lightning's, the optimizers' and the
-user's objects goes through :mod:`._lightning`, which puts it back at ``teardown``.
-
-One optimizer step under Lightning's automatic optimization:
-
-1. Lightning calls :meth:`DappleStrategy.training_step` with the global batch; the rank's
-   schedule runs every micro-batch, the gradients are summed per stage and set aside, logged
-   values become global-batch values on every rank, and every rank returns the global loss.
-2. Lightning zeroes gradients (or not) and calls :meth:`DappleStrategy.backward`, which adds
-   the fresh gradients instead of differentiating the returned loss.
-3. Lightning steps each rank's optimizer over that rank's parameters only.
+user's objects goes through :mod:`._lightning`, which puts it back at ``teardown``. How one
+optimizer step fits Lightning's automatic optimization is :mod:`._step`'s docstring.
 """
 
 from __future__ import annotations

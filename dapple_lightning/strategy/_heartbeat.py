@@ -281,8 +281,6 @@ def _process_space() -> str:
 class _Silent:
     """No peers to watch (one rank, or before the process group exists)."""
 
-    lost = None
-
     def report_failure(self, reason: str) -> None:
         pass
 
@@ -314,7 +312,7 @@ def long_host_work(seconds: float) -> contextlib.AbstractContextManager[None]:
 
 
 def watch_peers(
-    env: ClusterEnvironment | None,
+    env: ClusterEnvironment,
     rank: int,
     world_size: int,
     backend: str,
@@ -323,7 +321,7 @@ def watch_peers(
 ) -> Heartbeat | _Silent:
     """A started :class:`Heartbeat` on the launcher's store (``on_lost``: see :class:`Heartbeat`);
     :data:`SILENT` for a single rank."""
-    if world_size == 1 or env is None:
+    if world_size == 1:
         return SILENT
     namespace = f"{attempt()}/{next(_runs)}"
     heartbeat = Heartbeat(

@@ -171,7 +171,6 @@ class DappleStrategy(ParallelStrategy):
         self._steps: PipelinedSteps | None = None
         self._checkpoints = Checkpoints(state_dict_type, async_save, timeout)
         self._same_batch = SameBatch()
-        self._full_state_keys: list[str] = []
         self._spawned_ranks_kept_state = False
         self._leaves_at_exit = False
         self._materialized = False  # built on the meta device: each rank holds its part only, even after fit
@@ -297,7 +296,7 @@ class DappleStrategy(ParallelStrategy):
         seed = torch.tensor([torch.initial_seed() % 2**62], dtype=torch.int64, device=self.root_device)
         dist.broadcast(seed, 0)
         self._shuffle_seed = int(seed)
-        self._full_state_keys = list(module.state_dict().keys())
+        keys = list(module.state_dict().keys())  # the whole model's, before the cut
         fitting = trainer.state.fn == TrainerFn.FITTING
         pipelines = PipelineBuilder(module, self.global_rank, self.root_device, self._timeout)
         self._steps = PipelinedSteps(module, self.root_device, lazy_batch=self._lazy_batch)
@@ -313,9 +312,7 @@ class DappleStrategy(ParallelStrategy):
         self._pipeline = pipelines.build(self.plan, self._cut.stage, timeline, track_memory=self._track_memory)
         follow_shards(self._cut.stage, whole, self.optimizers)  # onto a sharded stage's shards, as in fit
         self._buffers = Buffers(module, self._pipeline, self.plan, fitting and self._layer_sync is not None)
-        self._checkpoints.attach(
-            module, self._cut, self.plan, rank, self.root_device, self._full_state_keys, self._host_group
-        )
+        self._checkpoints.attach(module, self._cut, self.plan, rank, self.root_device, keys, self._host_group)
         if self.auto_plan is None:
             rank_zero_info(f"dapple plan:\n{self.plan.table()}")
         streams.restore()

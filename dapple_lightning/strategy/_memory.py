@@ -38,7 +38,7 @@ from torch import nn
 from dapple_lightning.autoplan import draw_batch, optimizer_factory, profile_in_windows
 from dapple_lightning.microbatch import Rows, batch_size_of, slice_batch
 from dapple_lightning.plan import Plan
-from dapple_lightning.planner import Cluster, estimate, over_budget, parse_memory, stage_memory_lines
+from dapple_lightning.planner import Cluster, estimate, over_budget, stage_memory_lines
 from dapple_lightning.runtime import Timeline, write_chrome_trace
 from dapple_lightning.strategy._auto_blocks import sample_chain
 from dapple_lightning.strategy._checkpoint import gather_on_zero
@@ -47,7 +47,7 @@ from dapple_lightning.strategy._lightning import training_loader
 from dapple_lightning.strategy._resident import Resident, parameter_bytes
 from dapple_lightning.surgery import Chain, unchanged
 
-__all__ = ["parse_memory", "predicted_memory", "warn_if_over_budget", "write_trace"]
+__all__ = ["predicted_memory", "warn_if_over_budget", "write_trace"]
 
 _checks = count()  # one store key per check in a process; the same sequence on every rank
 

@@ -34,6 +34,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from dapple_lightning.plan import Plan
+from dapple_lightning.planner import parse_memory
 from dapple_lightning.runtime import Pipeline, StepStats, Timeline, follow_shards, unshard_stage
 from dapple_lightning.strategy._auto import AutoSetting, choose_automatically, draw_global_batch
 from dapple_lightning.strategy._batch import SameBatch, same_order
@@ -55,7 +56,7 @@ from dapple_lightning.strategy._lightning import (
     sync_if_available,
 )
 from dapple_lightning.strategy._materialize import STAYS_CUT, materialize, meta_context, on_meta, unmoved_on_meta
-from dapple_lightning.strategy._memory import parse_memory, warn_if_over_budget, write_trace
+from dapple_lightning.strategy._memory import warn_if_over_budget, write_trace
 from dapple_lightning.strategy._parts import FitParts
 from dapple_lightning.strategy._pipelines import Buffers, PipelineBuilder, broadcast_module
 from dapple_lightning.strategy._recovery import Recovery, RecoveryMode, is_active

@@ -65,7 +65,7 @@ def choose_automatically(setting: AutoSetting, batch: Any, chain: Chain) -> Auto
 
     One Sequential's layers are profiled as they are; the blocks of a ModuleList, or the layers of
     several containers with the user's code between them, as the chain that the user's step makes
-    of them (see :class:`~dapple_lightning.strategy._auto_blocks.BlockChain`).
+    of them (see :func:`~dapple_lightning.strategy._auto_blocks.sample_chain`).
 
     The module comes on the host (the CPU) and leaves with the chain's layers there, the rest on the
     device; meanwhile the device holds only the layers in use (:mod:`._resident`; a profiling window

@@ -27,11 +27,11 @@ from dapple_lightning.microbatch import Rows, batch_size_of, slice_batch
 from dapple_lightning.plan import Plan
 from dapple_lightning.planner import SETTLE_STEPS, Measured
 from dapple_lightning.runtime import Pipeline, StageModule, Timeline, stand_in_chunks, stand_in_layers
-from dapple_lightning.strategy._auto_blocks import put_in_place, sample_chain
+from dapple_lightning.strategy._auto_blocks import sample_chain
 from dapple_lightning.strategy._lightning import training_loader
 from dapple_lightning.strategy._pipelines import PipelineBuilder
 from dapple_lightning.strategy._refusals import offload_refusal
-from dapple_lightning.strategy._resident import Resident, parameter_bytes
+from dapple_lightning.strategy._resident import Resident, parameter_bytes, put_in_place
 from dapple_lightning.strategy._step import PipelinedSteps
 from dapple_lightning.surgery import Chain, partition, split_ties, unchanged
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import copy
 import types
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from contextlib import suppress
 from dataclasses import dataclass
 from functools import partial
@@ -51,10 +51,10 @@ from dapple_lightning.microbatch import Rows, batch_size_of, map_tensors, slice_
 from dapple_lightning.planner import ModelProfile, fresh_leaves
 from dapple_lightning.runtime import StageExit
 from dapple_lightning.strategy._lightning import silenced_log
-from dapple_lightning.strategy._resident import Resident
+from dapple_lightning.strategy._resident import Resident, put_in_place
 from dapple_lightning.surgery import Chain, capture_input, set_submodule
 
-__all__ = ["BlockCall", "BlockChain", "ChainedBlock", "put_in_place", "record_block_calls", "sample_chain"]
+__all__ = ["BlockCall", "BlockChain", "ChainedBlock", "record_block_calls", "sample_chain"]
 
 _ATOMS = (
     torch.Tensor,
@@ -103,16 +103,6 @@ class BlockCall:
     kwargs: dict[str, Any]
     """The side inputs given by keyword."""
     output: Any = None
-
-
-def put_in_place(module: nn.Module, chain: Chain) -> Callable[[Sequence[nn.Module]], None]:
-    """A function that puts modules at the paths of ``chain``'s containers in ``module``, one each."""
-
-    def put(modules: Sequence[nn.Module]) -> None:
-        for path, new in zip(chain.paths, modules, strict=True):
-            set_submodule(module, path, new)
-
-    return put
 
 
 class _Names:

@@ -22,18 +22,18 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
 
-from dapple_lightning.autoplan import AutoPlan, choose_plan, draw_batch, optimizer_factory, time_step_outside
+from dapple_lightning.autoplan import AutoPlan, choose_plan, draw_batch, optimizer_factory
 from dapple_lightning.microbatch import Rows, batch_size_of, slice_batch
 from dapple_lightning.plan import Plan
 from dapple_lightning.planner import SETTLE_STEPS, Measured
 from dapple_lightning.runtime import Pipeline, StageModule, Timeline, stand_in_layers
-from dapple_lightning.strategy._auto_blocks import BlockChain, put_in_place
+from dapple_lightning.strategy._auto_blocks import sample_chain
 from dapple_lightning.strategy._lightning import training_loader
 from dapple_lightning.strategy._pipelines import PipelineBuilder
 from dapple_lightning.strategy._refusals import offload_refusal
-from dapple_lightning.strategy._resident import Resident, parameter_bytes
+from dapple_lightning.strategy._resident import Resident, parameter_bytes, put_in_place
 from dapple_lightning.strategy._step import PipelinedSteps
-from dapple_lightning.surgery import Chain, capture_input, partition, set_submodule, split_ties, unchanged
+from dapple_lightning.surgery import Chain, partition, split_ties, unchanged
 
 __all__ = ["AutoSetting", "Trials", "choose_automatically", "draw_global_batch", "step_seconds"]
 
@@ -65,13 +65,11 @@ def choose_automatically(setting: AutoSetting, batch: Any, chain: Chain) -> Auto
 
     One Sequential's layers are profiled as they are; the blocks of a ModuleList, or the layers of
     several containers with the user's code between them, as the chain that the user's step makes
-    of them (see :class:`~dapple_lightning.strategy._auto_blocks.BlockChain`).
+    of them (see :func:`~dapple_lightning.strategy._auto_blocks.sample_chain`).
 
     The module comes on the host (the CPU) and leaves with the chain's layers there, the rest on the
-    device: meanwhile the device holds one layer while the step is recorded, a window of layers
-    (at most a rank's share of an even split) while they are profiled, and the rank's stage while a
-    plan is tried (:class:`~._resident.Resident`), so that a model that needs the pipeline for
-    memory can be planned.
+    device; meanwhile the device holds only the layers in use (:mod:`._resident`; a profiling window
+    is at most a rank's share of an even split).
     """
     module = setting.module
     resident = Resident(module, chain, setting.device)
@@ -81,11 +79,6 @@ def choose_automatically(setting: AutoSetting, batch: Any, chain: Chain) -> Auto
     # Profile on a micro-batch-sized slice: whole global batches make profiling slow, and the
     # cost model scales times with the micro-batch size.
     sample = slice_batch(batch, Rows(0, max(1, rows // max(dist.get_world_size(), 2))))
-    sample_rows = batch_size_of(sample)
-
-    def step_on(n: int) -> Any:
-        return module.training_step(slice_batch(sample, Rows(0, n)), 0)
-
     try:
         optimizer = optimizer_factory(module)
     except Exception as err:  # the plan can do without optimizer timings; say so and go on
@@ -94,22 +87,7 @@ def choose_automatically(setting: AutoSetting, batch: Any, chain: Chain) -> Auto
     # Learning the container's input runs the user's step too: what it draws from the RNG or moves
     # in buffers (a batch norm before the container) is put back with the rest.
     with unchanged(module):
-        blocks: BlockChain | None = None
-        if chain.called_whole:
-            path, container = chain.single()
-            set_container = partial(set_submodule, module, path)
-            layers = list(container)
-            sample_input = capture_input(module, set_container, container, lambda: step_on(sample_rows))
-
-            def step_outside(n: int) -> tuple[float, float]:
-                part_input = slice_batch(sample_input, Rows(0, n))
-                with resident.one_at_a_time():  # the container's output, without autograd
-                    return time_step_outside(module, set_container, container, lambda: step_on(n), part_input)
-
-        else:
-            with resident.one_at_a_time():
-                blocks = BlockChain(module, chain, step_on, sample_rows)
-            layers, sample_input, step_outside = blocks.layers, blocks.sample_input, blocks.step_outside
+        layers, sample_input, step_outside, blocks = sample_chain(module, chain, sample, resident)
         trials = Trials(setting, batch, chain, optimizer, resident)
         try:
             chosen = choose_plan(
@@ -129,8 +107,7 @@ def choose_automatically(setting: AutoSetting, batch: Any, chain: Chain) -> Auto
                 shard_refused=setting.shard_refused,
             )
         finally:
-            trials.close()
-    resident.release()
+            trials.close()  # the chain's layers home again
     return chosen if blocks is None else replace(chosen, profile=blocks.named(chosen.profile))
 
 
@@ -146,16 +123,15 @@ class Trials:
     ones, so that creating and connecting its process groups and its first, slower step are paid
     once and never counted; how many steps a turn times follows from a second, warm step
     (:func:`step_seconds`), not from the first. The steps are timed by one wait for the device at
-    each end of a turn, their passes by device events read once after it (no step waits). The steps train: the caller puts the weights back
-    (``surgery.unchanged``); :meth:`close` detaches the pipelines and puts the container back.
+    each end of a turn, their passes by device events read once after it (no step waits). The steps
+    train: the caller puts the weights back (``surgery.unchanged``, its copy kept on the CPU);
+    :meth:`close` detaches the pipelines and puts the container back.
 
-    While a plan runs, the device holds that plan's stage of this rank, the chain's other layers
-    wait on the host (``resident``), and the optimizer (made anew for each turn, its first steps
-    untimed) holds state for the stage alone; the copy that puts the weights back
-    (``surgery.unchanged``) is kept on the CPU. A plan's stage stands in for the containers while that plan runs, built as training's cut builds it
-    (``surgery.Cut``): for one Sequential the stage itself; for a ModuleList, or a chain of
-    several containers, one stand-in per container holding the stage's layers among placeholders
-    (``runtime.stand_in_layers``), whose hooks come off when another plan takes its turn.
+    While a plan runs, the device holds that plan's stage of this rank (``resident``), and the
+    optimizer (made anew for each turn, its first steps untimed) holds state for the stage alone.
+    The stage stands in for the containers as training's cut puts it (``surgery.Cut``): for one
+    Sequential the stage itself; else one stand-in per container holding the stage's layers among
+    placeholders (``runtime.stand_in_layers``), whose hooks come off when another plan takes its turn.
     """
 
     def __init__(

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import copy
 import types
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from contextlib import suppress
 from dataclasses import dataclass
 from functools import partial
@@ -46,14 +46,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from dapple_lightning.autoplan import small_batch_of, time_step_around
-from dapple_lightning.microbatch import batch_size_of, map_tensors
+from dapple_lightning.autoplan import small_batch_of, time_step_around, time_step_outside
+from dapple_lightning.microbatch import Rows, batch_size_of, map_tensors, slice_batch
 from dapple_lightning.planner import ModelProfile, fresh_leaves
 from dapple_lightning.runtime import StageExit
 from dapple_lightning.strategy._lightning import silenced_log
-from dapple_lightning.surgery import Chain, set_submodule
+from dapple_lightning.strategy._resident import Resident, put_in_place
+from dapple_lightning.surgery import Chain, capture_input, set_submodule
 
-__all__ = ["BlockCall", "BlockChain", "ChainedBlock", "put_in_place", "record_block_calls"]
+__all__ = ["BlockCall", "BlockChain", "ChainedBlock", "record_block_calls", "sample_chain"]
 
 _ATOMS = (
     torch.Tensor,
@@ -102,16 +103,6 @@ class BlockCall:
     kwargs: dict[str, Any]
     """The side inputs given by keyword."""
     output: Any = None
-
-
-def put_in_place(module: nn.Module, chain: Chain) -> Callable[[Sequence[nn.Module]], None]:
-    """A function that puts modules at the paths of ``chain``'s containers in ``module``, one each."""
-
-    def put(modules: Sequence[nn.Module]) -> None:
-        for path, new in zip(chain.paths, modules, strict=True):
-            set_submodule(module, path, new)
-
-    return put
 
 
 class _Names:
@@ -309,3 +300,32 @@ class BlockChain:
             kind = type(module).__name__
             layer["name"] = f"{index}:{path}:{kind}" if several else f"{index}:{kind}"
         return ModelProfile.from_dict(data)
+
+
+def sample_chain(
+    module: nn.Module, chain: Chain, sample: Any, resident: Resident
+) -> tuple[list[nn.Module], Any, Callable[[int], tuple[float, float]], BlockChain | None]:
+    """What profiling ``chain`` needs, learned by running the user's step on ``sample`` (a slice of the
+    global batch; the caller undoes what the step changes): the layers as the profiler runs them,
+    their input on the sample, the step's own seconds outside them on ``n`` rows, and the
+    :class:`BlockChain` standing for them (``None`` for one Sequential, whose own layers are profiled).
+    ``resident`` brings each layer to the device only while it is called."""
+    rows = batch_size_of(sample)
+
+    def step_on(n: int) -> Any:
+        return module.training_step(slice_batch(sample, Rows(0, n)), 0)
+
+    if not chain.called_whole:
+        with resident.one_at_a_time():
+            blocks = BlockChain(module, chain, step_on, rows)
+        return blocks.layers, blocks.sample_input, blocks.step_outside, blocks
+    path, container = chain.single()
+    set_container = partial(set_submodule, module, path)
+    sample_input = capture_input(module, set_container, container, lambda: step_on(rows))
+
+    def step_outside(n: int) -> tuple[float, float]:
+        part_input = slice_batch(sample_input, Rows(0, n))
+        with resident.one_at_a_time():  # the container's output, without autograd
+            return time_step_outside(module, set_container, container, lambda: step_on(n), part_input)
+
+    return list(container), sample_input, step_outside, None

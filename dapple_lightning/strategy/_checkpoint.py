@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 import shutil
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -46,10 +46,11 @@ from dapple_lightning.plan import Plan
 from dapple_lightning.runtime import broadcast, full_value, shard_like
 from dapple_lightning.strategy import _sharded
 from dapple_lightning.strategy._failures import HOST_WAIT
+from dapple_lightning.strategy._lightning import distributed_is_initialized
 from dapple_lightning.strategy._stream import StreamingFile, write_atomically
 from dapple_lightning.surgery import Cut
 
-__all__ = ["Checkpoints", "gather_on_zero", "group_names", "keep_local", "write_atomically"]
+__all__ = ["Checkpoints", "gather_on_zero", "group_names", "keep_local"]
 
 Path_ = tuple[Any, ...]
 """Where a value lives: ``("model", key)`` or ``("optim", index, param_name, state_key)``."""
@@ -97,7 +98,7 @@ class Checkpoints:
                 for key in layer.state_dict():
                     self._owner[f"{path}.{key}"] = first
         self._tie_names(module, cut)
-        if self.async_save and self._group is None and _distributed():
+        if self.async_save and self._group is None and distributed_is_initialized():
             # Background writes talk on their own group, so they never interleave with training's.
             self._group = dist.new_group(backend="gloo", timeout=max(self.timeout, HOST_WAIT))
         elif not self.async_save:
@@ -174,7 +175,7 @@ class Checkpoints:
             # A sharded stage: its replicas gather each entry together, so that its owner saves it whole.
             local = self._whole_model = {k: full_value(v) for k, v in local.items()}
         sharded = self.state_dict_type == "sharded"
-        if self.rank != 0 or not _distributed() or (self.cut is None and not sharded):
+        if self.rank != 0 or not distributed_is_initialized() or (self.cut is None and not sharded):
             return local
         elsewhere = {} if self.cut is None else self.cut.chain.state_dict()
 
@@ -190,7 +191,7 @@ class Checkpoints:
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """The single-device ``state_dict`` of ``optimizer`` on rank 0, with stand-ins; the local one elsewhere."""
         local = _whole_optimizer_state(optimizer.state_dict())
-        if not _distributed() or dist.get_world_size() == 1:
+        if not distributed_is_initialized() or dist.get_world_size() == 1:
             return local
         index = next(i for i, o in enumerate(self.optimizers) if o is optimizer)
         if any(isinstance(p, DTensor) for group in optimizer.param_groups for p in group["params"]):
@@ -253,7 +254,7 @@ class Checkpoints:
                 if id(tensor) in self._stand_ins:
                     _, owner, path = self._stand_ins[id(tensor)]
                     requests.setdefault(owner, []).append(path)
-        if not _distributed() or dist.get_world_size() == 1:
+        if not distributed_is_initialized() or dist.get_world_size() == 1:
             return requests
         box = [requests]
         dist.broadcast_object_list(box, 0)
@@ -292,14 +293,8 @@ class Checkpoints:
             tmp = _temporary(path)
             file = StreamingFile(tmp)
             try:
-                records = {}
-                for owner in sorted(requests):
-                    for wanted in requests[owner]:
-                        meta = next(t for t, o, p in stand_ins.values() if o == owner and p == wanted)
-                        received = torch.empty(meta.shape, dtype=meta.dtype, device=device)
-                        dist.recv(received, owner, group=group)
-                        records[id(meta)] = file.add(received)
-                file.finish(checkpoint, records)
+                received = _receive(requests, stand_ins, device, group)
+                file.finish(checkpoint, {id(meta): file.add(value) for meta, value in received})
                 os.replace(tmp, path)
             finally:
                 file.abort()
@@ -320,7 +315,7 @@ class Checkpoints:
         if self.async_save and (self.rank == 0 or shards):
             values = _copy_to_cpu(values, keep={})
         group = self._group
-        if _distributed():
+        if distributed_is_initialized():
             dist.barrier(group=group)
 
         def write() -> None:
@@ -353,12 +348,7 @@ class Checkpoints:
             for tensor in self._lookup(requests.get(self.rank, []), copy=False):
                 dist.send(tensor, 0)
             return None
-        filled: dict[int, Tensor] = {}
-        for owner in sorted(requests):
-            for wanted in requests[owner]:
-                meta = next(t for t, o, p in self._stand_ins.values() if o == owner and p == wanted)
-                filled[id(meta)] = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
-                dist.recv(filled[id(meta)], owner)
+        filled = {id(meta): value for meta, value in _receive(requests, self._stand_ins, self.device, None)}
         return _replace_tensors(checkpoint, lambda t: filled.get(id(t), t).cpu())
 
     def _run(self, write: Any) -> None:
@@ -442,12 +432,23 @@ def _sharded_optimizer_state(state: dict[str, Any], optimizer: Optimizer) -> dic
     return {**state, "state": out}
 
 
+def _receive(
+    requests: dict[int, list[Path_]],
+    stand_ins: Mapping[int, tuple[Tensor, int, Path_]],
+    device: torch.device,
+    group: Any,
+) -> Iterator[tuple[Tensor, Tensor]]:
+    """On rank 0: each stand-in ``requests`` names, with its value as received from its owner, owner by owner."""
+    for owner in sorted(requests):
+        for wanted in requests[owner]:
+            meta = next(t for t, o, p in stand_ins.values() if o == owner and p == wanted)
+            value = torch.empty(meta.shape, dtype=meta.dtype, device=device)
+            dist.recv(value, owner, group=group)
+            yield meta, value
+
+
 def _describe(value: Any) -> Any:
     return (tuple(value.shape), value.dtype, _SHAPE) if isinstance(value, Tensor) else value
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
 
 
 def _is_url(path: Any) -> bool:

@@ -42,7 +42,6 @@ __all__ = [
     "connect",
     "host_group",
     "note_lost_peer",
-    "peer_lost_message",
     "prepare_backend",
 ]
 
@@ -132,15 +131,11 @@ def host_group(backend: str, timeout: timedelta) -> dist.ProcessGroup | None:
 def note_lost_peer(exception: BaseException, rank: int, timeout: timedelta) -> None:
     """Where ``exception`` says a peer failed (:data:`PEER_LOST`), its message gains a note saying so; the
     original text stays first, so a local error that happens to match is still read as it is."""
-    note = peer_lost_message(rank, timeout)
-    exception.args = tuple(
-        f"{arg}\n{note}" if isinstance(arg, str) and re.match(PEER_LOST, arg) else arg for arg in exception.args
-    )
-
-
-def peer_lost_message(rank: int, timeout: timedelta) -> str:
-    return (
+    note = (
         f"dapple: rank {rank} lost a peer. Another rank failed or was killed; its own error is reported by "
         "that rank. (If no rank reports an error, a peer stalled for longer than "
         f"DappleStrategy(timeout={timeout.total_seconds():.0f} s).)"
+    )
+    exception.args = tuple(
+        f"{arg}\n{note}" if isinstance(arg, str) and re.match(PEER_LOST, arg) else arg for arg in exception.args
     )

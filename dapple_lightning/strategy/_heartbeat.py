@@ -51,6 +51,7 @@ __all__ = [
     "STALE_S",
     "Heartbeat",
     "attempt",
+    "end_rank",
     "launcher_client",
     "long_host_work",
     "watch_peers",
@@ -243,12 +244,7 @@ class Heartbeat:
         self._on_lost(reason)
 
     def _exit(self, reason: str) -> None:
-        sys.stdout.flush()
-        sys.stderr.write(
-            f"dapple: rank {self.rank} ends: {reason}. The failed rank's own error, if any, is in its output.\n"
-        )
-        sys.stderr.flush()
-        os._exit(1)
+        end_rank(self.rank, f"{reason}. The failed rank's own error, if any, is in its output.")
 
     # ------------------------------------------------------------------ the store
 
@@ -264,6 +260,14 @@ class Heartbeat:
             action()
 
 
+def end_rank(rank: int, why: str) -> None:
+    """End this process at once with status 1, saying ``why`` on stderr after its output so far."""
+    sys.stdout.flush()
+    sys.stderr.write(f"dapple: rank {rank} ends: {why}\n")
+    sys.stderr.flush()
+    os._exit(1)
+
+
 def _process_space() -> str:
     """Where a process id means the same process as here: this boot of this machine and this PID
     namespace (containers on one host have their own); ``"?"`` where that cannot be read."""
@@ -276,8 +280,6 @@ def _process_space() -> str:
 
 class _Silent:
     """No peers to watch (one rank, or before the process group exists)."""
-
-    lost = None
 
     def report_failure(self, reason: str) -> None:
         pass
@@ -310,7 +312,7 @@ def long_host_work(seconds: float) -> contextlib.AbstractContextManager[None]:
 
 
 def watch_peers(
-    env: ClusterEnvironment | None,
+    env: ClusterEnvironment,
     rank: int,
     world_size: int,
     backend: str,
@@ -319,7 +321,7 @@ def watch_peers(
 ) -> Heartbeat | _Silent:
     """A started :class:`Heartbeat` on the launcher's store (``on_lost``: see :class:`Heartbeat`);
     :data:`SILENT` for a single rank."""
-    if world_size == 1 or env is None:
+    if world_size == 1:
         return SILENT
     namespace = f"{attempt()}/{next(_runs)}"
     heartbeat = Heartbeat(

@@ -25,7 +25,6 @@ trace (``runtime.write_chrome_trace``).
 from __future__ import annotations
 
 import warnings
-from functools import partial
 from itertools import count
 from typing import Any
 
@@ -39,16 +38,16 @@ from torch import nn
 from dapple_lightning.autoplan import draw_batch, optimizer_factory, profile_in_windows
 from dapple_lightning.microbatch import Rows, batch_size_of, slice_batch
 from dapple_lightning.plan import Plan
-from dapple_lightning.planner import Cluster, estimate, over_budget, parse_memory, stage_memory_lines
+from dapple_lightning.planner import Cluster, estimate, over_budget, stage_memory_lines
 from dapple_lightning.runtime import Timeline, write_chrome_trace
-from dapple_lightning.strategy._auto_blocks import BlockChain
+from dapple_lightning.strategy._auto_blocks import sample_chain
 from dapple_lightning.strategy._checkpoint import gather_on_zero
 from dapple_lightning.strategy._failures import HOST_WAIT
 from dapple_lightning.strategy._lightning import training_loader
 from dapple_lightning.strategy._resident import Resident, parameter_bytes
-from dapple_lightning.surgery import Chain, capture_input, set_submodule, unchanged
+from dapple_lightning.surgery import Chain, unchanged
 
-__all__ = ["parse_memory", "predicted_memory", "warn_if_over_budget", "write_trace"]
+__all__ = ["predicted_memory", "warn_if_over_budget", "write_trace"]
 
 _checks = count()  # one store key per check in a process; the same sequence on every rank
 
@@ -60,14 +59,9 @@ def predicted_memory(
     from a profile of ``chain``'s layers on one micro-batch of it on ``device`` (by default where
     the module is); the module is left as it was, where it was."""
     rows = batch_size_of(batch)
-    sample_rows = max(1, -(-rows // plan.micro_batches))
-    sample = slice_batch(batch, Rows(0, sample_rows))
+    sample = slice_batch(batch, Rows(0, max(1, -(-rows // plan.micro_batches))))
     home = next(module.parameters()).device
     device = home if device is None else device
-
-    def step_on(n: int) -> Any:
-        return module.training_step(slice_batch(sample, Rows(0, n)), 0)
-
     try:
         optimizer = optimizer_factory(module)
     except Exception:  # the cost model's optimizer factor stands in for the real state
@@ -76,16 +70,7 @@ def predicted_memory(
     window = None if device == home else max(1, parameter_bytes(resident.layers) // plan.world_size)
     try:
         with unchanged(module):
-            if chain.called_whole:
-                path, container = chain.single()
-                layers = list(container)
-                sample_input = capture_input(
-                    module, partial(set_submodule, module, path), container, lambda: step_on(sample_rows)
-                )
-            else:
-                with resident.one_at_a_time():
-                    blocks = BlockChain(module, chain, step_on, sample_rows)
-                layers, sample_input = blocks.layers, blocks.sample_input
+            layers, sample_input, _, _ = sample_chain(module, chain, sample, resident)
             profile = profile_in_windows(
                 layers, sample_input, hold=resident.hold, window_bytes=window, repeats=1, warmup=0, optimizer=optimizer
             )

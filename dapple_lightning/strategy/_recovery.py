@@ -63,7 +63,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from dapple_lightning.microbatch import tensors
 from dapple_lightning.planner import format_bytes
 from dapple_lightning.strategy._ballot import Ballot, Undecided
-from dapple_lightning.strategy._heartbeat import attempt, launcher_client
+from dapple_lightning.strategy._heartbeat import attempt, end_rank, launcher_client
 from dapple_lightning.strategy._lightning import (
     Patches,
     after_closure,
@@ -198,7 +198,8 @@ class Recovery:
         self.last_checkpoint: tuple[str, int] | None = None
         """The last checkpoint the strategy saved: its path and global step."""
         self.recovered: dict[str, Any] | None = None
-        """After a restart: the checkpoint dict recovered for this rank, until the first safe point."""
+        """After a restart: the checkpoint dict recovered for this rank, until the first safe point (its RNG
+        states are set there, its data position when the training loader is set up)."""
 
     def _fresh_sync(self) -> None:
         self._lock = threading.RLock()
@@ -251,11 +252,6 @@ class Recovery:
 
         self._unwrap = unwrap
 
-    def resume_from(self, checkpoint: dict[str, Any]) -> None:
-        """Train on from a recovered ``checkpoint``: its RNG states at the first safe point, its data
-        position when the training loader is set up."""
-        self.recovered = checkpoint
-
     def track_loader(self, patches: Patches, dataloader: object, trainer: Any) -> None:
         """``process_dataloader``: the training loader's order becomes resumable."""
         if self.active and trainer.state.stage == RunningStage.TRAINING:
@@ -307,11 +303,8 @@ class Recovery:
 
     def _take(self) -> dict[str, Any]:
         """The step's small state; and the module's buffers (running statistics), which its forward
-        changes before the vote: a write must hold them as they were at the step's start.
-
-        Taken every step (:mod:`._snapshot` says how it is kept cheap): :class:`Snapshot` keeps the
-        parts that may share objects with live ones pickled, which is the copy that makes them
-        independent of the live objects."""
+        changes before the vote: a write must hold them as they were at the step's start. Taken
+        every step; :mod:`._snapshot` says how it is kept cheap and apart from the live objects."""
         trainer, module = self._trainer, self._trainer.lightning_module
         if self._buffer_copies is None or not self._buffer_copies.of(module):
             self._buffer_copies = BufferCopies(module)
@@ -504,7 +497,4 @@ def _inside_a_batch(progress: dict[str, Any]) -> None:
 
 
 def _end(rank: int, reason: str) -> None:
-    sys.stdout.flush()
-    sys.stderr.write(f"dapple: rank {rank} ends: {reason}. Its state is kept for the restart where it was whole.\n")
-    sys.stderr.flush()
-    os._exit(1)
+    end_rank(rank, f"{reason}. Its state is kept for the restart where it was whole.")

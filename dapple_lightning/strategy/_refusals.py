@@ -69,7 +69,8 @@ def check_before_start(
                 "has no pinned-memory tier for GPUs yet; leave offload out of the plan (recompute, or more stages, "
                 "lower a stage's memory) or train on accelerator='cpu'"
             )
-        _check_offload(module.trainer)
+        if (problem := _offload_trainer_refusal(module.trainer)) is not None:
+            raise ValueError(problem)
     chain = find_chain(module, sequential_name)
     if (problem := _encoder_decoder_refusal(module, chain, plan, world_size)) is not None:
         raise ValueError(problem)
@@ -107,12 +108,11 @@ def shared_gpu_refusal(backend: str, node_devices: Sequence[Any], plan: Plan | s
 
 
 def _chunks_refusal(plan: Plan, logging: bool) -> str | None:
-    """What a plan with several stages per rank group cannot run with yet: the log that replays a
-    lost rank's stage (a lost rank of a replicated group recovers from its replica as without chunks)."""
-    if plan.chunks > 1 and logging:
+    """What a plan with several stages per rank group cannot run with yet (:func:`auto_chunks_refusal`;
+    a lost rank of a replicated group recovers from its replica as without chunks)."""
+    if plan.chunks > 1 and (why := auto_chunks_refusal(logging)) is not None:
         return (
-            f"recovery='log' keeps a log to replay a lost rank's stage, and the plan gives each rank group "
-            f"{plan.chunks} stages (chunks), which the replay does not handle yet: use recovery='auto' (under "
+            f"{why}, and the plan gives each rank group {plan.chunks} stages (chunks): use recovery='auto' (under "
             "torchrun --max-restarts a lost rank recovers from a replica of its rank group; give every group "
             "2 or more replicas), or set chunks: 1"
         )
@@ -202,13 +202,8 @@ def _encoder_decoder_refusal(module: Any, chain: Chain, plan: Plan | str, world_
     return None
 
 
-def _check_offload(trainer: Any) -> None:
-    """Refuse what an offloaded stage's gradients, which live on disk, cannot do yet."""
-    if (problem := _offload_trainer_refusal(trainer)) is not None:
-        raise ValueError(problem)
-
-
 def _offload_trainer_refusal(trainer: Any) -> str | None:
+    """Why an offloaded stage's gradients, which live on disk, cannot train under ``trainer``'s settings, or ``None``."""
     if trainer.accumulate_grad_batches != 1:
         return (
             f"accumulate_grad_batches={trainer.accumulate_grad_batches} with an offloaded stage: its gradients "

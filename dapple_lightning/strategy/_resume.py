@@ -73,7 +73,7 @@ def begin(recovery: Recovery, trainer: Any, plan: Plan, group: Any, parts: FitPa
         return
     checkpoint = recover(identity, plan, group, recovery, parts)
     if checkpoint is not None:
-        recovery.resume_from(checkpoint)
+        recovery.recovered = checkpoint
         # Lightning restores from it as from a checkpoint file: its strategy.setup comes before the restore.
         hand_over_checkpoint(trainer, checkpoint)
 

@@ -7,16 +7,8 @@ collectives (as DDP's, with barriers on a gloo host group), checkpoints (each ra
 loads only what it holds, in the single-device layout: :mod:`._checkpoint`; a state recovered
 after torchrun's restart: :mod:`._resume`), ``plan="auto"`` (:mod:`._auto`), meta-device models
 (:mod:`._materialize`) and launching. Whatever it changes on Lightning's, the optimizers' and the
-user's objects goes through :mod:`._lightning`, which puts it back at ``teardown``.
-
-One optimizer step under Lightning's automatic optimization:
-
-1. Lightning calls :meth:`DappleStrategy.training_step` with the global batch; the rank's
-   schedule runs every micro-batch, the gradients are summed per stage and set aside, logged
-   values become global-batch values on every rank, and every rank returns the global loss.
-2. Lightning zeroes gradients (or not) and calls :meth:`DappleStrategy.backward`, which adds
-   the fresh gradients instead of differentiating the returned loss.
-3. Lightning steps each rank's optimizer over that rank's parameters only.
+user's objects goes through :mod:`._lightning`, which puts it back at ``teardown``. How one
+optimizer step fits Lightning's automatic optimization is :mod:`._step`'s docstring.
 """
 
 from __future__ import annotations
@@ -42,6 +34,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from dapple_lightning.plan import Plan
+from dapple_lightning.planner import parse_memory
 from dapple_lightning.runtime import Pipeline, StepStats, Timeline, follow_shards, unshard_stage
 from dapple_lightning.strategy._auto import AutoSetting, choose_automatically, draw_global_batch
 from dapple_lightning.strategy._batch import SameBatch, same_order
@@ -63,7 +56,7 @@ from dapple_lightning.strategy._lightning import (
     sync_if_available,
 )
 from dapple_lightning.strategy._materialize import STAYS_CUT, materialize, meta_context, on_meta, unmoved_on_meta
-from dapple_lightning.strategy._memory import parse_memory, warn_if_over_budget, write_trace
+from dapple_lightning.strategy._memory import warn_if_over_budget, write_trace
 from dapple_lightning.strategy._parts import FitParts
 from dapple_lightning.strategy._pipelines import Buffers, PipelineBuilder, broadcast_module
 from dapple_lightning.strategy._recovery import Recovery, RecoveryMode, is_active
@@ -179,7 +172,6 @@ class DappleStrategy(ParallelStrategy):
         self._steps: PipelinedSteps | None = None
         self._checkpoints = Checkpoints(state_dict_type, async_save, timeout)
         self._same_batch = SameBatch()
-        self._full_state_keys: list[str] = []
         self._spawned_ranks_kept_state = False
         self._leaves_at_exit = False
         self._materialized = False  # built on the meta device: each rank holds its part only, even after fit
@@ -305,7 +297,7 @@ class DappleStrategy(ParallelStrategy):
         seed = torch.tensor([torch.initial_seed() % 2**62], dtype=torch.int64, device=self.root_device)
         dist.broadcast(seed, 0)
         self._shuffle_seed = int(seed)
-        self._full_state_keys = list(module.state_dict().keys())
+        keys = list(module.state_dict().keys())  # the whole model's, before the cut
         fitting = trainer.state.fn == TrainerFn.FITTING
         pipelines = PipelineBuilder(module, self.global_rank, self.root_device, self._timeout)
         self._steps = PipelinedSteps(module, self.root_device, lazy_batch=self._lazy_batch)
@@ -321,9 +313,7 @@ class DappleStrategy(ParallelStrategy):
         self._pipeline = pipelines.build(self.plan, self._cut.stage, timeline, track_memory=self._track_memory)
         follow_shards(self._cut.stage, whole, self.optimizers)  # onto a sharded stage's shards, as in fit
         self._buffers = Buffers(module, self._pipeline, self.plan, fitting and self._layer_sync is not None)
-        self._checkpoints.attach(
-            module, self._cut, self.plan, rank, self.root_device, self._full_state_keys, self._host_group
-        )
+        self._checkpoints.attach(module, self._cut, self.plan, rank, self.root_device, keys, self._host_group)
         if self.auto_plan is None:
             rank_zero_info(f"dapple plan:\n{self.plan.table()}")
         streams.restore()

@@ -29,7 +29,7 @@ from typing import Any
 from dapple_lightning.trials._child import start_parent_watchdog
 from dapple_lightning.trials._fingerprint import Fingerprint
 from dapple_lightning.trials._launch import launch
-from dapple_lightning.trials._trial import TrialConfig, _tail
+from dapple_lightning.trials._trial import TrialConfig, _read, _tail
 
 __all__ = ["ModelInfo", "probe_model"]
 
@@ -39,8 +39,6 @@ class ModelInfo:
     """What the probe learned about the model."""
 
     fingerprint: Fingerprint
-    layer_names: tuple[str, ...]
-    """``"0: Linear"``, ... one per layer of the Sequential."""
     profile: dict[str, Any] | None = None
     """A ``ModelProfile`` as a dict (see ``dapple_lightning.planner``), when asked for and measurable."""
     profile_error: str | None = None
@@ -83,7 +81,7 @@ def probe_model(config: TrialConfig, *, profile: bool = False, timeout_s: float 
         finally:
             timed_out = handle.poll() is None
             handle.close()
-        stderr = (out / "supervisor.err").read_text(errors="replace") if (out / "supervisor.err").exists() else ""
+        stderr = _read(out / "supervisor.err")
         result_path = out / "probe.json"
         if handle.returncode != 0 or not result_path.exists():
             what = f"timed out after {limit:g} s" if timed_out else f"failed (exit code {handle.returncode})"
@@ -91,7 +89,6 @@ def probe_model(config: TrialConfig, *, profile: bool = False, timeout_s: float 
         data = json.loads(result_path.read_text())
     return ModelInfo(
         fingerprint=Fingerprint.from_dict(data["fingerprint"]),
-        layer_names=tuple(data["layer_names"]),
         profile=data.get("profile"),
         profile_error=data.get("profile_error"),
     )
@@ -154,10 +151,7 @@ def main(spec_path: str) -> int:
         device=device,
         global_batch=int(spec["global_batch"]),
     )
-    result: dict[str, Any] = {
-        "fingerprint": fingerprint.to_dict(),
-        "layer_names": [f"{i}: {type(layer).__name__}" for i, layer in enumerate(seq)],
-    }
+    result: dict[str, Any] = {"fingerprint": fingerprint.to_dict()}
     if spec["profile"]:
         try:
             batch = next(iter(loader))

@@ -50,10 +50,9 @@ from dapple_lightning.plan import Plan, whole
 from dapple_lightning.trials._child import INFEASIBLE, parse_event
 from dapple_lightning.trials._devices import host_devices, lease_devices
 from dapple_lightning.trials._factory import check_factory_spec
-from dapple_lightning.trials._launch import Handle, default_launcher, group_alive, launch
+from dapple_lightning.trials._launch import Handle, default_launcher, launch
 
-# group_alive is re-exported: tests and callers check that a trial's processes are gone.
-__all__ = ["FailKind", "TrialConfig", "TrialResult", "classify_failure", "group_alive", "run_trial"]
+__all__ = ["FailKind", "TrialConfig", "TrialResult", "classify_failure", "run_trial"]
 
 _OOM_MARKERS = (
     "MemoryError",

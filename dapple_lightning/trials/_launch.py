@@ -247,12 +247,9 @@ def launch(kind: Kind, spec_path: Path, *, launcher: str, python: str) -> Handle
     """
     out = spec_path.parent
     if launcher == "exec":
-        if kind == "trial":
-            command = [python, "-m", "dapple_lightning.trials._leader", str(spec_path)]
-        else:
-            command = [python, "-m", "dapple_lightning.trials._probe", str(spec_path)]
+        module = "_leader" if kind == "trial" else "_probe"
         proc = subprocess.Popen(
-            command,
+            [python, "-m", f"dapple_lightning.trials.{module}", str(spec_path)],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=open(out / "supervisor.err", "wb"),  # noqa: SIM115 (the child holds it)

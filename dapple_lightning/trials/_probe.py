@@ -74,7 +74,7 @@ def probe_model(config: TrialConfig, *, profile: bool = False, timeout_s: float 
         spec_path.write_text(json.dumps(spec))
         limit = timeout_s if timeout_s is not None else config.timeout_s
         deadline = time.monotonic() + limit
-        handle = launch("probe", spec_path, launcher=config.launcher or "exec", python=config.python)
+        handle = launch("probe", spec_path, launcher=config.launcher, python=config.python)
         try:
             while handle.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.05)  # polling the child with a deadline

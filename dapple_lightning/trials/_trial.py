@@ -302,7 +302,7 @@ def _launched(
     spec_path = out / "spec.json"
     spec_path.write_text(json.dumps(_spec(plan, config, out, visible)))
     started = time.monotonic()
-    handle = launch("trial", spec_path, launcher=config.launcher or default_launcher(), python=config.python)
+    handle = launch("trial", spec_path, launcher=config.launcher, python=config.python)
     try:
         if on_start is not None:
             on_start(handle.pgid)
@@ -336,21 +336,14 @@ def _watch(
     try:
         while True:
             now = time.monotonic()
-            if now - started > config.timeout_s:
-                return TrialResult(
-                    "failed",
-                    reason="timeout",
-                    fail_kind="timeout",
-                    detail=f"wall-clock limit of {config.timeout_s:g} s",
-                )
             stall = config.stall_timeout_s
-            if stall is not None and stepping and now - last_progress > stall:
-                return TrialResult(
-                    "failed",
-                    reason="timeout",
-                    fail_kind="timeout",
-                    detail=f"no step ended for {stall:g} s after the last",
-                )
+            limit = None
+            if now - started > config.timeout_s:
+                limit = f"wall-clock limit of {config.timeout_s:g} s"
+            elif stall is not None and stepping and now - last_progress > stall:
+                limit = f"no step ended for {stall:g} s after the last"
+            if limit is not None:
+                return TrialResult("failed", reason="timeout", fail_kind="timeout", detail=limit)
             if handle.poll() is not None:
                 return None
             if fd is None or not selector.select(timeout=0.1):

@@ -51,6 +51,7 @@ import optuna
 import sqlalchemy
 from optuna.trial import TrialState
 
+from dapple_lightning.planner import choose_measured
 from dapple_lightning.search._bookkeeping import CONFIRMS, explored_count
 from dapple_lightning.search._choice import PlanResult, plan_results
 from dapple_lightning.trials import runner_info
@@ -63,16 +64,17 @@ MAX_CONTENDERS = 3
 
 def contenders(study: optuna.Study, limit: int = MAX_CONTENDERS) -> list[PlanResult]:
     """The plans a round measures again: the fastest by median, data parallelism (when measured), then
-    the plans that cannot be told apart from the fastest, the closest first; at most ``limit``."""
-    ranked = plan_results(study)
-    if not ranked:
+    the plans that cannot be told apart from the fastest (the choice's ``tied``), the closest first;
+    at most ``limit``."""
+    results = plan_results(study)
+    if not results:
         return []
-    leader = ranked[0]
-    picked = [leader]
-    dp = next((r for r in ranked if r.data_parallel), None)
-    if dp is not None and dp is not leader:
+    choice = choose_measured(results)
+    dp = choice.data_parallel
+    picked = [choice.leader]
+    if dp is not None and dp is not choice.leader:
         picked.append(dp)
-    picked += [r for r in ranked[1:] if r is not dp and not leader.told_apart(r)]
+    picked += [r for r in choice.tied[1:] if r is not dp]
     return picked[:limit]
 
 

@@ -427,8 +427,7 @@ def _vanished_as_killed(codes: list, killed: list[int], vanished: list[int]) -> 
 
 def _secondary(stderr: str) -> bool:
     """Whether a rank's error is only the echo of another rank's failure."""
-    last = [line for line in stderr.strip().splitlines() if line.strip()][-3:]
-    return any(marker in line for line in last for marker in _SECONDARY)
+    return any(marker in line for line in _tail(stderr, 3).splitlines() for marker in _SECONDARY)
 
 
 def _read(path: Path) -> str:

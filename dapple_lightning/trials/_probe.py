@@ -49,8 +49,8 @@ class ModelInfo:
         return self.fingerprint.num_layers
 
 
-def probe_model(config: TrialConfig, *, profile: bool = False, timeout_s: float | None = None) -> ModelInfo:
-    """Build the model of ``config`` in a child process and describe it.
+def probe_model(config: TrialConfig, *, profile: bool = False) -> ModelInfo:
+    """Build the model of ``config`` in a child process and describe it, within ``config.timeout_s``.
 
     Raises:
         RuntimeError: When the factory fails or the child exceeds the time limit (the message
@@ -72,8 +72,7 @@ def probe_model(config: TrialConfig, *, profile: bool = False, timeout_s: float 
         }
         spec_path = out / "spec.json"
         spec_path.write_text(json.dumps(spec))
-        limit = timeout_s if timeout_s is not None else config.timeout_s
-        deadline = time.monotonic() + limit
+        deadline = time.monotonic() + config.timeout_s
         handle = launch("probe", spec_path, launcher=config.launcher, python=config.python)
         try:
             while handle.poll() is None and time.monotonic() < deadline:
@@ -84,7 +83,7 @@ def probe_model(config: TrialConfig, *, profile: bool = False, timeout_s: float 
         stderr = _read(out / "supervisor.err")
         result_path = out / "probe.json"
         if handle.returncode != 0 or not result_path.exists():
-            what = f"timed out after {limit:g} s" if timed_out else f"failed (exit code {handle.returncode})"
+            what = f"timed out after {config.timeout_s:g} s" if timed_out else f"failed (exit code {handle.returncode})"
             raise RuntimeError(f"building the model {config.model!r} in a child process {what}:\n{_tail(stderr)}")
         data = json.loads(result_path.read_text())
     return ModelInfo(

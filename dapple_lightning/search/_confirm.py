@@ -62,10 +62,10 @@ MAX_CONTENDERS = 3
 """Plans a round measures again, at most: the leader, data parallelism, the closest rival."""
 
 
-def contenders(study: optuna.Study, limit: int = MAX_CONTENDERS) -> list[PlanResult]:
+def contenders(study: optuna.Study) -> list[PlanResult]:
     """The plans a round measures again: the fastest by median, data parallelism (when measured), then
     the plans that cannot be told apart from the fastest (the choice's ``tied``), the closest first;
-    at most ``limit``."""
+    at most :data:`MAX_CONTENDERS`."""
     results = plan_results(study)
     if not results:
         return []
@@ -75,7 +75,7 @@ def contenders(study: optuna.Study, limit: int = MAX_CONTENDERS) -> list[PlanRes
     if dp is not None and dp is not choice.leader:
         picked.append(dp)
     picked += [r for r in choice.tied[1:] if r is not dp]
-    return picked[:limit]
+    return picked[:MAX_CONTENDERS]
 
 
 def round_key(study: optuna.Study) -> str:
@@ -83,9 +83,7 @@ def round_key(study: optuna.Study) -> str:
     return f"confirmation_after_{explored_count(study)}"
 
 
-def plan_round(
-    study: optuna.Study, repeats: int, say: Callable[[str], None], limit: int = MAX_CONTENDERS
-) -> list[PlanResult] | None:
+def plan_round(study: optuna.Study, repeats: int, say: Callable[[str], None]) -> list[PlanResult] | None:
     """Claim and queue the round of the study as it stands: every contender is brought to
     ``1 + repeats`` runs, the turns interleaved; the contenders, or ``None`` when there is nothing to
     queue: the round was planned already (by an earlier run or another worker), nothing has
@@ -93,7 +91,7 @@ def plan_round(
     key = round_key(study)
     if key in study.user_attrs:
         return None
-    plans = contenders(study, limit)
+    plans = contenders(study)
     if not plans:
         return None
     if len(plans) == 1 and plans[0].data_parallel:

@@ -28,8 +28,8 @@ from typing import Any
 
 from dapple_lightning.trials._child import start_parent_watchdog
 from dapple_lightning.trials._fingerprint import Fingerprint
-from dapple_lightning.trials._launch import launch
-from dapple_lightning.trials._trial import TrialConfig, _read, _tail
+from dapple_lightning.trials._launch import _tail, launch
+from dapple_lightning.trials._trial import TrialConfig, _read
 
 __all__ = ["ModelInfo", "probe_model"]
 

@@ -50,7 +50,7 @@ from dapple_lightning.plan import Plan, whole
 from dapple_lightning.trials._child import INFEASIBLE, parse_event
 from dapple_lightning.trials._devices import host_devices, lease_devices
 from dapple_lightning.trials._factory import check_factory_spec
-from dapple_lightning.trials._launch import Handle, default_launcher, launch
+from dapple_lightning.trials._launch import Handle, _tail, default_launcher, launch
 
 __all__ = ["FailKind", "TrialConfig", "TrialResult", "classify_failure", "run_trial"]
 
@@ -209,11 +209,6 @@ def classify_failure(returncodes: list[int | None], killed: list[int], stderr: s
         ranks = ", ".join(map(str, external_kill))
         return "oom", f"rank(s) {ranks} killed by SIGKILL (the kernel's OOM killer?)" + (f"\n{tail}" if tail else "")
     return "crash", tail or f"ranks exited with codes {returncodes} and wrote no error"
-
-
-def _tail(text: str, lines: int = 12) -> str:
-    kept = [line for line in text.strip().splitlines() if line.strip()]
-    return "\n".join(kept[-lines:])
 
 
 def _spec(plan: Plan, config: TrialConfig, out: Path, visible: tuple[str, ...] | None) -> dict[str, Any]:

@@ -141,10 +141,6 @@ class Choice(PlanChoice):
             f"chosen: trial {self.chosen.number}, {self.reason}"
         )
 
-    @property
-    def trial(self) -> FrozenTrial:
-        return self.chosen.trial
-
 
 def choose_plan(study: optuna.Study) -> Choice:
     """The plan to train with: the study's measured plans (:func:`plan_results`) chosen by the

@@ -51,6 +51,7 @@ import optuna
 import sqlalchemy
 from optuna.trial import TrialState
 
+from dapple_lightning.planner import choose_measured
 from dapple_lightning.search._bookkeeping import CONFIRMS, explored_count
 from dapple_lightning.search._choice import PlanResult, plan_results
 from dapple_lightning.trials import runner_info
@@ -61,19 +62,20 @@ MAX_CONTENDERS = 3
 """Plans a round measures again, at most: the leader, data parallelism, the closest rival."""
 
 
-def contenders(study: optuna.Study, limit: int = MAX_CONTENDERS) -> list[PlanResult]:
+def contenders(study: optuna.Study) -> list[PlanResult]:
     """The plans a round measures again: the fastest by median, data parallelism (when measured), then
-    the plans that cannot be told apart from the fastest, the closest first; at most ``limit``."""
-    ranked = plan_results(study)
-    if not ranked:
+    the plans that cannot be told apart from the fastest (the choice's ``tied``), the closest first;
+    at most :data:`MAX_CONTENDERS`."""
+    results = plan_results(study)
+    if not results:
         return []
-    leader = ranked[0]
-    picked = [leader]
-    dp = next((r for r in ranked if r.data_parallel), None)
-    if dp is not None and dp is not leader:
+    choice = choose_measured(results)
+    dp = choice.data_parallel
+    picked = [choice.leader]
+    if dp is not None and dp is not choice.leader:
         picked.append(dp)
-    picked += [r for r in ranked[1:] if r is not dp and not leader.told_apart(r)]
-    return picked[:limit]
+    picked += [r for r in choice.tied[1:] if r is not dp]
+    return picked[:MAX_CONTENDERS]
 
 
 def round_key(study: optuna.Study) -> str:
@@ -81,9 +83,7 @@ def round_key(study: optuna.Study) -> str:
     return f"confirmation_after_{explored_count(study)}"
 
 
-def plan_round(
-    study: optuna.Study, repeats: int, say: Callable[[str], None], limit: int = MAX_CONTENDERS
-) -> list[PlanResult] | None:
+def plan_round(study: optuna.Study, repeats: int, say: Callable[[str], None]) -> list[PlanResult] | None:
     """Claim and queue the round of the study as it stands: every contender is brought to
     ``1 + repeats`` runs, the turns interleaved; the contenders, or ``None`` when there is nothing to
     queue: the round was planned already (by an earlier run or another worker), nothing has
@@ -91,7 +91,7 @@ def plan_round(
     key = round_key(study)
     if key in study.user_attrs:
         return None
-    plans = contenders(study, limit)
+    plans = contenders(study)
     if not plans:
         return None
     if len(plans) == 1 and plans[0].data_parallel:

@@ -19,6 +19,7 @@ the PNGs were skipped.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -62,10 +63,6 @@ def _plan_label(trial: FrozenTrial) -> str:
 def _history(go: Any, trials: list[FrozenTrial]) -> Any:
     numbers = [t.number for t in trials]
     speeds = [float(t.user_attrs["samples_per_s"]) for t in trials]
-    best, best_so_far = 0.0, []
-    for s in speeds:
-        best = max(best, s)
-        best_so_far.append(best)
     fig = go.Figure()
     fig.add_scatter(
         x=numbers,
@@ -75,28 +72,20 @@ def _history(go: Any, trials: list[FrozenTrial]) -> Any:
         text=[_plan_label(t) for t in trials],
         hovertemplate="trial %{x}: %{y:.1f} samples/s<br>%{text}<extra></extra>",
     )
+    best_so_far = list(itertools.accumulate(speeds, max))
     fig.add_scatter(x=numbers, y=best_so_far, mode="lines", line_shape="hv", name="best so far")
     fig.update_layout(title="Optimisation history", xaxis_title="trial", yaxis_title="samples/s")
     return fig
 
 
 def _plans(go: Any, study: optuna.Study) -> Any:
-    rows = [
-        (
-            r.samples_per_s,
-            describe_plan(r.plan),
-            r.samples_per_s * r.spread,
-            r.number,
-            ", ".join(str(t.number) for t in r.trials),
-        )
-        for r in plan_results(study)
-    ]
+    results = plan_results(study)
     fig = go.Figure(
         go.Bar(
-            x=[r[1] for r in rows],
-            y=[r[0] for r in rows],
-            error_y={"type": "data", "array": [r[2] for r in rows], "visible": True},
-            customdata=[[r[3], r[4]] for r in rows],
+            x=[describe_plan(r.plan) for r in results],
+            y=[r.samples_per_s for r in results],
+            error_y={"type": "data", "array": [r.samples_per_s * r.spread for r in results], "visible": True},
+            customdata=[[r.number, ", ".join(str(t.number) for t in r.trials)] for r in results],
             hovertemplate="%{x}<br>%{y:.1f} ± %{error_y.array:.1f} samples/s (median; first trial %{customdata[0]})"
             "<br>trials %{customdata[1]}<extra></extra>",
         )

@@ -77,12 +77,13 @@ def plan_rows(choice: Choice, study: optuna.Study) -> list[dict[str, str]]:
     return rows
 
 
-def format_table(rows: Sequence[Mapping[str, str]], columns: Sequence[str] | None = None, max_width: int = 70) -> str:
-    """Rows as an aligned text table (cells longer than ``max_width`` are clipped)."""
+def format_table(rows: Sequence[Mapping[str, str]]) -> str:
+    """Rows as an aligned text table, the first row's keys as its columns (cells longer than 70
+    characters are clipped)."""
     if not rows:
         return "(none)"
-    columns = list(columns or rows[0].keys())
-    cells = [[clip(str(r.get(c, "")), max_width) for c in columns] for r in rows]
+    columns = list(rows[0].keys())
+    cells = [[clip(str(r.get(c, "")), 70) for c in columns] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths)).rstrip()]
     lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in cells]

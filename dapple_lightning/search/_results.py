@@ -96,7 +96,7 @@ def best_choice(study: optuna.Study) -> tuple[FrozenTrial, str | None]:
     if not throughput_study(study):
         return best_trial(study), None
     choice = choose_plan(study)
-    return choice.trial, choice.note
+    return choice.chosen.trial, choice.note
 
 
 def explain_choice(spec: str, samples_per_s: float | None = None) -> str:

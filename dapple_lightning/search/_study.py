@@ -187,8 +187,7 @@ class PlanSearch:
         plans = space.grid(self.config.max_grid)
         # A seeded shuffle: a drift in the machine's load must not line up with one region of the space.
         random.Random(self.config.seed).shuffle(plans)
-        for plan in plans:
-            study.enqueue_trial(space.params(plan), user_attrs={"source": "grid"}, skip_if_exists=True)
+        enqueue_plans(study, space, plans, source="grid")
         study.set_user_attr("grid_enqueued", True)
 
 

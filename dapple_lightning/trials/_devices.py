@@ -117,23 +117,15 @@ def _busy(devices: tuple[str, ...], folder: Path) -> str:
 
 @contextlib.contextmanager
 def lease_devices(
-    count: int,
-    *,
-    devices: tuple[str, ...] | None = None,
-    note: str = "",
-    on_wait: Callable[[str], None] | None = None,
-    poll_s: float = 0.2,
-    report_every_s: float = 30.0,
+    count: int, *, note: str = "", on_wait: Callable[[str], None] | None = None
 ) -> Iterator[tuple[str, ...]]:
     """Hold ``count`` of this host's devices, exclusively among processes of this host, for the ``with`` block.
 
     Args:
         count: devices needed (the trial's ranks).
-        devices: the host's device ids; ``None``: :func:`host_devices`.
         note: what the lease is for (shown to those waiting on it).
-        on_wait: called with a message when the lease has to wait, and every ``report_every_s``
-            while it still waits.
-        poll_s: how often a waiting lease looks again.
+        on_wait: called with a message when the lease has to wait, and every 30 s while it still
+            waits.
 
     Yields:
         The leased ids, in the host's order: the value of ``CUDA_VISIBLE_DEVICES`` is
@@ -142,7 +134,7 @@ def lease_devices(
     Raises:
         ValueError: The host has fewer than ``count`` devices.
     """
-    devices = host_devices() if devices is None else tuple(devices)
+    devices = host_devices()
     if count > len(devices):
         raise ValueError(
             f"the trial needs {count} GPUs, this host has {len(devices)} ({','.join(devices) or 'none'}); "
@@ -153,11 +145,11 @@ def lease_devices(
     reported = None
     while (held := _acquire(devices, count, folder, note)) is None:
         now = time.monotonic()
-        if on_wait is not None and (reported is None or now - reported >= report_every_s):
+        if on_wait is not None and (reported is None or now - reported >= 30.0):
             waited = f" (waited {now - started:.0f} s)" if reported is not None else ""
             on_wait(f"waiting for {count} free GPUs of {len(devices)} on this host{waited}: {_busy(devices, folder)}")
             reported = now
-        time.sleep(poll_s)  # polling the locks: a lease may end in any other process
+        time.sleep(0.2)  # polling the locks: a lease may end in any other process
     try:
         yield tuple(d for d in devices if d in held)
     finally:

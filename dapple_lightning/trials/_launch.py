@@ -104,6 +104,12 @@ def kill_group(pgid: int, term_wait_s: float = 3.0, kill_wait_s: float = 10.0) -
         time.sleep(0.02)  # a killed process takes a moment to exit on a loaded machine
 
 
+def _tail(text: str, lines: int = 12) -> str:
+    """The last ``lines`` non-blank lines of a child's stderr: where its error is."""
+    kept = [line for line in text.strip().splitlines() if line.strip()]
+    return "\n".join(kept[-lines:])
+
+
 @dataclass
 class Handle:
     """A started trial or probe: its process group, the channel of its events, its exit code."""
@@ -187,8 +193,7 @@ class _Template:
     def _died(self) -> str:
         code = self.proc.wait()
         self._stderr.seek(0)
-        tail = self._stderr.read().decode(errors="replace").strip().splitlines()[-12:]
-        return f"the trial template exited (code {code}):\n" + "\n".join(tail)
+        return f"the trial template exited (code {code}):\n" + _tail(self._stderr.read().decode(errors="replace"))
 
     def start(self, kind: Kind, spec_path: Path, events_path: Path) -> int:
         if not self._ready:
@@ -247,12 +252,9 @@ def launch(kind: Kind, spec_path: Path, *, launcher: str, python: str) -> Handle
     """
     out = spec_path.parent
     if launcher == "exec":
-        if kind == "trial":
-            command = [python, "-m", "dapple_lightning.trials._leader", str(spec_path)]
-        else:
-            command = [python, "-m", "dapple_lightning.trials._probe", str(spec_path)]
+        module = "_leader" if kind == "trial" else "_probe"
         proc = subprocess.Popen(
-            command,
+            [python, "-m", f"dapple_lightning.trials.{module}", str(spec_path)],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=open(out / "supervisor.err", "wb"),  # noqa: SIM115 (the child holds it)

@@ -28,8 +28,8 @@ from typing import Any
 
 from dapple_lightning.trials._child import start_parent_watchdog
 from dapple_lightning.trials._fingerprint import Fingerprint
-from dapple_lightning.trials._launch import launch
-from dapple_lightning.trials._trial import TrialConfig, _tail
+from dapple_lightning.trials._launch import _tail, launch
+from dapple_lightning.trials._trial import TrialConfig, _read
 
 __all__ = ["ModelInfo", "probe_model"]
 
@@ -39,8 +39,6 @@ class ModelInfo:
     """What the probe learned about the model."""
 
     fingerprint: Fingerprint
-    layer_names: tuple[str, ...]
-    """``"0: Linear"``, ... one per layer of the Sequential."""
     profile: dict[str, Any] | None = None
     """A ``ModelProfile`` as a dict (see ``dapple_lightning.planner``), when asked for and measurable."""
     profile_error: str | None = None
@@ -51,8 +49,8 @@ class ModelInfo:
         return self.fingerprint.num_layers
 
 
-def probe_model(config: TrialConfig, *, profile: bool = False, timeout_s: float | None = None) -> ModelInfo:
-    """Build the model of ``config`` in a child process and describe it.
+def probe_model(config: TrialConfig, *, profile: bool = False) -> ModelInfo:
+    """Build the model of ``config`` in a child process and describe it, within ``config.timeout_s``.
 
     Raises:
         RuntimeError: When the factory fails or the child exceeds the time limit (the message
@@ -74,24 +72,22 @@ def probe_model(config: TrialConfig, *, profile: bool = False, timeout_s: float 
         }
         spec_path = out / "spec.json"
         spec_path.write_text(json.dumps(spec))
-        limit = timeout_s if timeout_s is not None else config.timeout_s
-        deadline = time.monotonic() + limit
-        handle = launch("probe", spec_path, launcher=config.launcher or "exec", python=config.python)
+        deadline = time.monotonic() + config.timeout_s
+        handle = launch("probe", spec_path, launcher=config.launcher, python=config.python)
         try:
             while handle.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.05)  # polling the child with a deadline
         finally:
             timed_out = handle.poll() is None
             handle.close()
-        stderr = (out / "supervisor.err").read_text(errors="replace") if (out / "supervisor.err").exists() else ""
+        stderr = _read(out / "supervisor.err")
         result_path = out / "probe.json"
         if handle.returncode != 0 or not result_path.exists():
-            what = f"timed out after {limit:g} s" if timed_out else f"failed (exit code {handle.returncode})"
+            what = f"timed out after {config.timeout_s:g} s" if timed_out else f"failed (exit code {handle.returncode})"
             raise RuntimeError(f"building the model {config.model!r} in a child process {what}:\n{_tail(stderr)}")
         data = json.loads(result_path.read_text())
     return ModelInfo(
         fingerprint=Fingerprint.from_dict(data["fingerprint"]),
-        layer_names=tuple(data["layer_names"]),
         profile=data.get("profile"),
         profile_error=data.get("profile_error"),
     )
@@ -154,10 +150,7 @@ def main(spec_path: str) -> int:
         device=device,
         global_batch=int(spec["global_batch"]),
     )
-    result: dict[str, Any] = {
-        "fingerprint": fingerprint.to_dict(),
-        "layer_names": [f"{i}: {type(layer).__name__}" for i, layer in enumerate(seq)],
-    }
+    result: dict[str, Any] = {"fingerprint": fingerprint.to_dict()}
     if spec["profile"]:
         try:
             batch = next(iter(loader))

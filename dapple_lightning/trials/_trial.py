@@ -50,10 +50,9 @@ from dapple_lightning.plan import Plan, whole
 from dapple_lightning.trials._child import INFEASIBLE, parse_event
 from dapple_lightning.trials._devices import host_devices, lease_devices
 from dapple_lightning.trials._factory import check_factory_spec
-from dapple_lightning.trials._launch import Handle, default_launcher, group_alive, launch
+from dapple_lightning.trials._launch import Handle, _tail, default_launcher, launch
 
-# group_alive is re-exported: tests and callers check that a trial's processes are gone.
-__all__ = ["FailKind", "TrialConfig", "TrialResult", "classify_failure", "group_alive", "run_trial"]
+__all__ = ["FailKind", "TrialConfig", "TrialResult", "classify_failure", "run_trial"]
 
 _OOM_MARKERS = (
     "MemoryError",
@@ -212,11 +211,6 @@ def classify_failure(returncodes: list[int | None], killed: list[int], stderr: s
     return "crash", tail or f"ranks exited with codes {returncodes} and wrote no error"
 
 
-def _tail(text: str, lines: int = 12) -> str:
-    kept = [line for line in text.strip().splitlines() if line.strip()]
-    return "\n".join(kept[-lines:])
-
-
 def _spec(plan: Plan, config: TrialConfig, out: Path, visible: tuple[str, ...] | None) -> dict[str, Any]:
     return {
         "plan": plan.to_dict(),
@@ -303,7 +297,7 @@ def _launched(
     spec_path = out / "spec.json"
     spec_path.write_text(json.dumps(_spec(plan, config, out, visible)))
     started = time.monotonic()
-    handle = launch("trial", spec_path, launcher=config.launcher or default_launcher(), python=config.python)
+    handle = launch("trial", spec_path, launcher=config.launcher, python=config.python)
     try:
         if on_start is not None:
             on_start(handle.pgid)
@@ -337,21 +331,14 @@ def _watch(
     try:
         while True:
             now = time.monotonic()
-            if now - started > config.timeout_s:
-                return TrialResult(
-                    "failed",
-                    reason="timeout",
-                    fail_kind="timeout",
-                    detail=f"wall-clock limit of {config.timeout_s:g} s",
-                )
             stall = config.stall_timeout_s
-            if stall is not None and stepping and now - last_progress > stall:
-                return TrialResult(
-                    "failed",
-                    reason="timeout",
-                    fail_kind="timeout",
-                    detail=f"no step ended for {stall:g} s after the last",
-                )
+            limit = None
+            if now - started > config.timeout_s:
+                limit = f"wall-clock limit of {config.timeout_s:g} s"
+            elif stall is not None and stepping and now - last_progress > stall:
+                limit = f"no step ended for {stall:g} s after the last"
+            if limit is not None:
+                return TrialResult("failed", reason="timeout", fail_kind="timeout", detail=limit)
             if handle.poll() is not None:
                 return None
             if fd is None or not selector.select(timeout=0.1):
@@ -435,8 +422,7 @@ def _vanished_as_killed(codes: list, killed: list[int], vanished: list[int]) -> 
 
 def _secondary(stderr: str) -> bool:
     """Whether a rank's error is only the echo of another rank's failure."""
-    last = [line for line in stderr.strip().splitlines() if line.strip()][-3:]
-    return any(marker in line for line in last for marker in _SECONDARY)
+    return any(marker in line for line in _tail(stderr, 3).splitlines() for marker in _SECONDARY)
 
 
 def _read(path: Path) -> str:

@@ -10,8 +10,7 @@ from hypothesis import strategies as st
 
 from dapple_lightning.plan import Plan, Stage
 from dapple_lightning.planner import Cluster, CostModel, LayerProfile, ModelProfile, place, simulate_plan
-from dapple_lightning.planner._replay import replay, replay_end
-from dapple_lightning.planner._simulator import simulated_step_s
+from dapple_lightning.planner._simulator import replay, replay_end, simulated_step_s
 from dapple_lightning.schedule import schedule, simulate
 
 # Worst simulated / predicted step seen on thousands of random plans (stages of random cost,

@@ -9,7 +9,7 @@ import pytest
 
 from dapple_lightning.plan import Plan, Stage
 from dapple_lightning.planner import GB, Cluster, CostModel, LayerProfile, ModelProfile, shortlist, simulate_plan
-from dapple_lightning.planner._replay import replay
+from dapple_lightning.planner._simulator import replay
 from dapple_lightning.schedule import peak_in_flight, schedule
 
 

@@ -146,9 +146,15 @@ class PlannedPlan:
             )
         return out
 
-    def with_speedup(self, dp_step_s: float | None) -> PlannedPlan:
-        speedup = None if dp_step_s is None or self.predicted_step_s <= 0 else dp_step_s / self.predicted_step_s
-        return dataclasses.replace(self, speedup_vs_dp=speedup)
+    @classmethod
+    def predicted(
+        cls, model: CostModel, est: Estimate, dp_step_s: float | None, placement: str = "append", method: str = "dapple"
+    ) -> PlannedPlan:
+        """``est``'s plan with ``model``'s prediction, the simulator's replay and the speedup over pure
+        data parallelism's predicted step ``dp_step_s``."""
+        speedup = None if dp_step_s is None or est.step_s <= 0 else dp_step_s / est.step_s
+        simulated = simulated_step_s(model, est.plan, est)
+        return cls(est.plan, est.step_s, est.memory_bytes, speedup, placement, method, est, simulated)
 
 
 @dataclass(frozen=True)
@@ -570,9 +576,7 @@ def _planned(model: CostModel, search: _Search, dp_step: float | None, schedule:
             raise RuntimeError(f"planner and cost model disagree on {plan.to_dict()}: {z} vs {est.pipeline_s}")
         # Consecutive ranks are what "append" gives, whichever policy found the plan first.
         label = policy if plan.stages[0].ranks is not None else "append"
-        simulated = simulated_step_s(model, plan, est)
-        planned = PlannedPlan(plan, est.step_s, est.memory_bytes, None, label, "dapple", est, simulated)
-        out.append(planned.with_speedup(dp_step))
+        out.append(PlannedPlan.predicted(model, est, dp_step, label))
     return out
 
 

@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING
 
 from dapple_lightning.plan import LAYOUTS, Plan, Stage, balanced_cuts, stage_groups
 from dapple_lightning.planner._budget import format_bytes
-from dapple_lightning.planner._cost import Placement
 from dapple_lightning.planner._zero_bubble import stage_weight
 from dapple_lightning.schedule import Action, chunked_schedule, simulate
 
@@ -67,7 +66,7 @@ def estimate_chunked(model: CostModel, plan: Plan) -> ChunkedEstimate:
         raise ValueError("estimate_chunked prices plans with chunks > 1; use CostModel.estimate for the others")
     model.check(plan)
     m, stages, groups = plan.micro_batches, plan.stages, plan.num_groups
-    places = [Placement.of(model.cluster, plan.stage_ranks(s)) for s in range(plan.num_stages)]
+    places = model.placements(plan)
     samples = [model.samples(m, s.replicas) for s in stages]
     passes = [model.passes(s.start, s.end, m, n) for s, n in zip(stages, samples, strict=True)]
     split = plan.schedule != "interleaved"

@@ -134,8 +134,7 @@ class Estimate:
     update_s: tuple[float, ...]
     """Optimizer step per stage, after its all-reduce."""
     send_forward_s: tuple[float, ...]
-    """Activation transfer time across each cut (``S - 1`` entries)."""
-    send_backward_s: tuple[float, ...]
+    """Activation (and gradient) transfer time across each cut (``S - 1`` entries)."""
     memory_bytes: tuple[float, ...]
     """Peak bytes on one device of each stage."""
     memory_limit: float
@@ -212,30 +211,14 @@ class CostModel:
     def num_layers(self) -> int:
         return self.profile.num_layers
 
-    def prefix_sums(
-        self,
-    ) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
-        """Prefix sums over layers of forward s, backward s, activation memory (see
-        ``LayerProfile.activation_memory``), parameter bytes and
-        static bytes (parameters + gradients + optimizer state), at the profile batch."""
-        return self._forward, self._backward, self._memory.activation, self._params, self._memory.static
+    def prefix_sums(self) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
+        """Prefix sums over layers of forward s and backward s (at the profile batch) and of parameter bytes."""
+        return self._forward, self._backward, self._params
 
-    def affine_prefix_sums(
-        self,
-    ) -> tuple[
-        tuple[float, ...], tuple[float, ...], tuple[float, ...], tuple[float, ...], tuple[float, ...], tuple[float, ...]
-    ]:
+    def affine_prefix_sums(self) -> tuple[tuple[float, ...], ...]:
         """Prefix sums over layers, at the profile batch, of the batch-independent forward and
-        backward seconds, of the per-sample rest of each, of the optimizer step seconds and of
-        the backward's extra seconds when gradients are added into (see :meth:`accumulate`)."""
-        return (
-            self._forward_fixed,
-            self._backward_fixed,
-            self._forward_var,
-            self._backward_var,
-            self._update,
-            self._accumulate,
-        )
+        backward seconds, of the per-sample rest of each and of the optimizer step seconds."""
+        return self._forward_fixed, self._backward_fixed, self._forward_var, self._backward_var, self._update
 
     def micro_batch_size(self, micro_batches: int) -> int:
         return -(-self.global_batch // micro_batches)
@@ -270,14 +253,10 @@ class CostModel:
         backward = backward + self.accumulate(start, end, micro_batches)
         return forward, backward + forward if recompute else backward
 
-    @staticmethod
-    def accumulating(micro_batches: int) -> float:
-        """Share of a step's backwards that add into existing gradients: all but the first."""
-        return (micro_batches - 1) / micro_batches
-
     def accumulate(self, start: int, end: int, micro_batches: int) -> float:
-        """Average extra seconds per backward of layers ``[start, end)`` for adding into gradients."""
-        return (self._accumulate[end] - self._accumulate[start]) * self.accumulating(micro_batches)
+        """Average extra seconds per backward of layers ``[start, end)`` for adding into gradients
+        (all of a step's backwards but the first add into existing ones)."""
+        return (self._accumulate[end] - self._accumulate[start]) * ((micro_batches - 1) / micro_batches)
 
     def allreduce(self, start: int, end: int, place: Placement) -> float:
         """Gradient all-reduce of layers ``[start, end)`` over the stage's replicas."""
@@ -385,7 +364,6 @@ class CostModel:
             allreduce_s=ar,
             update_s=update,
             send_forward_s=send,
-            send_backward_s=send,
             memory_bytes=memory,
             memory_limit=self.cluster.memory_bytes,
             pipeline_s=pipeline,

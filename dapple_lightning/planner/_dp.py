@@ -531,7 +531,7 @@ def _record(
     cuts: Sequence[int] | None,
 ) -> SearchRecord:
     """The :class:`SearchRecord` of ``search`` (its counts summed over every search of ``top > 1``)."""
-    forward_fixed, backward_fixed, forward_var, backward_var, _, _ = model.affine_prefix_sums()
+    forward_fixed, backward_fixed, forward_var, backward_var, _ = model.affine_prefix_sums()
     per_sample = (forward_var[-1] + backward_var[-1]) / model.profile.profile_batch_size
     # Every sample passes every layer once per step; each micro-batch pays the fixed costs once.
     work = model.global_batch * per_sample + min(candidates) * (forward_fixed[-1] + backward_fixed[-1])

@@ -289,28 +289,6 @@ class ModelProfile:
     def num_layers(self) -> int:
         return len(self.layers)
 
-    def scale(self, samples: float) -> float:
-        """Factor that turns a profile-batch quantity into one for ``samples`` samples."""
-        return samples / self.profile_batch_size
-
-    def table(self) -> str:
-        """The profile as an aligned text table (ms and MB)."""
-        rows = [("#", "layer", "fwd ms", "bwd ms", "act MB", "param MB", "cut MB")]
-        for i, layer in enumerate(self.layers):
-            rows.append(
-                (
-                    str(i),
-                    layer.name[:40],
-                    f"{layer.forward_s * 1e3:.3f}",
-                    f"{layer.backward_s * 1e3:.3f}",
-                    f"{layer.activation_bytes / 1e6:.2f}",
-                    f"{layer.param_bytes / 1e6:.2f}",
-                    f"{self.cut_bytes[i + 1] / 1e6:.2f}",
-                )
-            )
-        widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-        return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows)
-
     # ------------------------------------------------------------------------ conversions
 
     def to_dict(self) -> dict[str, Any]:

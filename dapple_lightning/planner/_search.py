@@ -186,7 +186,7 @@ class _Pass:
         m = micro_batches
         layers = model.num_layers
         batch = model.profile.profile_batch_size
-        forward_fixed, backward_fixed, forward_var, backward_var, _, _ = model.affine_prefix_sums()
+        forward_fixed, backward_fixed, forward_var, backward_var, _ = model.affine_prefix_sums()
         self.model = model
         self.cluster = model.cluster
         self.policy = policy
@@ -288,8 +288,6 @@ class _Search:
         self.gpipe = schedule == "gpipe"
         self.states_expanded = 0
         """States whose stages the search priced (each its own pass over stage sizes and starts)."""
-        self.links_made = 0
-        """Suffixes seen through a link to a new stage."""
         self.priced = 0
         """Partial plans priced: a stage put in front of a suffix (the search's unit of work)."""
         self.kept = 0
@@ -446,7 +444,6 @@ class _Search:
                 suffix.d, suffix.z, suffix.round_trip, suffix.x, suffix.passes, send, send, m, next_depth
             )
             out.append((depth, kept, pairs, link, suffix))
-        self.links_made += len(out)
         return out
 
     def _prepend_stages(

@@ -34,13 +34,13 @@ The search itself, and why it is exact, is in ``_search``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import functools
 import gc
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ParamSpec, TypeVar
+from typing import Any
 
 from dapple_lightning.plan import SCHEDULES, Plan, Stage
 from dapple_lightning.planner._cluster import GB, Cluster
@@ -266,32 +266,24 @@ def _build(spec: Sequence[tuple[int, int, int, bool]], ranks: Sequence[tuple[int
     return Plan(stages=stages, micro_batches=m, schedule=schedule)
 
 
-_P = ParamSpec("_P")
-_R = TypeVar("_R")
-
-
-def _collector_paused(function: Callable[_P, _R]) -> Callable[_P, _R]:
-    """``function`` with Python's cyclic garbage collector off while it runs (as it was after).
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off while entered (as it was after); a decorator too.
 
     A search allocates partial plans by the hundred thousand and keeps most to its end, so the
     collector's passes, set off by allocations, walk them again and again and find nothing:
     partial plans point only to shorter ones, so reference counting frees all of them.
     """
-
-    @functools.wraps(function)
-    def paused(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-        enabled = gc.isenabled()
-        gc.disable()
-        try:
-            return function(*args, **kwargs)
-        finally:
-            if enabled:
-                gc.enable()
-
-    return paused
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
-@_collector_paused
+@_collector_paused()
 def plan_dapple(
     profile: ModelProfile,
     cluster: Cluster,

@@ -68,7 +68,6 @@ __all__ = [
     "MemoryParts",
     "StageMemory",
     "cumulative",
-    "offload_window",
     "offloaded_model_bytes",
     "peak_bytes",
     "range_max",
@@ -179,16 +178,11 @@ class StageMemory:
         moving, stepping = offloaded_model_bytes(
             [2.0 * x.param_bytes for x in layers],
             [2.0 * x.param_bytes + x.optimizer_bytes(self.optimizer_factor) for x in layers],
-            offload_window(offload),
+            AUTO_WINDOW_MOST if offload == "auto" else int(offload),
         )
         update = max((float(x.update_peak_bytes or 0) for x in layers), default=0.0)
         kept = self.kept_bytes(start, end, samples)
         return max(moving + depth * kept + self.transient_bytes(start, end, samples), stepping + update)
-
-
-def offload_window(offload: int | str) -> int:
-    """The window an offloaded stage is priced at: ``W``, or for ``"auto"`` the widest it may pick."""
-    return AUTO_WINDOW_MOST if offload == "auto" else int(offload)
 
 
 def offloaded_model_bytes(resident: Sequence[float], whole: Sequence[float], window: int) -> tuple[float, float]:

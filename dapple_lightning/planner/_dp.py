@@ -99,17 +99,6 @@ class PlannedPlan:
     """How the search that found the plan went: exact or not, a lower bound, its work; ``None``
     for plans not from the search."""
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.plan, Plan):
-            raise TypeError(f"plan must be a Plan, got {type(self.plan).__name__}")
-        if not (self.predicted_step_s >= 0 and math.isfinite(self.predicted_step_s)):
-            raise ValueError(f"predicted_step_s must be a finite number >= 0, got {self.predicted_step_s!r}")
-        if len(self.stage_memory_bytes) != self.plan.num_stages:
-            raise ValueError(
-                f"stage_memory_bytes has {len(self.stage_memory_bytes)} entries for "
-                f"{self.plan.num_stages} stages; give one per stage"
-            )
-
     @property
     def notation(self) -> str:
         return self.plan.notation

@@ -332,7 +332,7 @@ def plan_dapple(
     if objective != "time":
         least, frugal = least_memory(model, candidates, counts, schedule, cuts, recompute)
         if frugal is None or not least <= limit:
-            raise ValueError(_no_fit_message(model, candidates, counts, schedule, cuts, recompute))
+            raise ValueError(_no_fit_message(model, least, frugal))
         limit = peak_limit(least, limit, objective, memory_margin)
         seeds = _seeds(model, frugal, placements, limit)
     if exact is None:
@@ -344,7 +344,7 @@ def plan_dapple(
     beam = None if exact else _BEAM
     search = _search(model, runs, cuts, counts, schedule, wide, beam, limit, seeds, recompute)
     if not search.top.items:
-        raise ValueError(_no_fit_message(model, candidates, counts, schedule, cuts, recompute))
+        raise ValueError(_no_fit_message(model, *least_memory(model, candidates, counts, schedule, cuts, recompute)))
     planned = _planned(model, search, _data_parallel_step(model, candidates), schedule)
     record = _record(model, search, exact, candidates, counts, cuts)
     planned = [dataclasses.replace(p, peak_limit_bytes=limit, search=record) for p in planned]
@@ -479,10 +479,7 @@ def _runners_up(
             # plans (one that beats a suffix drops it); only if it has is the run searched for its
             # runners-up. (Under a beam the answer would depend on how many each front keeps.)
             if probe is None:
-                probe = _Search(
-                    search.model, 1, search.replicas, search.schedule, None, search.memory_cap, search.recompute
-                )
-                probe.shares(search)
+                probe = search.sibling(1, None)
             probe.bounded(search.top.bound)
             if probe.run(policy, m, cuts) == math.inf:
                 continue
@@ -494,10 +491,8 @@ def _runners_up(
 
 def _again(earlier: _Search, seen: dict[tuple[Any, ...], tuple[float, Any]], top: int, beam: int | None) -> _Search:
     """A search for the ``top`` best that continues ``earlier``'s work, ``seen``'s plans offered."""
-    search = _Search(
-        earlier.model, top, earlier.replicas, earlier.schedule, beam, earlier.memory_cap, earlier.recompute
-    )
-    search.continues(earlier)
+    search = earlier.sibling(top, beam)
+    search.before = earlier.work()
     for key, (z, payload) in seen.items():
         search.top.offer(z, key, payload)
     return search
@@ -573,15 +568,8 @@ def _micro_batches(micro_batches: Sequence[int] | None, global_batch: int) -> tu
     return tuple(sorted(set(values)))
 
 
-def _no_fit_message(
-    model: CostModel,
-    candidates: Sequence[int],
-    replicas: Sequence[int],
-    schedule: str,
-    cuts: Sequence[int] | None,
-    recompute: bool = False,
-) -> str:
-    need, plan = least_memory(model, candidates, replicas, schedule, cuts, recompute)
+def _no_fit_message(model: CostModel, need: float, plan: Plan | None) -> str:
+    """Why no plan fits, from the least memory any plan of the space needs and one such plan (:func:`least_memory`)."""
     cap = model.cluster.memory_bytes
     if plan is None:
         return (

@@ -303,17 +303,12 @@ class _Search:
         self.end_bound = math.inf
         """The bound when the last run ended: that run found every plan of its own below it."""
 
-    def continues(self, earlier: _Search) -> None:
-        """Go on from ``earlier``'s work: count it, and reuse the stage prices and placements it
-        found."""
-        self.before = earlier.work()
-        self.shares(earlier)
-
-    def shares(self, other: _Search) -> None:
-        """Price stages and place them in ``other``'s tables (they depend on neither ``top`` nor
-        the bound)."""
-        self._costs = other._costs
-        self._placed = other._placed
+    def sibling(self, top: int, beam: int | None) -> _Search:
+        """A search of the same space for the ``top`` best that prices stages and places them in
+        this one's tables (they depend on neither ``top`` nor the bound)."""
+        other = _Search(self.model, top, self.replicas, self.schedule, beam, self.memory_cap, self.recompute)
+        other._costs, other._placed = self._costs, self._placed
+        return other
 
     def counts_in(self, other: _Search) -> None:
         """Count ``other``'s own work (not what it continues) as this search's."""

@@ -116,8 +116,8 @@ def estimate_chunked(model: CostModel, plan: Plan) -> ChunkedEstimate:
 def _group_memory(model: CostModel, plan: Plan, samples: Sequence[int], actions: Sequence[Action], group: int) -> float:
     """A device of ``group``: its stages' static bytes plus the peak of what its live chunk micro-batches keep."""
     mine = [s for s in range(plan.num_stages) if plan.group_of_stage(s) == group]
-    static = sum(model.static_memory(plan.stages[s].start, plan.stages[s].end) for s in mine)
-    kept = {s: model.activation_memory(plan.stages[s].start, plan.stages[s].end, samples[s]) for s in mine}
+    static = sum(model.memory.static_bytes(plan.stages[s].start, plan.stages[s].end) for s in mine)
+    kept = {s: model.memory.kept_bytes(plan.stages[s].start, plan.stages[s].end, samples[s]) for s in mine}
     has_w = {(a.stage, a.micro_batch) for a in actions if a.kind == "W"}
     live = peak = 0.0
     for action in actions:

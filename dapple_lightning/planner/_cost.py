@@ -80,7 +80,7 @@ from dapple_lightning.planner._cluster import Cluster
 from dapple_lightning.planner._profile import ModelProfile
 from dapple_lightning.planner._recurrence import Tail, combine, stage_chain
 from dapple_lightning.planner._sharding import shard_price
-from dapple_lightning.planner._stage_memory import MemoryParts, StageMemory, cumulative
+from dapple_lightning.planner._stage_memory import StageMemory, cumulative
 
 __all__ = ["CostModel", "Estimate", "Placement", "chains", "estimate"]
 
@@ -175,7 +175,8 @@ class CostModel:
     _forward: tuple[float, ...] = field(init=False, repr=False, compare=False)
     _backward: tuple[float, ...] = field(init=False, repr=False, compare=False)
     _params: tuple[float, ...] = field(init=False, repr=False, compare=False)
-    _memory: StageMemory = field(init=False, repr=False, compare=False)
+    memory: StageMemory = field(init=False, repr=False, compare=False)
+    """Any stage's bytes per device (``_stage_memory``)."""
     _forward_fixed: tuple[float, ...] = field(init=False, repr=False, compare=False)
     _backward_fixed: tuple[float, ...] = field(init=False, repr=False, compare=False)
     _update: tuple[float, ...] = field(init=False, repr=False, compare=False)
@@ -197,7 +198,7 @@ class CostModel:
         object.__setattr__(self, "_forward", prefix([x.forward_s for x in layers]))
         object.__setattr__(self, "_backward", prefix([x.backward_s for x in layers]))
         object.__setattr__(self, "_params", prefix([float(x.param_bytes) for x in layers]))
-        object.__setattr__(self, "_memory", StageMemory(self.profile, factor))
+        object.__setattr__(self, "memory", StageMemory(self.profile, factor))
         object.__setattr__(self, "_forward_fixed", prefix([x.forward_fixed_s for x in layers]))
         object.__setattr__(self, "_backward_fixed", prefix([x.backward_fixed_s for x in layers]))
         object.__setattr__(self, "_update", prefix([x.update_s for x in layers]))
@@ -266,23 +267,6 @@ class CostModel:
         """Optimizer step over the parameters of layers ``[start, end)``."""
         return self._update[end] - self._update[start]
 
-    def static_memory(self, start: int, end: int) -> float:
-        """Parameters, gradients and optimizer state of layers ``[start, end)``."""
-        return self._memory.static_bytes(start, end)
-
-    def activation_memory(self, start: int, end: int, samples: int) -> float:
-        """Bytes one micro-batch of ``samples`` samples keeps on a stage of layers ``[start, end)``."""
-        return self._memory.kept_bytes(start, end, samples)
-
-    def memory_parts(self, start: int, end: int, samples: int, replicas: int, recompute: bool = False) -> MemoryParts:
-        """What :func:`peak_bytes` makes a stage's peak of, for any number of micro-batches it keeps."""
-        return self._memory.parts(start, end, samples, replicas, recompute)
-
-    def stage_memory(self, start: int, end: int, samples: int, depth: int, replicas: int, micro_batches: int,
-                     recompute: bool = False, offload: int | str | None = None) -> float:  # fmt: skip
-        """Peak bytes per device of layers ``[start, end)`` keeping ``depth`` micro-batches (``_stage_memory``)."""
-        return self._memory.stage_bytes(start, end, samples, depth, replicas, micro_batches, recompute, offload)
-
     def cut_bytes(self, cut: int, micro_batches: int) -> float:
         """Bytes of one micro-batch's tensors crossing the cut before layer ``cut``."""
         return self.profile.cut_bytes[cut] * self.micro_batch_size(micro_batches) / self.profile.profile_batch_size
@@ -334,7 +318,7 @@ class CostModel:
         send = tuple(self.transfer(stages[k].end, m, places[k], places[k + 1]) for k in range(count - 1))
         depth = [min(count - k, m) if plan.schedule == "dapple" else m for k in range(count)]
         memory = tuple(
-            self.stage_memory(s.start, s.end, samples[k], depth[k], s.replicas, m, s.recompute, s.offload)
+            self.memory.stage_bytes(s.start, s.end, samples[k], depth[k], s.replicas, m, s.recompute, s.offload)
             for k, s in enumerate(stages)
         )
         if any(s.shard is not None for s in stages):

@@ -228,8 +228,8 @@ class _Pass:
         m = self.micro_batches
         samples = self.samples[stage.replicas]
         forward, backward = model.passes(start, end, m, samples)
-        memory = model.memory_parts(start, end, samples, stage.replicas)
-        lean = model.memory_parts(start, end, samples, stage.replicas, True) if recompute else None
+        memory = model.memory.parts(start, end, samples, stage.replicas)
+        lean = model.memory.parts(start, end, samples, stage.replicas, True) if recompute else None
         self.priced += 1
         cost: _Cost | None = None
         if peak_bytes(memory, 1, m) <= cap or (lean is not None and peak_bytes(lean, 1, m) <= cap):

@@ -126,9 +126,11 @@ class StageMemory:
         set_(self, "whole", sparse_max([float(x.activation_memory + x.transient_memory) for x in layers]))
 
     def static_bytes(self, start: int, end: int) -> float:
+        """Parameters, gradients and optimizer state of layers ``[start, end)``."""
         return self.static[end] - self.static[start]
 
     def kept_bytes(self, start: int, end: int, samples: int, recompute: bool = False) -> float:
+        """Bytes one micro-batch of ``samples`` samples keeps on a stage of layers ``[start, end)``."""
         if recompute:
             output = self.profile.cut_bytes[end] if end < len(self.profile.layers) else 0.0
             kept = self.inputs[end] - self.inputs[start] + output
@@ -146,7 +148,8 @@ class StageMemory:
         return max(update, 2 * grads) if replicas > 1 else update
 
     def parts(self, start: int, end: int, samples: int, replicas: int, recompute: bool = False) -> MemoryParts:
-        """The terms of a stage's peak that do not depend on how many micro-batches it keeps."""
+        """The terms of a stage's peak that do not depend on how many micro-batches it keeps (what
+        :func:`peak_bytes` makes the peak of)."""
         grads = self.grads[end] - self.grads[start]
         return (
             self.static_bytes(start, end),
@@ -167,6 +170,7 @@ class StageMemory:
         recompute: bool = False,
         offload: int | str | None = None,
     ) -> float:
+        """Peak bytes per device of layers ``[start, end)`` keeping ``depth`` micro-batches (see the module docstring)."""
         if offload is not None:
             return self.offloaded_bytes(start, end, samples, depth, offload)
         return peak_bytes(self.parts(start, end, samples, replicas, recompute), depth, micro_batches)

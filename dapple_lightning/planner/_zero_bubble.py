@@ -63,7 +63,7 @@ def zero_bubble(model: CostModel, plan: Plan) -> Estimate:
     )
     step = max(pipeline, base.shared_compute_s)
     memory = tuple(
-        model.stage_memory(s.start, s.end, n, peak_in_flight(actions), s.replicas, m)
+        model.memory.stage_bytes(s.start, s.end, n, peak_in_flight(actions), s.replicas, m)
         + weight_transient(model, s.start, s.end)
         for s, n, actions in zip(plan.stages, base.samples, lists)
     )

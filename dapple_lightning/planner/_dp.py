@@ -121,7 +121,7 @@ class PlannedPlan:
             "peak_limit_bytes": self.peak_limit_bytes,
         }
         if self.search is not None:
-            out["search"] = self.search.to_dict()
+            out["search"] = dataclasses.asdict(self.search)
         if self.estimate is not None:
             est = self.estimate
             out.update(
@@ -176,9 +176,6 @@ class SearchRecord:
         if self.exact:
             return 0.0
         return step_s / self.lower_bound_s - 1.0 if self.lower_bound_s > 0 else math.inf
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 def micro_batch_candidates(global_batch: int) -> tuple[int, ...]:

@@ -34,9 +34,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Event", "Simulation", "replay", "replay_end", "simulate_plan", "simulated_step_s"]
 
-COMPUTE = ("F", "B", "W")
-"""Event kinds that are a stage computing."""
-
 
 @dataclass(frozen=True)
 class Event:
@@ -203,17 +200,6 @@ class Simulation:
     step_s: float
     """Seconds from the first forward to the last all-reduce."""
     events: tuple[Event, ...]
-
-    def busy_s(self, stage: int) -> float:
-        """Compute seconds of ``stage`` (forwards, backwards and weight backwards)."""
-        return sum(e.end - e.start for e in self.events if e.stage == stage and e.kind in COMPUTE)
-
-    @property
-    def bubble_fraction(self) -> float:
-        """Share of the stages' time spent not computing (all-reduce counts as not computing)."""
-        count = self.plan.num_stages
-        busy = sum(self.busy_s(s) for s in range(count))
-        return 1.0 - busy / (count * self.step_s) if self.step_s > 0 else 0.0
 
 
 def simulate_plan(model: CostModel, plan: Plan) -> Simulation:

@@ -96,12 +96,8 @@ def estimate_chunked(model: CostModel, plan: Plan) -> ChunkedEstimate:
         g = plan.group_of_stage(s)
         closing[g] += model.allreduce(stage.start, stage.end, places[s]) + model.update(stage.start, stage.end)
     ends = [max(t.end for t in timed if t.rank == g) + closing[g] for g in range(groups)]
-    messages = sum(
-        1
-        for s in range(plan.num_stages - 1)
-        if plan.group_of_stage(s) != plan.group_of_stage(s + 1)
-        for _ in range(2 * m)  # one activation and one gradient per micro-batch (per piece on replicas)
-    )
+    # One activation and one gradient per micro-batch (per piece on replicas) across each cut between groups.
+    messages = 2 * m * sum(plan.group_of_stage(s) != plan.group_of_stage(s + 1) for s in range(plan.num_stages - 1))
     return ChunkedEstimate(
         plan=plan,
         step_s=max(ends),

@@ -4,11 +4,9 @@ The search space, for a profile of ``L`` layers on a cluster of ``W`` devices:
 
 - **stages**: any cut of the layers into contiguous stages (on profiles of more than 65
   layers, cuts at ``max_cuts`` points that split the forward + backward time evenly);
-- **replication**: stage ``s`` gets ``r_s`` devices, ``sum r_s = W``. Every stage may take any
-  count when ``W <= 16``; on bigger clusters every stage but the first takes a count from
-  :func:`replica_candidates` (1..8, multiples of ``max(8, devices per server)``, powers of two;
-  past 64 devices only powers of two of devices or of servers) and the first stage takes what is
-  left, which keeps the search fast and still reaches plans like ``63:1``;
+- **replication**: stage ``s`` gets ``r_s`` devices, ``sum r_s = W``: every stage but the first a
+  count from :func:`replica_candidates` (any count up to 16 devices) and the first what is left,
+  which keeps the search fast and still reaches plans like ``63:1``;
 - **placement**: each policy of ``_placement`` (``append``, ``fresh``, ``scatter``; only
   ``append`` when servers have one device or there is one server, where they coincide);
 - **micro-batches**: each ``M`` of :func:`micro_batch_candidates` (the divisors of the global

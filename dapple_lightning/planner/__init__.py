@@ -25,12 +25,11 @@ from dapple_lightning.planner._decision import AutoPlan
 from dapple_lightning.planner._dp import (
     PlannedPlan,
     SearchRecord,
-    best_over_micro_batches,
     micro_batch_candidates,
     plan_dapple,
     replica_candidates,
 )
-from dapple_lightning.planner._levers import OFFLOAD_CANDIDATES, offloaded_plan, shortlist_with_levers
+from dapple_lightning.planner._levers import offloaded_plan, shortlist_with_levers
 from dapple_lightning.planner._links import (
     MEMORY_MARGIN,
     MESSAGE_SIZES,
@@ -46,7 +45,7 @@ from dapple_lightning.planner._links import (
 )
 from dapple_lightning.planner._measure import SETTLE_STEPS, fixed_part, fresh_leaves, profile_layers
 from dapple_lightning.planner._memory import live_bytes
-from dapple_lightning.planner._objective import OBJECTIVES, check_objective, least_memory, peak_limit
+from dapple_lightning.planner._objective import OBJECTIVES, check_objective, peak_limit
 from dapple_lightning.planner._pipedream import REFERENCE_PROFILES, load_profile, read_pipedream
 from dapple_lightning.planner._placement import PLACEMENTS, allocate, place
 from dapple_lightning.planner._profile import LayerProfile, ModelProfile
@@ -75,7 +74,6 @@ __all__ = [
     "MESSAGE_SIZES",
     "MIN_SPREAD",
     "OBJECTIVES",
-    "OFFLOAD_CANDIDATES",
     "PLACEMENTS",
     "REFERENCE_PROFILES",
     "SETTLE_STEPS",
@@ -107,7 +105,6 @@ __all__ = [
     "allocate",
     "baselines",
     "best_chunked_offers",
-    "best_over_micro_batches",
     "check_objective",
     "choose_measured",
     "choose_window",
@@ -124,7 +121,6 @@ __all__ = [
     "fixed_part",
     "format_bytes",
     "fresh_leaves",
-    "least_memory",
     "live_bytes",
     "load_profile",
     "measure_and_choose",

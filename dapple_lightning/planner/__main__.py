@@ -50,11 +50,10 @@ def _memory(text: str) -> float:
 
 def _bandwidths(text: str) -> tuple[float | None, float]:
     """``"INTER"`` or ``"INTRA,INTER"`` in GB/s."""
-    parts = [p.strip() for p in text.split(",")]
     try:
-        values = [float(p) for p in parts]
+        values = [float(p) for p in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not GB/s as INTER or INTRA,INTER, e.g. 3 or 25,3") from None
+        values = []
     if len(values) not in (1, 2) or any(v <= 0 for v in values):
         raise argparse.ArgumentTypeError(f"{text!r} is not GB/s as INTER or INTRA,INTER, e.g. 3 or 25,3")
     return (None, values[0]) if len(values) == 1 else (values[0], values[1])

@@ -35,17 +35,12 @@ from dapple_lightning.planner._dp import (
     replica_candidates,
 )
 from dapple_lightning.planner._profile import LayerProfile, ModelProfile
-from dapple_lightning.planner._simulator import simulate_plan
 
 __all__ = ["baselines", "data_parallel_plan", "pipedream_plan", "straight_plan"]
 
 
 def _planned(model: CostModel, est: Estimate | None, method: str, dp_step: float | None) -> PlannedPlan | None:
-    if est is None:
-        return None
-    simulated = simulate_plan(model, est.plan).step_s
-    planned = PlannedPlan(est.plan, est.step_s, est.memory_bytes, None, "append", method, est, simulated)
-    return planned.with_speedup(dp_step)
+    return None if est is None else PlannedPlan.predicted(model, est, dp_step, method=method)
 
 
 def _setup(

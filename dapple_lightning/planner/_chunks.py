@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING
 
 from dapple_lightning.plan import LAYOUTS, Plan, Stage, balanced_cuts, stage_groups
 from dapple_lightning.planner._budget import format_bytes
-from dapple_lightning.planner._cost import Placement
 from dapple_lightning.planner._zero_bubble import stage_weight
 from dapple_lightning.schedule import Action, chunked_schedule, simulate
 
@@ -67,7 +66,7 @@ def estimate_chunked(model: CostModel, plan: Plan) -> ChunkedEstimate:
         raise ValueError("estimate_chunked prices plans with chunks > 1; use CostModel.estimate for the others")
     model.check(plan)
     m, stages, groups = plan.micro_batches, plan.stages, plan.num_groups
-    places = [Placement.of(model.cluster, plan.stage_ranks(s)) for s in range(plan.num_stages)]
+    places = model.placements(plan)
     samples = [model.samples(m, s.replicas) for s in stages]
     passes = [model.passes(s.start, s.end, m, n) for s, n in zip(stages, samples, strict=True)]
     split = plan.schedule != "interleaved"
@@ -97,12 +96,8 @@ def estimate_chunked(model: CostModel, plan: Plan) -> ChunkedEstimate:
         g = plan.group_of_stage(s)
         closing[g] += model.allreduce(stage.start, stage.end, places[s]) + model.update(stage.start, stage.end)
     ends = [max(t.end for t in timed if t.rank == g) + closing[g] for g in range(groups)]
-    messages = sum(
-        1
-        for s in range(plan.num_stages - 1)
-        if plan.group_of_stage(s) != plan.group_of_stage(s + 1)
-        for _ in range(2 * m)  # one activation and one gradient per micro-batch (per piece on replicas)
-    )
+    # One activation and one gradient per micro-batch (per piece on replicas) across each cut between groups.
+    messages = 2 * m * sum(plan.group_of_stage(s) != plan.group_of_stage(s + 1) for s in range(plan.num_stages - 1))
     return ChunkedEstimate(
         plan=plan,
         step_s=max(ends),
@@ -117,8 +112,8 @@ def estimate_chunked(model: CostModel, plan: Plan) -> ChunkedEstimate:
 def _group_memory(model: CostModel, plan: Plan, samples: Sequence[int], actions: Sequence[Action], group: int) -> float:
     """A device of ``group``: its stages' static bytes plus the peak of what its live chunk micro-batches keep."""
     mine = [s for s in range(plan.num_stages) if plan.group_of_stage(s) == group]
-    static = sum(model.static_memory(plan.stages[s].start, plan.stages[s].end) for s in mine)
-    kept = {s: model.activation_memory(plan.stages[s].start, plan.stages[s].end, samples[s]) for s in mine}
+    static = sum(model.memory.static_bytes(plan.stages[s].start, plan.stages[s].end) for s in mine)
+    kept = {s: model.memory.kept_bytes(plan.stages[s].start, plan.stages[s].end, samples[s]) for s in mine}
     has_w = {(a.stage, a.micro_batch) for a in actions if a.kind == "W"}
     live = peak = 0.0
     for action in actions:

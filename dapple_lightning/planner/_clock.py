@@ -56,17 +56,13 @@ def synchronize(device: torch.device) -> None:
 
 
 class Stopwatch:
-    """Seconds of spans of work on one device, read together once the work is done.
+    """Seconds of spans of work on ``device``, read together once the work is done: timed by
+    :func:`device_clock`'s events (CUDA events on CUDA), or where it has none (``clock`` is
+    ``None``), each span synchronises the device and reads the host's clock."""
 
-    Args:
-        device: where the timed work runs.
-        clock: makes the events that time spans; by default :func:`device_clock`'s (CUDA events
-            on CUDA). Without one, each span synchronises the device and reads the host's clock.
-    """
-
-    def __init__(self, device: torch.device, clock: Callable[[], DeviceEvent] | None = None) -> None:
+    def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.clock = clock if clock is not None else device_clock(device)
+        self.clock = device_clock(device)
         self._spans: list[float | tuple[DeviceEvent, DeviceEvent]] = []
 
     @contextmanager

@@ -80,7 +80,7 @@ from dapple_lightning.planner._cluster import Cluster
 from dapple_lightning.planner._profile import ModelProfile
 from dapple_lightning.planner._recurrence import Tail, combine, stage_chain
 from dapple_lightning.planner._sharding import shard_price
-from dapple_lightning.planner._stage_memory import MemoryParts, StageMemory, cumulative
+from dapple_lightning.planner._stage_memory import StageMemory, cumulative
 
 __all__ = ["CostModel", "Estimate", "Placement", "chains", "estimate"]
 
@@ -134,8 +134,7 @@ class Estimate:
     update_s: tuple[float, ...]
     """Optimizer step per stage, after its all-reduce."""
     send_forward_s: tuple[float, ...]
-    """Activation transfer time across each cut (``S - 1`` entries)."""
-    send_backward_s: tuple[float, ...]
+    """Activation (and gradient) transfer time across each cut (``S - 1`` entries)."""
     memory_bytes: tuple[float, ...]
     """Peak bytes on one device of each stage."""
     memory_limit: float
@@ -176,7 +175,8 @@ class CostModel:
     _forward: tuple[float, ...] = field(init=False, repr=False, compare=False)
     _backward: tuple[float, ...] = field(init=False, repr=False, compare=False)
     _params: tuple[float, ...] = field(init=False, repr=False, compare=False)
-    _memory: StageMemory = field(init=False, repr=False, compare=False)
+    memory: StageMemory = field(init=False, repr=False, compare=False)
+    """Any stage's bytes per device (``_stage_memory``)."""
     _forward_fixed: tuple[float, ...] = field(init=False, repr=False, compare=False)
     _backward_fixed: tuple[float, ...] = field(init=False, repr=False, compare=False)
     _update: tuple[float, ...] = field(init=False, repr=False, compare=False)
@@ -198,7 +198,7 @@ class CostModel:
         object.__setattr__(self, "_forward", prefix([x.forward_s for x in layers]))
         object.__setattr__(self, "_backward", prefix([x.backward_s for x in layers]))
         object.__setattr__(self, "_params", prefix([float(x.param_bytes) for x in layers]))
-        object.__setattr__(self, "_memory", StageMemory(self.profile, factor))
+        object.__setattr__(self, "memory", StageMemory(self.profile, factor))
         object.__setattr__(self, "_forward_fixed", prefix([x.forward_fixed_s for x in layers]))
         object.__setattr__(self, "_backward_fixed", prefix([x.backward_fixed_s for x in layers]))
         object.__setattr__(self, "_update", prefix([x.update_s for x in layers]))
@@ -212,30 +212,14 @@ class CostModel:
     def num_layers(self) -> int:
         return self.profile.num_layers
 
-    def prefix_sums(
-        self,
-    ) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
-        """Prefix sums over layers of forward s, backward s, activation memory (see
-        ``LayerProfile.activation_memory``), parameter bytes and
-        static bytes (parameters + gradients + optimizer state), at the profile batch."""
-        return self._forward, self._backward, self._memory.activation, self._params, self._memory.static
+    def prefix_sums(self) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
+        """Prefix sums over layers of forward s and backward s (at the profile batch) and of parameter bytes."""
+        return self._forward, self._backward, self._params
 
-    def affine_prefix_sums(
-        self,
-    ) -> tuple[
-        tuple[float, ...], tuple[float, ...], tuple[float, ...], tuple[float, ...], tuple[float, ...], tuple[float, ...]
-    ]:
+    def affine_prefix_sums(self) -> tuple[tuple[float, ...], ...]:
         """Prefix sums over layers, at the profile batch, of the batch-independent forward and
-        backward seconds, of the per-sample rest of each, of the optimizer step seconds and of
-        the backward's extra seconds when gradients are added into (see :meth:`accumulate`)."""
-        return (
-            self._forward_fixed,
-            self._backward_fixed,
-            self._forward_var,
-            self._backward_var,
-            self._update,
-            self._accumulate,
-        )
+        backward seconds, of the per-sample rest of each and of the optimizer step seconds."""
+        return self._forward_fixed, self._backward_fixed, self._forward_var, self._backward_var, self._update
 
     def micro_batch_size(self, micro_batches: int) -> int:
         return -(-self.global_batch // micro_batches)
@@ -270,14 +254,10 @@ class CostModel:
         backward = backward + self.accumulate(start, end, micro_batches)
         return forward, backward + forward if recompute else backward
 
-    @staticmethod
-    def accumulating(micro_batches: int) -> float:
-        """Share of a step's backwards that add into existing gradients: all but the first."""
-        return (micro_batches - 1) / micro_batches
-
     def accumulate(self, start: int, end: int, micro_batches: int) -> float:
-        """Average extra seconds per backward of layers ``[start, end)`` for adding into gradients."""
-        return (self._accumulate[end] - self._accumulate[start]) * self.accumulating(micro_batches)
+        """Average extra seconds per backward of layers ``[start, end)`` for adding into gradients
+        (all of a step's backwards but the first add into existing ones)."""
+        return (self._accumulate[end] - self._accumulate[start]) * ((micro_batches - 1) / micro_batches)
 
     def allreduce(self, start: int, end: int, place: Placement) -> float:
         """Gradient all-reduce of layers ``[start, end)`` over the stage's replicas."""
@@ -286,23 +266,6 @@ class CostModel:
     def update(self, start: int, end: int) -> float:
         """Optimizer step over the parameters of layers ``[start, end)``."""
         return self._update[end] - self._update[start]
-
-    def static_memory(self, start: int, end: int) -> float:
-        """Parameters, gradients and optimizer state of layers ``[start, end)``."""
-        return self._memory.static_bytes(start, end)
-
-    def activation_memory(self, start: int, end: int, samples: int) -> float:
-        """Bytes one micro-batch of ``samples`` samples keeps on a stage of layers ``[start, end)``."""
-        return self._memory.kept_bytes(start, end, samples)
-
-    def memory_parts(self, start: int, end: int, samples: int, replicas: int, recompute: bool = False) -> MemoryParts:
-        """What :func:`peak_bytes` makes a stage's peak of, for any number of micro-batches it keeps."""
-        return self._memory.parts(start, end, samples, replicas, recompute)
-
-    def stage_memory(self, start: int, end: int, samples: int, depth: int, replicas: int, micro_batches: int,
-                     recompute: bool = False, offload: int | str | None = None) -> float:  # fmt: skip
-        """Peak bytes per device of layers ``[start, end)`` keeping ``depth`` micro-batches (``_stage_memory``)."""
-        return self._memory.stage_bytes(start, end, samples, depth, replicas, micro_batches, recompute, offload)
 
     def cut_bytes(self, cut: int, micro_batches: int) -> float:
         """Bytes of one micro-batch's tensors crossing the cut before layer ``cut``."""
@@ -355,7 +318,7 @@ class CostModel:
         send = tuple(self.transfer(stages[k].end, m, places[k], places[k + 1]) for k in range(count - 1))
         depth = [min(count - k, m) if plan.schedule == "dapple" else m for k in range(count)]
         memory = tuple(
-            self.stage_memory(s.start, s.end, samples[k], depth[k], s.replicas, m, s.recompute, s.offload)
+            self.memory.stage_bytes(s.start, s.end, samples[k], depth[k], s.replicas, m, s.recompute, s.offload)
             for k, s in enumerate(stages)
         )
         if any(s.shard is not None for s in stages):
@@ -385,7 +348,6 @@ class CostModel:
             allreduce_s=ar,
             update_s=update,
             send_forward_s=send,
-            send_backward_s=send,
             memory_bytes=memory,
             memory_limit=self.cluster.memory_bytes,
             pipeline_s=pipeline,

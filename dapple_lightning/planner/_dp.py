@@ -4,11 +4,9 @@ The search space, for a profile of ``L`` layers on a cluster of ``W`` devices:
 
 - **stages**: any cut of the layers into contiguous stages (on profiles of more than 65
   layers, cuts at ``max_cuts`` points that split the forward + backward time evenly);
-- **replication**: stage ``s`` gets ``r_s`` devices, ``sum r_s = W``. Every stage may take any
-  count when ``W <= 16``; on bigger clusters every stage but the first takes a count from
-  :func:`replica_candidates` (1..8, multiples of ``max(8, devices per server)``, powers of two;
-  past 64 devices only powers of two of devices or of servers) and the first stage takes what is
-  left, which keeps the search fast and still reaches plans like ``63:1``;
+- **replication**: stage ``s`` gets ``r_s`` devices, ``sum r_s = W``: every stage but the first a
+  count from :func:`replica_candidates` (any count up to 16 devices) and the first what is left,
+  which keeps the search fast and still reaches plans like ``63:1``;
 - **placement**: each policy of ``_placement`` (``append``, ``fresh``, ``scatter``; only
   ``append`` when servers have one device or there is one server, where they coincide);
 - **micro-batches**: each ``M`` of :func:`micro_batch_candidates` (the divisors of the global
@@ -34,13 +32,13 @@ The search itself, and why it is exact, is in ``_search``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import functools
 import gc
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ParamSpec, TypeVar
+from typing import Any
 
 from dapple_lightning.plan import SCHEDULES, Plan, Stage
 from dapple_lightning.planner._cluster import GB, Cluster
@@ -99,17 +97,6 @@ class PlannedPlan:
     """How the search that found the plan went: exact or not, a lower bound, its work; ``None``
     for plans not from the search."""
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.plan, Plan):
-            raise TypeError(f"plan must be a Plan, got {type(self.plan).__name__}")
-        if not (self.predicted_step_s >= 0 and math.isfinite(self.predicted_step_s)):
-            raise ValueError(f"predicted_step_s must be a finite number >= 0, got {self.predicted_step_s!r}")
-        if len(self.stage_memory_bytes) != self.plan.num_stages:
-            raise ValueError(
-                f"stage_memory_bytes has {len(self.stage_memory_bytes)} entries for "
-                f"{self.plan.num_stages} stages; give one per stage"
-            )
-
     @property
     def notation(self) -> str:
         return self.plan.notation
@@ -132,7 +119,7 @@ class PlannedPlan:
             "peak_limit_bytes": self.peak_limit_bytes,
         }
         if self.search is not None:
-            out["search"] = self.search.to_dict()
+            out["search"] = dataclasses.asdict(self.search)
         if self.estimate is not None:
             est = self.estimate
             out.update(
@@ -146,9 +133,15 @@ class PlannedPlan:
             )
         return out
 
-    def with_speedup(self, dp_step_s: float | None) -> PlannedPlan:
-        speedup = None if dp_step_s is None or self.predicted_step_s <= 0 else dp_step_s / self.predicted_step_s
-        return dataclasses.replace(self, speedup_vs_dp=speedup)
+    @classmethod
+    def predicted(
+        cls, model: CostModel, est: Estimate, dp_step_s: float | None, placement: str = "append", method: str = "dapple"
+    ) -> PlannedPlan:
+        """``est``'s plan with ``model``'s prediction, the simulator's replay and the speedup over pure
+        data parallelism's predicted step ``dp_step_s``."""
+        speedup = None if dp_step_s is None or est.step_s <= 0 else dp_step_s / est.step_s
+        simulated = simulated_step_s(model, est.plan, est)
+        return cls(est.plan, est.step_s, est.memory_bytes, speedup, placement, method, est, simulated)
 
 
 @dataclass(frozen=True)
@@ -181,9 +174,6 @@ class SearchRecord:
         if self.exact:
             return 0.0
         return step_s / self.lower_bound_s - 1.0 if self.lower_bound_s > 0 else math.inf
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 def micro_batch_candidates(global_batch: int) -> tuple[int, ...]:
@@ -260,32 +250,24 @@ def _build(spec: Sequence[tuple[int, int, int, bool]], ranks: Sequence[tuple[int
     return Plan(stages=stages, micro_batches=m, schedule=schedule)
 
 
-_P = ParamSpec("_P")
-_R = TypeVar("_R")
-
-
-def _collector_paused(function: Callable[_P, _R]) -> Callable[_P, _R]:
-    """``function`` with Python's cyclic garbage collector off while it runs (as it was after).
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off while entered (as it was after); a decorator too.
 
     A search allocates partial plans by the hundred thousand and keeps most to its end, so the
     collector's passes, set off by allocations, walk them again and again and find nothing:
     partial plans point only to shorter ones, so reference counting frees all of them.
     """
-
-    @functools.wraps(function)
-    def paused(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-        enabled = gc.isenabled()
-        gc.disable()
-        try:
-            return function(*args, **kwargs)
-        finally:
-            if enabled:
-                gc.enable()
-
-    return paused
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
-@_collector_paused
+@_collector_paused()
 def plan_dapple(
     profile: ModelProfile,
     cluster: Cluster,
@@ -345,7 +327,7 @@ def plan_dapple(
     if objective != "time":
         least, frugal = least_memory(model, candidates, counts, schedule, cuts, recompute)
         if frugal is None or not least <= limit:
-            raise ValueError(_no_fit_message(model, candidates, counts, schedule, cuts, recompute))
+            raise ValueError(_no_fit_message(model, least, frugal))
         limit = peak_limit(least, limit, objective, memory_margin)
         seeds = _seeds(model, frugal, placements, limit)
     if exact is None:
@@ -357,7 +339,7 @@ def plan_dapple(
     beam = None if exact else _BEAM
     search = _search(model, runs, cuts, counts, schedule, wide, beam, limit, seeds, recompute)
     if not search.top.items:
-        raise ValueError(_no_fit_message(model, candidates, counts, schedule, cuts, recompute))
+        raise ValueError(_no_fit_message(model, *least_memory(model, candidates, counts, schedule, cuts, recompute)))
     planned = _planned(model, search, _data_parallel_step(model, candidates), schedule)
     record = _record(model, search, exact, candidates, counts, cuts)
     planned = [dataclasses.replace(p, peak_limit_bytes=limit, search=record) for p in planned]
@@ -492,10 +474,7 @@ def _runners_up(
             # plans (one that beats a suffix drops it); only if it has is the run searched for its
             # runners-up. (Under a beam the answer would depend on how many each front keeps.)
             if probe is None:
-                probe = _Search(
-                    search.model, 1, search.replicas, search.schedule, None, search.memory_cap, search.recompute
-                )
-                probe.shares(search)
+                probe = search.sibling(1, None)
             probe.bounded(search.top.bound)
             if probe.run(policy, m, cuts) == math.inf:
                 continue
@@ -507,10 +486,8 @@ def _runners_up(
 
 def _again(earlier: _Search, seen: dict[tuple[Any, ...], tuple[float, Any]], top: int, beam: int | None) -> _Search:
     """A search for the ``top`` best that continues ``earlier``'s work, ``seen``'s plans offered."""
-    search = _Search(
-        earlier.model, top, earlier.replicas, earlier.schedule, beam, earlier.memory_cap, earlier.recompute
-    )
-    search.continues(earlier)
+    search = earlier.sibling(top, beam)
+    search.before = earlier.work()
     for key, (z, payload) in seen.items():
         search.top.offer(z, key, payload)
     return search
@@ -525,7 +502,7 @@ def _record(
     cuts: Sequence[int] | None,
 ) -> SearchRecord:
     """The :class:`SearchRecord` of ``search`` (its counts summed over every search of ``top > 1``)."""
-    forward_fixed, backward_fixed, forward_var, backward_var, _, _ = model.affine_prefix_sums()
+    forward_fixed, backward_fixed, forward_var, backward_var, _ = model.affine_prefix_sums()
     per_sample = (forward_var[-1] + backward_var[-1]) / model.profile.profile_batch_size
     # Every sample passes every layer once per step; each micro-batch pays the fixed costs once.
     work = model.global_batch * per_sample + min(candidates) * (forward_fixed[-1] + backward_fixed[-1])
@@ -570,9 +547,7 @@ def _planned(model: CostModel, search: _Search, dp_step: float | None, schedule:
             raise RuntimeError(f"planner and cost model disagree on {plan.to_dict()}: {z} vs {est.pipeline_s}")
         # Consecutive ranks are what "append" gives, whichever policy found the plan first.
         label = policy if plan.stages[0].ranks is not None else "append"
-        simulated = simulated_step_s(model, plan, est)
-        planned = PlannedPlan(plan, est.step_s, est.memory_bytes, None, label, "dapple", est, simulated)
-        out.append(planned.with_speedup(dp_step))
+        out.append(PlannedPlan.predicted(model, est, dp_step, label))
     return out
 
 
@@ -588,15 +563,8 @@ def _micro_batches(micro_batches: Sequence[int] | None, global_batch: int) -> tu
     return tuple(sorted(set(values)))
 
 
-def _no_fit_message(
-    model: CostModel,
-    candidates: Sequence[int],
-    replicas: Sequence[int],
-    schedule: str,
-    cuts: Sequence[int] | None,
-    recompute: bool = False,
-) -> str:
-    need, plan = least_memory(model, candidates, replicas, schedule, cuts, recompute)
+def _no_fit_message(model: CostModel, need: float, plan: Plan | None) -> str:
+    """Why no plan fits, from the least memory any plan of the space needs and one such plan (:func:`least_memory`)."""
     cap = model.cluster.memory_bytes
     if plan is None:
         return (

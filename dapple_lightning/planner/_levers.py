@@ -111,15 +111,15 @@ def shortlist_with_levers(
         stages = ", ".join(f"stage {k}" for k, s in enumerate(lean.plan.stages) if s.recompute)
         note = f"no plan fits memory_limit {budget} keeping every activation: {stages} recompute theirs"
         return [(lean.plan, lean.predicted_step_s)], None, note, {}
-    sharded = sharded_lever(profile, cluster, global_batch, optimizer_factor=optimizer_factor, refused=shard_refused)
-    if sharded is not None:
-        plan, predicted, note = sharded
-        return [(plan, predicted)], None, note, {}
-    if offload_refused is not None:
-        raise ValueError(f"{first}; recomputing does not fit either, and offload cannot run here: {offload_refused}")
-    found = offloaded_plan(profile, cluster, global_batch, optimizer_factor=optimizer_factor)
+    found = sharded_lever(profile, cluster, global_batch, optimizer_factor=optimizer_factor, refused=shard_refused)
     if found is None:
-        raise ValueError(f"{first}; neither recomputing nor offloading the stages over it (offload: auto) fits")
+        if offload_refused is not None:
+            raise ValueError(
+                f"{first}; recomputing does not fit either, and offload cannot run here: {offload_refused}"
+            )
+        found = offloaded_plan(profile, cluster, global_batch, optimizer_factor=optimizer_factor)
+        if found is None:
+            raise ValueError(f"{first}; neither recomputing nor offloading the stages over it (offload: auto) fits")
     plan, predicted, note = found
     return [(plan, predicted)], None, note, {}
 

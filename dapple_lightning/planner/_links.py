@@ -417,21 +417,13 @@ def _measure_links(
 ) -> tuple[float, ...]:
     """``(latency, intra p2p, inter p2p, intra all-reduce, inter all-reduce)`` as rank 0 times them."""
     p2p_sizes, reduce_sizes = sizes
-    near = 1 if per_node > 1 else None  # rank 0's neighbour on its own node
-    far = per_node if nodes > 1 else None  # the first rank of node 1
-    intra = meter.link(p2p_sizes, near) if near is not None else None
-    inter = meter.link(p2p_sizes, far) if far is not None else None
-    latency = (intra or inter)[0]  # type: ignore[index]
-    intra_p2p = intra[1] if intra is not None else None
-    inter_p2p = inter[1] if inter is not None else None
-    intra_ar = inter_ar = None
-    if per_node > 1:
-        own = groups[meter.rank // per_node] if groups else None  # one node: the world is the node
-        intra_ar = meter.all_reduce(reduce_sizes, own, per_node)
-    if nodes > 1:
-        inter_ar = meter.all_reduce(reduce_sizes, None, nodes * per_node)
-    intra_p2p = intra_p2p if intra_p2p is not None else inter_p2p
-    inter_p2p = inter_p2p if inter_p2p is not None else intra_p2p
-    intra_ar = intra_ar if intra_ar is not None else inter_ar
-    inter_ar = inter_ar if inter_ar is not None else intra_ar
-    return latency, intra_p2p, inter_p2p, intra_ar, inter_ar  # type: ignore[return-value]
+    # Point-to-point with rank 0's neighbour on its own node, and with the first rank of node 1.
+    intra = meter.link(p2p_sizes, 1) if per_node > 1 else None
+    inter = meter.link(p2p_sizes, per_node) if nodes > 1 else None
+    own = groups[meter.rank // per_node] if groups else None  # one node: the world is the node
+    intra_ar = meter.all_reduce(reduce_sizes, own, per_node) if per_node > 1 else None
+    inter_ar = meter.all_reduce(reduce_sizes, None, nodes * per_node) if nodes > 1 else None
+    # A cluster without one kind of link (one node, or one rank per node) takes the other's figures.
+    intra, inter = intra or inter, inter or intra
+    intra_ar, inter_ar = intra_ar or inter_ar, inter_ar or intra_ar
+    return intra[0], intra[1], inter[1], intra_ar, inter_ar  # type: ignore[index, return-value]

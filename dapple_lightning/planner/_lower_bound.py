@@ -57,8 +57,8 @@ def _least_max(model: CostModel, m: int, counts: Sequence[int], bounds: list[int
     most = min(world, model.max_replicas(m))
     if most < 1:
         return float("inf")
-    ff, bf, fv, bv, update, _ = (np.asarray(x, dtype=float) for x in model.affine_prefix_sums())
-    params = np.asarray(model.prefix_sums()[3], dtype=float)
+    ff, bf, fv, bv, update = (np.asarray(x, dtype=float) for x in model.affine_prefix_sums())
+    params = np.asarray(model.prefix_sums()[2], dtype=float)
     at = np.asarray(bounds)
     # Per pair of cut points (start a, end b): fixed and per-sample passes, parameters, update.
     fixed = (ff[at][None, :] - ff[at][:, None]) + (bf[at][None, :] - bf[at][:, None])

@@ -117,8 +117,8 @@ def least_memory(
                     for i in range(j - 1, -1, -1):
                         if closing != (i == 0) or (i and cuts is not None and i not in allowed):
                             continue
-                        mem = model.stage_memory(i, j, samples, depth, r, m)
-                        lean = model.stage_memory(i, j, samples, depth, r, m, True) if recompute else mem
+                        mem = model.memory.stage_bytes(i, j, samples, depth, r, m)
+                        lean = model.memory.stage_bytes(i, j, samples, depth, r, m, True) if recompute else mem
                         # The lesser of two peaks that only grow with the stage grows too.
                         if min(mem, lean) >= best[0]:
                             break

@@ -6,12 +6,11 @@ A PipeDream graph lists nodes with times in milliseconds and sizes in bytes, the
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
-import json
 import os
 import re
 from pathlib import Path
-from typing import Any
 
 from dapple_lightning.planner._profile import LayerProfile, ModelProfile
 
@@ -199,20 +198,8 @@ def load_profile(path: str | os.PathLike[str], profile_batch_size: int | None = 
     """
     text = Path(path).read_text()
     if text.lstrip().startswith("{"):
-        profile = ModelProfile.from_dict(_json(text, path))
+        profile = ModelProfile.load(path)
         if profile_batch_size is not None and profile_batch_size != profile.profile_batch_size:
-            profile = ModelProfile(
-                layers=profile.layers,
-                profile_batch_size=profile_batch_size,
-                device=profile.device,
-                cut_bytes=profile.cut_bytes,
-            )
+            profile = dataclasses.replace(profile, profile_batch_size=profile_batch_size)
         return profile
     return _parse_pipedream(text, Path(path).name, profile_batch_size, "V100")
-
-
-def _json(text: str, path: str | os.PathLike[str]) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"profile {str(path)!r} is not valid JSON: {e}") from e

@@ -47,7 +47,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +59,8 @@ PROFILE_FORMAT = "dapple-lightning-profile"
 PROFILE_VERSION = 1
 PEAK_SOURCES = (None, "allocator", "tracker")
 """What ``LayerProfile.peak_source`` may be."""
+_MEASURED = ("weight_s", "peak_bytes", "peak_source", "saved_bytes", "update_peak_bytes")
+"""Layer fields written only when measured (not ``None``)."""
 
 
 def _bytes(value: Any, what: str) -> int:
@@ -190,24 +192,8 @@ class LayerProfile:
     def to_dict(self) -> dict[str, Any]:
         # The memory fields only when measured: a profile without them reads as before, in readers
         # that predate them too.
-        measured = {
-            k: getattr(self, k)
-            for k in ("weight_s", "peak_bytes", "peak_source", "saved_bytes", "update_peak_bytes")
-            if getattr(self, k) is not None
-        }
-        return {
-            "name": self.name,
-            "forward_s": self.forward_s,
-            "backward_s": self.backward_s,
-            "activation_bytes": self.activation_bytes,
-            "param_bytes": self.param_bytes,
-            "optimizer_state_bytes": self.optimizer_state_bytes,
-            "forward_fixed_s": self.forward_fixed_s,
-            "backward_fixed_s": self.backward_fixed_s,
-            "update_s": self.update_s,
-            "accumulate_s": self.accumulate_s,
-            **measured,
-        }
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return {k: v for k, v in values.items() if v is not None or k not in _MEASURED}
 
     @classmethod
     def from_dict(cls, data: Any) -> LayerProfile:
@@ -217,18 +203,7 @@ class LayerProfile:
         missing = [k for k in required if k not in data]
         if missing:
             raise ValueError(f"layer profile {dict(data)!r} lacks keys {missing}; required: {list(required)}")
-        optional = (
-            "optimizer_state_bytes",
-            "forward_fixed_s",
-            "backward_fixed_s",
-            "update_s",
-            "accumulate_s",
-            "weight_s",
-            "peak_bytes",
-            "peak_source",
-            "saved_bytes",
-            "update_peak_bytes",
-        )
+        optional = tuple(f.name for f in fields(cls) if f.name not in required)
         unknown = set(data) - {*required, *optional}
         if unknown:
             raise ValueError(
@@ -288,28 +263,6 @@ class ModelProfile:
     @property
     def num_layers(self) -> int:
         return len(self.layers)
-
-    def scale(self, samples: float) -> float:
-        """Factor that turns a profile-batch quantity into one for ``samples`` samples."""
-        return samples / self.profile_batch_size
-
-    def table(self) -> str:
-        """The profile as an aligned text table (ms and MB)."""
-        rows = [("#", "layer", "fwd ms", "bwd ms", "act MB", "param MB", "cut MB")]
-        for i, layer in enumerate(self.layers):
-            rows.append(
-                (
-                    str(i),
-                    layer.name[:40],
-                    f"{layer.forward_s * 1e3:.3f}",
-                    f"{layer.backward_s * 1e3:.3f}",
-                    f"{layer.activation_bytes / 1e6:.2f}",
-                    f"{layer.param_bytes / 1e6:.2f}",
-                    f"{self.cut_bytes[i + 1] / 1e6:.2f}",
-                )
-            )
-        widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-        return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows)
 
     # ------------------------------------------------------------------------ conversions
 

@@ -186,7 +186,7 @@ class _Pass:
         m = micro_batches
         layers = model.num_layers
         batch = model.profile.profile_batch_size
-        forward_fixed, backward_fixed, forward_var, backward_var, _, _ = model.affine_prefix_sums()
+        forward_fixed, backward_fixed, forward_var, backward_var, _ = model.affine_prefix_sums()
         self.model = model
         self.cluster = model.cluster
         self.policy = policy
@@ -228,8 +228,8 @@ class _Pass:
         m = self.micro_batches
         samples = self.samples[stage.replicas]
         forward, backward = model.passes(start, end, m, samples)
-        memory = model.memory_parts(start, end, samples, stage.replicas)
-        lean = model.memory_parts(start, end, samples, stage.replicas, True) if recompute else None
+        memory = model.memory.parts(start, end, samples, stage.replicas)
+        lean = model.memory.parts(start, end, samples, stage.replicas, True) if recompute else None
         self.priced += 1
         cost: _Cost | None = None
         if peak_bytes(memory, 1, m) <= cap or (lean is not None and peak_bytes(lean, 1, m) <= cap):
@@ -288,8 +288,6 @@ class _Search:
         self.gpipe = schedule == "gpipe"
         self.states_expanded = 0
         """States whose stages the search priced (each its own pass over stage sizes and starts)."""
-        self.links_made = 0
-        """Suffixes seen through a link to a new stage."""
         self.priced = 0
         """Partial plans priced: a stage put in front of a suffix (the search's unit of work)."""
         self.kept = 0
@@ -305,17 +303,12 @@ class _Search:
         self.end_bound = math.inf
         """The bound when the last run ended: that run found every plan of its own below it."""
 
-    def continues(self, earlier: _Search) -> None:
-        """Go on from ``earlier``'s work: count it, and reuse the stage prices and placements it
-        found."""
-        self.before = earlier.work()
-        self.shares(earlier)
-
-    def shares(self, other: _Search) -> None:
-        """Price stages and place them in ``other``'s tables (they depend on neither ``top`` nor
-        the bound)."""
-        self._costs = other._costs
-        self._placed = other._placed
+    def sibling(self, top: int, beam: int | None) -> _Search:
+        """A search of the same space for the ``top`` best that prices stages and places them in
+        this one's tables (they depend on neither ``top`` nor the bound)."""
+        other = _Search(self.model, top, self.replicas, self.schedule, beam, self.memory_cap, self.recompute)
+        other._costs, other._placed = self._costs, self._placed
+        return other
 
     def counts_in(self, other: _Search) -> None:
         """Count ``other``'s own work (not what it continues) as this search's."""
@@ -446,7 +439,6 @@ class _Search:
                 suffix.d, suffix.z, suffix.round_trip, suffix.x, suffix.passes, send, send, m, next_depth
             )
             out.append((depth, kept, pairs, link, suffix))
-        self.links_made += len(out)
         return out
 
     def _prepend_stages(

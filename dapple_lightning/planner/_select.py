@@ -17,7 +17,7 @@ from dapple_lightning.plan import ZERO_BUBBLE, Plan
 from dapple_lightning.planner._choice import MeasuredPlan, PlanChoice, choose_measured
 from dapple_lightning.planner._chunks import best_chunked_offers, estimate_chunked
 from dapple_lightning.planner._cluster import Cluster
-from dapple_lightning.planner._cost import CostModel, Placement, estimate
+from dapple_lightning.planner._cost import CostModel, estimate
 from dapple_lightning.planner._dp import plan_dapple
 from dapple_lightning.planner._profile import ModelProfile
 
@@ -219,7 +219,6 @@ def measure_and_choose(
     trial: Callable[[Plan], Measured],
     *,
     global_batch: int,
-    rounds: int = TRIAL_ROUNDS,
 ) -> tuple[PlanChoice, tuple[Trial, ...], list[tuple[Plan, Measured]]]:
     """``plan="auto"``'s trials: the shortlist ``close`` (plans and their predicted steps, from
     :func:`shortlist`) measured in turns (:func:`measure_in_turns`), each turn read as samples/s
@@ -227,7 +226,7 @@ def measure_and_choose(
     measures plans uses (:func:`choose_measured`). Returns the choice, each plan's :class:`Trial`,
     and each plan's median measurement (for :func:`refine`), in the shortlist's order."""
     plans = [plan for plan, _ in close]
-    turns = measure_in_turns(plans, trial, rounds=rounds)
+    turns = measure_in_turns(plans, trial)
     measured = [_as_measured(p, t, i, global_batch) for i, (p, t) in enumerate(zip(plans, turns, strict=True))]
     choice = choose_measured(measured)
     runs = [(plan, Measured.median(t)) for plan, t in zip(plans, turns, strict=True)]
@@ -320,7 +319,7 @@ def refine_allreduce(
         replicas = plan.stages[0].replicas
         if plan.num_stages != 1 or replicas < 2 or nbytes <= 0:
             continue
-        servers = Placement.of(cluster, plan.stage_ranks(0)).servers
+        servers = cluster.span(plan.stage_ranks(0))
         est = estimate(plan, profile, cluster, global_batch, optimizer_factor=optimizer_factor)
         passes = plan.micro_batches * (measured.forward_s[0] + measured.backward_s[0])
         seconds = measured.step_s - passes - est.update_s[0]

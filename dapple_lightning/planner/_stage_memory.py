@@ -68,7 +68,6 @@ __all__ = [
     "MemoryParts",
     "StageMemory",
     "cumulative",
-    "offload_window",
     "offloaded_model_bytes",
     "peak_bytes",
     "range_max",
@@ -127,9 +126,11 @@ class StageMemory:
         set_(self, "whole", sparse_max([float(x.activation_memory + x.transient_memory) for x in layers]))
 
     def static_bytes(self, start: int, end: int) -> float:
+        """Parameters, gradients and optimizer state of layers ``[start, end)``."""
         return self.static[end] - self.static[start]
 
     def kept_bytes(self, start: int, end: int, samples: int, recompute: bool = False) -> float:
+        """Bytes one micro-batch of ``samples`` samples keeps on a stage of layers ``[start, end)``."""
         if recompute:
             output = self.profile.cut_bytes[end] if end < len(self.profile.layers) else 0.0
             kept = self.inputs[end] - self.inputs[start] + output
@@ -147,7 +148,8 @@ class StageMemory:
         return max(update, 2 * grads) if replicas > 1 else update
 
     def parts(self, start: int, end: int, samples: int, replicas: int, recompute: bool = False) -> MemoryParts:
-        """The terms of a stage's peak that do not depend on how many micro-batches it keeps."""
+        """The terms of a stage's peak that do not depend on how many micro-batches it keeps (what
+        :func:`peak_bytes` makes the peak of)."""
         grads = self.grads[end] - self.grads[start]
         return (
             self.static_bytes(start, end),
@@ -168,6 +170,7 @@ class StageMemory:
         recompute: bool = False,
         offload: int | str | None = None,
     ) -> float:
+        """Peak bytes per device of layers ``[start, end)`` keeping ``depth`` micro-batches (see the module docstring)."""
         if offload is not None:
             return self.offloaded_bytes(start, end, samples, depth, offload)
         return peak_bytes(self.parts(start, end, samples, replicas, recompute), depth, micro_batches)
@@ -179,16 +182,11 @@ class StageMemory:
         moving, stepping = offloaded_model_bytes(
             [2.0 * x.param_bytes for x in layers],
             [2.0 * x.param_bytes + x.optimizer_bytes(self.optimizer_factor) for x in layers],
-            offload_window(offload),
+            AUTO_WINDOW_MOST if offload == "auto" else int(offload),
         )
         update = max((float(x.update_peak_bytes or 0) for x in layers), default=0.0)
         kept = self.kept_bytes(start, end, samples)
         return max(moving + depth * kept + self.transient_bytes(start, end, samples), stepping + update)
-
-
-def offload_window(offload: int | str) -> int:
-    """The window an offloaded stage is priced at: ``W``, or for ``"auto"`` the widest it may pick."""
-    return AUTO_WINDOW_MOST if offload == "auto" else int(offload)
 
 
 def offloaded_model_bytes(resident: Sequence[float], whole: Sequence[float], window: int) -> tuple[float, float]:

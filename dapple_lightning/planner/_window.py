@@ -68,19 +68,6 @@ def _sweep(order: Sequence[int], compute: Sequence[float], read: Sequence[float]
     return waits
 
 
-def _waits(window, forward_s, backward_s, read_s, write_s) -> tuple[dict[int, float], dict[int, float]]:
-    """Seconds each layer waits in one forward sweep and in one backward sweep under ``window``.
-
-    ``read_s``/``write_s``: one layer's parameters (as many bytes as its gradients) read from and
-    written to the tier. Forward reads parameters and writes nothing (they did not change);
-    backward reads parameters and gradients and writes the gradients back.
-    """
-    n = len(forward_s)
-    forward = _sweep(range(n), forward_s, read_s, [0.0] * n, window)
-    backward = _sweep(range(n - 1, -1, -1), backward_s, [2 * r for r in read_s], write_s, window)
-    return forward, backward
-
-
 def choose_window(
     forward_s: Sequence[float],
     backward_s: Sequence[float],
@@ -93,7 +80,8 @@ def choose_window(
     """The smallest window up to ``most`` layers whose layers wait at most ``tolerance`` of the compute
     (and each layer at most that share of its own), else the window up to ``most`` that waits least,
     naming the layers that wait. The first layer of each sweep waits for its own read under any
-    window: that wait is not counted."""
+    window: that wait is not counted. ``read_s``/``write_s``: one layer's parameters (as many bytes
+    as its gradients) read from and written to the tier."""
     n = len(forward_s)
     if n == 0 or not len(backward_s) == len(read_s) == len(write_s) == n:
         raise ValueError(
@@ -104,7 +92,10 @@ def choose_window(
     compute = sum(forward_s) + sum(backward_s)
     best: WindowChoice | None = None
     for window in range(1, min(n, most) + 1):
-        forward, backward = _waits(window, forward_s, backward_s, read_s, write_s)
+        # Forward reads parameters and writes nothing (they did not change); backward reads
+        # parameters and gradients and writes the gradients back.
+        forward = _sweep(range(n), forward_s, read_s, [0.0] * n, window)
+        backward = _sweep(range(n - 1, -1, -1), backward_s, [2 * r for r in read_s], write_s, window)
         forward[0] = backward[n - 1] = 0.0  # nothing is in memory when a sweep starts
         waits = {i: forward[i] + backward[i] for i in range(n)}
         total = sum(waits.values())

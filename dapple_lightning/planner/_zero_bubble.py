@@ -7,7 +7,7 @@ the chains of ``_cost`` do not express. So the estimate takes DAPPLE's per-stage
 same stages (forward, whole backward, transfers, all-reduce, update), splits each backward into
 ``B = backward - W`` and ``W`` (the profile's ``weight_s`` summed over the stage's layers and
 scaled with its samples; without ``weight_s`` a stage's ``W`` is 0, so nothing is gained over
-DAPPLE's order), and replays the schedule's lists event by event (``_replay``). Memory: each
+DAPPLE's order), and replays the schedule's lists event by event (``_simulator``). Memory: each
 stage keeps the schedule's peak of live micro-batches (``schedule.peak_in_flight``: a
 micro-batch lives from its forward to its ``W``, or to its ``B`` where it has none): ``min(S, M)``
 on every stage under ZB-H1, the first stage's DAPPLE depth, ``min(2S - 1, M)`` under ZB-H2, at
@@ -28,7 +28,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from dapple_lightning.plan import Plan
-from dapple_lightning.planner._replay import replay_end
+from dapple_lightning.planner._simulator import replay_end
 from dapple_lightning.schedule import peak_in_flight, schedule
 
 if TYPE_CHECKING:
@@ -63,7 +63,7 @@ def zero_bubble(model: CostModel, plan: Plan) -> Estimate:
     )
     step = max(pipeline, base.shared_compute_s)
     memory = tuple(
-        model.stage_memory(s.start, s.end, n, peak_in_flight(actions), s.replicas, m)
+        model.memory.stage_bytes(s.start, s.end, n, peak_in_flight(actions), s.replicas, m)
         + weight_transient(model, s.start, s.end)
         for s, n, actions in zip(plan.stages, base.samples, lists)
     )

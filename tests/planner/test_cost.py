@@ -183,7 +183,7 @@ def test_measured_memory_prices_saved_bytes_per_micro_batch_and_the_largest_exce
     # Stage 1 is priced as before: its layers' outputs per micro-batch, no transient.
     assert est.memory_bytes[1] == 4e9 + 1 * 100
     model = CostModel(profile, SLOW, 8)
-    transient = [model.memory_parts(i, j, 4, 1)[2] for i, j in ((0, 1), (1, 4), (2, 4))]
+    transient = [model.memory.parts(i, j, 4, 1)[2] for i, j in ((0, 1), (1, 4), (2, 4))]
     assert transient == [60, 260, 0]
     # Recomputing, stage 0 keeps per micro-batch only its layers' inputs (the model's, 0, and
     # layer 1's, 100) and its 100-byte output; its largest layer's whole peak, 300, comes once.

@@ -9,7 +9,7 @@ import pytest
 
 from dapple_lightning.plan import Plan, Stage
 from dapple_lightning.planner import GB, Cluster, CostModel, LayerProfile, ModelProfile, shortlist, simulate_plan
-from dapple_lightning.planner._replay import replay
+from dapple_lightning.planner._simulator import replay
 from dapple_lightning.schedule import peak_in_flight, schedule
 
 
@@ -158,5 +158,5 @@ def test_w_transient_of_the_largest_layer_is_priced_on_top_of_the_stage():
     est = model.estimate(plan)
     lists = schedule("zb-h1", 2, 8)
     for s, (stage, largest) in enumerate(zip(plan.stages, (2000, 4000))):
-        without = model.stage_memory(stage.start, stage.end, est.samples[s], peak_in_flight(lists[s]), 1, 8)
+        without = model.memory.stage_bytes(stage.start, stage.end, est.samples[s], peak_in_flight(lists[s]), 1, 8)
         assert est.memory_bytes[s] == pytest.approx(without + largest)

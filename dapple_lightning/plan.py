@@ -145,7 +145,7 @@ class Stage:
                     f"stage [{self.start}, {self.end}) sets both recompute and offload; choose one of them"
                 )
         whole(self.end, "stage end layer", low=None)
-        whole(self.replicas, "stage replicas")
+        whole(self.replicas, "stage replicas", low=None)
         if self.start < 0:
             raise ValueError(f"stage layers must start at 0 or later, got start={self.start}")
         if self.end <= self.start:
@@ -153,6 +153,8 @@ class Stage:
                 f"stage layer range [{self.start}, {self.end}) is empty; a stage needs at least one layer "
                 "(write layers as [start, end) with end > start)"
             )
+        if self.replicas < 1:
+            raise ValueError(f"stage replicas must be >= 1, got {self.replicas}")
         if self.ranks is not None:
             ranks = tuple(whole(r, "stage rank", low=None) for r in self.ranks)
             object.__setattr__(self, "ranks", ranks)
@@ -574,6 +576,7 @@ class Plan:
         num_layers: int,
         num_stages: int,
         micro_batches: int | None = None,
+        *,
         schedule: str = "dapple",
     ) -> Plan:
         """A straight pipeline (one device per stage), cut into stages of as equal layer counts as can be.

@@ -425,5 +425,5 @@ def _measure_links(
     inter_ar = meter.all_reduce(reduce_sizes, None, nodes * per_node) if nodes > 1 else None
     # A cluster without one kind of link (one node, or one rank per node) takes the other's figures.
     intra, inter = intra or inter, inter or intra
-    intra_ar, inter_ar = intra_ar or inter_ar, inter_ar or intra_ar
+    intra_ar, inter_ar = (inter_ar if intra_ar is None else intra_ar), (intra_ar if inter_ar is None else inter_ar)
     return intra[0], intra[1], inter[1], intra_ar, inter_ar  # type: ignore[index, return-value]

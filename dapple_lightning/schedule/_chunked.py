@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from dapple_lightning.schedule._orders import Action
 
-__all__ = ["chunked_schedule", "interleaved_schedule", "peak_bound", "v_half_schedule", "zb_v_schedule"]
+__all__ = ["chunked_schedule", "peak_bound"]
 
 
 def interleaved_warmup(groups: int, chunks: int, micro_batches: int, group: int) -> int:
@@ -40,7 +40,7 @@ def interleaved_warmup(groups: int, chunks: int, micro_batches: int, group: int)
     return min(micro_batches * chunks, 2 * (groups - 1 - group) + (chunks - 1) * groups)
 
 
-def interleaved_schedule(groups: int, chunks: int, micro_batches: int) -> list[list[Action]]:
+def _interleaved(groups: int, chunks: int, micro_batches: int) -> list[list[Action]]:
     """Every group's interleaved 1F1B order (looped layout); ``micro_batches`` a multiple of ``groups``."""
     if micro_batches % groups:
         raise ValueError(f"interleaved 1F1B needs micro_batches a multiple of the {groups} groups, got {micro_batches}")
@@ -64,7 +64,7 @@ def interleaved_schedule(groups: int, chunks: int, micro_batches: int) -> list[l
     return orders
 
 
-def zb_v_schedule(groups: int, micro_batches: int) -> list[list[Action]]:
+def _zb_v(groups: int, micro_batches: int) -> list[list[Action]]:
     """Every group's ZB-V order (V layout); ``micro_batches >= 2 x groups``."""
     return [_zb_v_group(groups, micro_batches, g) for g in range(groups)]
 
@@ -109,7 +109,7 @@ def _zb_v_group(groups: int, micro_batches: int, g: int) -> list[Action]:
     return actions
 
 
-def v_half_schedule(groups: int, micro_batches: int) -> list[list[Action]]:
+def _v_half(groups: int, micro_batches: int) -> list[list[Action]]:
     """Every group's V-Half order (V layout): at most ``groups + 1`` chunk micro-batches per group;
     ``micro_batches >= 2 x groups``."""
     last = 2 * groups - 1
@@ -166,8 +166,8 @@ def chunked_schedule(name: str, groups: int, chunks: int, micro_batches: int) ->
     if _CHUNKED[name] and micro_batches < 2 * groups:
         raise ValueError(f"{name} needs at least 2 x {groups} groups = {2 * groups} micro-batches, got {micro_batches}")
     if name == "interleaved":
-        return interleaved_schedule(groups, chunks, micro_batches)
-    return zb_v_schedule(groups, micro_batches) if name == "zb-v" else v_half_schedule(groups, micro_batches)
+        return _interleaved(groups, chunks, micro_batches)
+    return _zb_v(groups, micro_batches) if name == "zb-v" else _v_half(groups, micro_batches)
 
 
 def peak_bound(name: str, groups: int, chunks: int, micro_batches: int, group: int) -> int:

@@ -108,11 +108,12 @@ def shared_gpu_refusal(backend: str, node_devices: Sequence[Any], plan: Plan | s
 
 
 def _chunks_refusal(plan: Plan, logging: bool) -> str | None:
-    """What a plan with several stages per rank group cannot run with yet (:func:`auto_chunks_refusal`;
-    a lost rank of a replicated group recovers from its replica as without chunks)."""
-    if plan.chunks > 1 and (why := auto_chunks_refusal(logging)) is not None:
+    """What a plan with several stages per rank group cannot run with yet: the log that replays a
+    lost rank's stage (a lost rank of a replicated group recovers from its replica as without chunks)."""
+    if plan.chunks > 1 and logging:
         return (
-            f"{why}, and the plan gives each rank group {plan.chunks} stages (chunks): use recovery='auto' (under "
+            f"recovery='log' keeps a log to replay a lost rank's stage, and the plan gives each rank group "
+            f"{plan.chunks} stages (chunks), which the replay does not handle yet: use recovery='auto' (under "
             "torchrun --max-restarts a lost rank recovers from a replica of its rank group; give every group "
             "2 or more replicas), or set chunks: 1"
         )

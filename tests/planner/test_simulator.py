@@ -43,6 +43,9 @@ def test_bubble_fraction_of_equal_stages(schedule_name, stages, micro_batches):
     plan = Plan(tuple(Stage(i, i + 1, 1) for i in range(stages)), micro_batches, schedule_name)
     model = CostModel(profile, cluster, 4 * micro_batches)
     expected = (stages - 1) / (micro_batches + stages - 1)
+    sim = simulate_plan(model, plan)
+    busy = sum(e.end - e.start for e in sim.events if e.kind in ("F", "B", "W"))
+    assert 1 - busy / (stages * sim.step_s) == pytest.approx(expected)
     assert model.estimate(plan).bubble_fraction == pytest.approx(expected)
 
 

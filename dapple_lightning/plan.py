@@ -45,7 +45,6 @@ __all__ = [
     "Stage",
     "layout_of",
     "number",
-    "stage_groups",
     "whole",
 ]
 
@@ -66,11 +65,6 @@ CHUNKED_SCHEDULES = tuple(name for names in LAYOUTS.values() for name in names)
 def layout_of(schedule: str) -> str:
     """The layout a chunked ``schedule`` runs (a key of :data:`LAYOUTS`)."""
     return next(layout for layout, names in LAYOUTS.items() if schedule in names)
-
-
-def stage_groups(groups: int, chunks: int, layout: str) -> list[int]:
-    """The rank group of each of the ``groups x chunks`` stages, in pipeline order (:func:`_group_of`)."""
-    return [_group_of(s, groups, layout) for s in range(groups * chunks)]
 
 
 def _group_of(stage: int, groups: int, layout: str) -> int:
@@ -614,15 +608,34 @@ class Plan:
         if groups * chunks > num_layers:
             raise ValueError(f"cannot cut {num_layers} layers into {groups} groups x {chunks} chunks (fewer layers)")
         bounds = balanced_cuts([1.0] * num_layers, groups * chunks)
-        owner = stage_groups(groups, chunks, layout)
-        stages = tuple(Stage(a, b, counts[owner[s]]) for s, (a, b) in enumerate(itertools.pairwise(bounds)))
-        return cls(
-            stages=stages,
-            micro_batches=micro_batches or 2 * groups,
-            schedule=schedule or LAYOUTS[layout][0],
-            chunks=chunks,
-            layout=layout,
+        return cls.from_cuts(
+            bounds, counts, micro_batches or 2 * groups, schedule or LAYOUTS[layout][0], chunks=chunks, layout=layout
         )
+
+    @classmethod
+    def from_cuts(
+        cls,
+        cuts: Sequence[int],
+        replicas: Sequence[int],
+        micro_batches: int,
+        schedule: str,
+        *,
+        chunks: int = 1,
+        layout: str | None = None,
+        ranks: Sequence[tuple[int, ...] | None] | None = None,
+    ) -> Plan:
+        """The plan whose stages hold layers ``[cuts[s], cuts[s + 1])``, ``chunks`` stages per rank group
+        ``g`` placed by ``layout`` (by default the schedule's, :func:`layout_of`), each on ``replicas[g]``
+        devices (at ``ranks[g]`` when given)."""
+        groups = len(replicas)
+        if layout is None:
+            layout = layout_of(schedule) if schedule in CHUNKED_SCHEDULES else "looped"
+        owner = (_group_of(s, groups, layout) for s in range(groups * chunks))
+        stages = tuple(
+            Stage(a, b, replicas[g], None if ranks is None else ranks[g])
+            for g, (a, b) in zip(owner, itertools.pairwise(cuts), strict=True)
+        )
+        return cls(stages, micro_batches, schedule, chunks, layout)
 
 
 def balanced_cuts(weights: Sequence[float], parts: int) -> list[int]:

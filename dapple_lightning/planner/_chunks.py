@@ -23,12 +23,11 @@ are predicted faster within the memory budget, each with the sentence their repo
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from dapple_lightning.plan import LAYOUTS, Plan, Stage, balanced_cuts, stage_groups
+from dapple_lightning.plan import LAYOUTS, Plan, balanced_cuts
 from dapple_lightning.planner._budget import format_bytes
 from dapple_lightning.planner._zero_bubble import stage_weight
 from dapple_lightning.schedule import Action, chunked_schedule, simulate
@@ -133,21 +132,19 @@ def chunked_variants(model: CostModel, plan: Plan, looped_chunks: int = 2) -> li
     if plan.chunks != 1:
         return []
     groups = plan.num_stages
+    replicas, ranks = [s.replicas for s in plan.stages], [s.ranks for s in plan.stages]
     weights = [sum(model.compute(i, i + 1, model.profile.profile_batch_size)) for i in range(model.num_layers)]
     out = []
     for layout, schedules in LAYOUTS.items():
         chunks = looped_chunks if layout == "looped" else 2
         if chunks * groups > model.num_layers:
             continue
-        count = chunks * groups
-        owner = stage_groups(groups, chunks, layout)
-        stages = [
-            Stage(a, b, plan.stages[owner[s]].replicas, plan.stages[owner[s]].ranks)
-            for s, (a, b) in enumerate(itertools.pairwise(balanced_cuts(weights, count)))
-        ]
+        cuts = balanced_cuts(weights, chunks * groups)
         for name in schedules:
             try:
-                out.append(Plan(stages, plan.micro_batches, name, chunks=chunks, layout=layout))
+                out.append(
+                    Plan.from_cuts(cuts, replicas, plan.micro_batches, name, chunks=chunks, layout=layout, ranks=ranks)
+                )
             except ValueError:
                 continue  # e.g. interleaved with M not a multiple of G
     return out

@@ -79,9 +79,6 @@ from dapple_lightning.plan import (
     LAYOUTS,
     SCHEDULES,
     Plan,
-    Stage,
-    layout_of,
-    stage_groups,
     whole,
 )
 
@@ -301,7 +298,7 @@ class PlanSpace:
         for i in range(1, s):
             cuts.append(trial.suggest_int(f"s{s}_c{i}", cuts[-1] + 1, self.num_layers - (s - i)))
         cuts.append(self.num_layers)
-        return _plan(cuts, replicas, m, schedule, chunks)
+        return Plan.from_cuts(cuts, replicas, m, schedule, chunks=chunks)
 
     def params(self, plan: Plan | Mapping[str, Any] | str) -> dict[str, Any]:
         """The parameters under which :meth:`suggest` returns ``plan``, for ``study.enqueue_trial``.
@@ -361,7 +358,7 @@ class PlanSpace:
             for m, groups, chunks, cap in self._shapes(schedule):
                 for replicas in _compositions(self.world_size, groups, cap):
                     for inner in itertools.combinations(range(1, self.num_layers), groups * chunks - 1):
-                        yield _plan([0, *inner, self.num_layers], list(replicas), m, schedule, chunks)
+                        yield Plan.from_cuts([0, *inner, self.num_layers], replicas, m, schedule, chunks=chunks)
 
     def grid(self, most: int = DEFAULT_MAX_PLANS) -> list[Plan]:
         """Every plan of the space (:meth:`plans`), refused when there are more than ``most``: a grid
@@ -383,18 +380,6 @@ def _compositions(total: int, parts: int, cap: int) -> Iterator[tuple[int, ...]]
     for r in range(max(1, total - cap * (parts - 1)), min(cap, total - (parts - 1)) + 1):
         for rest in _compositions(total - r, parts - 1, cap):
             yield (r, *rest)
-
-
-def _plan(cuts: Sequence[int], replicas: Sequence[int], micro_batches: int, schedule: str, chunks: int = 1) -> Plan:
-    """The plan cut at ``cuts`` whose rank group ``g`` has ``replicas[g]`` (its stages in the
-    schedule's layout when ``chunks > 1``)."""
-    if chunks == 1:
-        stages = tuple(Stage(a, b, r) for (a, b), r in zip(itertools.pairwise(cuts), replicas, strict=True))
-        return Plan(stages=stages, micro_batches=micro_batches, schedule=schedule)
-    layout = layout_of(schedule)
-    owner = stage_groups(len(replicas), chunks, layout)
-    stages = tuple(Stage(a, b, replicas[owner[s]]) for s, (a, b) in enumerate(itertools.pairwise(cuts)))
-    return Plan(stages=stages, micro_batches=micro_batches, schedule=schedule, chunks=chunks, layout=layout)
 
 
 def params_from_plan(plan: Plan | Mapping[str, Any] | str) -> dict[str, Any]:
@@ -442,7 +427,7 @@ def plan_from_params(params: Mapping[str, Any], *, num_layers: int, world_size: 
     last = world_size - sum(replicas)
     if last < 1:
         raise ValueError(f"replicas {replicas} leave {last} of {world_size} ranks for the last stage")
-    return _plan(cuts, [*replicas, last], m, schedule, chunks)
+    return Plan.from_cuts(cuts, [*replicas, last], m, schedule, chunks=chunks)
 
 
 def describe_plan(plan: Plan | Mapping[str, Any]) -> str:

@@ -66,15 +66,14 @@ def _forward(module: Any, inputs: Any, index: int, on_copy: set[int]) -> Any:
     such a layer runs it on a copy too (``runtime.StageModule``), so the copy is timed with it."""
     from dapple_lightning.microbatch import map_tensors
 
-    if index in on_copy:
-        return module(map_tensors(inputs, lambda t: t.clone()))
-    try:
-        return module(inputs)
-    except RuntimeError as err:
-        if _IN_PLACE not in str(err):
-            raise
-        on_copy.add(index)
-        return module(map_tensors(inputs, lambda t: t.clone()))
+    if index not in on_copy:
+        try:
+            return module(inputs)
+        except RuntimeError as err:
+            if _IN_PLACE not in str(err):
+                raise
+            on_copy.add(index)
+    return module(map_tensors(inputs, lambda t: t.clone()))
 
 
 def profile_layers(
@@ -137,9 +136,10 @@ def profile_layers(
     )
     fixed = [(0.0, 0.0)] * len(modules)
     if small_batch is not None:
-        small, _, accumulate = _time_layers(
-            modules, _rows(sample_input, small_batch), repeats, warmup, device, accumulate=True
-        )
+        from dapple_lightning.microbatch import map_tensors
+
+        first_rows = map_tensors(sample_input, lambda t: t[:small_batch])  # the batch is dim 0
+        small, _, accumulate = _time_layers(modules, first_rows, repeats, warmup, device, accumulate=True)
         fixed = [
             (fixed_part(big_f, small_f, batch, small_batch), fixed_part(big_b, small_b, batch, small_batch))
             for (big_f, big_b), (small_f, small_b) in zip(timed, small)
@@ -376,13 +376,6 @@ def _time_update(
             for p, value, grad in zip(params, saved, grads):
                 p.copy_(value)
                 p.grad = grad
-
-
-def _rows(value: Any, rows: int) -> Any:
-    """The first ``rows`` rows of every tensor in ``value`` (the batch is dim 0)."""
-    from dapple_lightning.microbatch import map_tensors
-
-    return map_tensors(value, lambda t: t[:rows])
 
 
 def _device_name(device: torch.device) -> str:

@@ -142,21 +142,18 @@ class StageMemory:
         table = self.whole if recompute else self.transient
         return range_max(table, start, end) * samples / self.profile.profile_batch_size
 
-    def closing_bytes(self, start: int, end: int, replicas: int) -> float:
-        update = self.update[end] - self.update[start]
-        grads = self.grads[end] - self.grads[start]
-        return max(update, 2 * grads) if replicas > 1 else update
-
     def parts(self, start: int, end: int, samples: int, replicas: int, recompute: bool = False) -> MemoryParts:
         """The terms of a stage's peak that do not depend on how many micro-batches it keeps (what
         :func:`peak_bytes` makes the peak of)."""
         grads = self.grads[end] - self.grads[start]
+        update = self.update[end] - self.update[start]
+        closing = max(update, 2 * grads) if replicas > 1 else update
         return (
             self.static_bytes(start, end),
             self.kept_bytes(start, end, samples, recompute),
             self.transient_bytes(start, end, samples, recompute),
             grads,
-            self.closing_bytes(start, end, replicas),
+            closing,
         )
 
     def stage_bytes(

@@ -73,10 +73,12 @@ def _key(params: Mapping[str, Any]) -> tuple:
     return tuple(sorted(params.items()))
 
 
-def _retry_attrs(number: int, attrs: Mapping[str, Any]) -> dict[str, Any]:
-    """The attributes of the queued retry of interrupted trial ``number`` (whose attributes were ``attrs``)."""
-    kept = {k: attrs[k] for k in _CONFIRMATION_ATTRS if k in attrs}
-    return {"source": "retry", "retry_of": number, **kept}
+def _requeue(study: optuna.Study, number: int, params: Mapping[str, Any], attrs: Mapping[str, Any]) -> None:
+    """Queue the retry of interrupted trial ``number`` (whose parameters and attributes were
+    ``params`` and ``attrs``); nothing for a trial that drew no plan."""
+    if params:
+        kept = {k: attrs[k] for k in _CONFIRMATION_ATTRS if k in attrs}
+        study.enqueue_trial(dict(params), user_attrs={"source": "retry", "retry_of": number, **kept})
 
 
 # ------------------------------------------------------------------------------- what counts
@@ -147,8 +149,7 @@ def mark_interrupted(
         study.tell(number, state=TrialState.FAIL)
     except (RuntimeError, ValueError):  # another worker ended it first
         return False
-    if params:
-        study.enqueue_trial(dict(params), user_attrs=_retry_attrs(number, attrs or {}))
+    _requeue(study, number, params, attrs or {})
     return True
 
 
@@ -238,8 +239,7 @@ def requeue_stale_trial(study: optuna.Study, trial: FrozenTrial) -> None:
     trial counting towards ``n_trials``.
     """
     study.set_user_attr(f"{_INTERRUPTED}{trial.number}", {"reason": _NO_HEARTBEAT, "by": runner_info()})
-    if trial.params:
-        study.enqueue_trial(dict(trial.params), user_attrs=_retry_attrs(trial.number, trial.user_attrs))
+    _requeue(study, trial.number, trial.params, trial.user_attrs)
 
 
 def fail_stale(study: optuna.Study) -> list[int]:

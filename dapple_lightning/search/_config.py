@@ -15,8 +15,6 @@ __all__ = ["DEFAULT_HEARTBEAT_S", "DEFAULT_STORAGE", "SearchConfig"]
 
 DEFAULT_STORAGE = "sqlite:///dapple_search.db"
 DEFAULT_HEARTBEAT_S = 10
-_OBJECTIVES_SINGLE = ["samples_per_s"]
-_OBJECTIVES_MULTI = ["samples_per_s", "peak_bytes"]
 
 
 @dataclass(frozen=True)
@@ -115,7 +113,7 @@ class SearchConfig:
 
     @property
     def objectives(self) -> list[str]:
-        return list(_OBJECTIVES_MULTI if self.multi_objective else _OBJECTIVES_SINGLE)
+        return ["samples_per_s", "peak_bytes"] if self.multi_objective else ["samples_per_s"]
 
     @property
     def directions(self) -> list[str]:

@@ -286,35 +286,35 @@ def _seed_from_planner(
 ) -> None:
     """Profile the app's model (``hydra.sweeper.model``) in a child process and queue the
     planner's picks after the baselines, as the search command does."""
+    profile, units = None, None
     if settings.model is None:
-        reason = "set hydra.sweeper.model to a 'module:function' that builds the job's model to seed with the planner"
-        enqueue_planner_seeds(study, space, None, settings.planner_seeds, None, say, reason)
-        return
-    if config is None:
-        enqueue_planner_seeds(study, space, None, settings.planner_seeds, None, say, "the job's config did not resolve")
-        return
-    import sys
+        missing = "set hydra.sweeper.model to a 'module:function' that builds the job's model to seed with the planner"
+    elif config is None:
+        missing = "the job's config did not resolve"
+    else:
+        import sys
 
-    app_dir = str(Path(sys.argv[0]).resolve().parent)
-    kwargs = {"target": settings.model, "app_dir": app_dir, "config": config}
-    trial = TrialConfig(
-        "dapple_lightning.search._hydra:job_model",
-        world_size=space.world_size,
-        global_batch=space.global_batch,
-        model_kwargs=kwargs,
-        accelerator=settings.device,
-    )
-    say(f"profiling {settings.model} for the planner ...")
-    try:
-        info = probe_model(trial, profile=True)
-    except RuntimeError as e:
-        enqueue_planner_seeds(study, space, None, settings.planner_seeds, None, say, f"the probe failed ({e})")
-        return
-    missing = f"no profile ({info.profile_error})"
-    if info.num_layers != space.num_layers:
-        info, missing = None, f"the model has {info.num_layers} layers, the space {space.num_layers}"
-    profile = info.profile if info is not None else None
-    enqueue_planner_seeds(study, space, profile, settings.planner_seeds, compute_units(trial), say, missing)
+        app_dir = str(Path(sys.argv[0]).resolve().parent)
+        kwargs = {"target": settings.model, "app_dir": app_dir, "config": config}
+        trial = TrialConfig(
+            "dapple_lightning.search._hydra:job_model",
+            world_size=space.world_size,
+            global_batch=space.global_batch,
+            model_kwargs=kwargs,
+            accelerator=settings.device,
+        )
+        say(f"profiling {settings.model} for the planner ...")
+        try:
+            info = probe_model(trial, profile=True)
+        except RuntimeError as e:
+            missing = f"the probe failed ({e})"
+        else:
+            missing, units = f"no profile ({info.profile_error})", compute_units(trial)
+            if info.num_layers != space.num_layers:
+                missing = f"the model has {info.num_layers} layers, the space {space.num_layers}"
+            else:
+                profile = info.profile
+    enqueue_planner_seeds(study, space, profile, settings.planner_seeds, units, say, missing)
 
 
 def _refuse_spelled_password(config: Any) -> None:

@@ -135,13 +135,6 @@ def best_trial(study: optuna.Study) -> FrozenTrial:
     return ranked[0]
 
 
-def _check(study: optuna.Study, fingerprint: Fingerprint | Mapping[str, Any] | None, allow_mismatch: bool) -> None:
-    if fingerprint is not None:
-        check_fingerprint(
-            study.user_attrs.get("fingerprint"), fingerprint, study_name=study.study_name, allow_mismatch=allow_mismatch
-        )
-
-
 def best_plan(
     storage: str = DEFAULT_STORAGE,
     study_name: str = "dapple",
@@ -161,7 +154,10 @@ def best_plan(
         ValueError: No such study, no completed trial, or a fingerprint mismatch.
     """
     study = load_search(storage, study_name)
-    _check(study, fingerprint, allow_mismatch)
+    if fingerprint is not None:
+        check_fingerprint(
+            study.user_attrs.get("fingerprint"), fingerprint, study_name=study.study_name, allow_mismatch=allow_mismatch
+        )
     return trial_plan(best_choice(study)[0], study)
 
 

@@ -119,11 +119,10 @@ def planner_seeds(
         ValueError: When no plan of the space fits in memory (the planner's message says why), or
             the space holds only chunked plans, more than are ranked one by one.
     """
-    from dapple_lightning.planner import CostModel, ModelProfile, plan_dapple
+    from dapple_lightning.planner import plan_dapple
 
-    model_profile = ModelProfile.from_dict(profile)
-    cluster = local_cluster(space.world_size, units, memory_limit)
-    model = CostModel(model_profile, cluster, space.global_batch)
+    model = _cost_model(profile, space, units, memory_limit)
+    cluster = model.cluster
     chunked = sum(space.schedule_size(s) for s in space.schedules if s in CHUNKED_SCHEDULES)
     if space.size - chunked <= EXHAUSTIVE:
         rank_chunked = chunked <= CHUNKED_EXHAUSTIVE
@@ -148,7 +147,7 @@ def planner_seeds(
                 out.append(SeedPlan(e.plan, rank, e.step_s))
         return out[:top]
     planned = plan_dapple(
-        model_profile,
+        model.profile,
         cluster,
         space.global_batch,
         top=max(5 * top, 20),
@@ -167,6 +166,14 @@ def planner_seeds(
             step = p.predicted_step_s if schedule == p.plan.schedule else model.estimate(plan).step_s
             out.append(SeedPlan(plan, rank, step))
     return out[:top]
+
+
+def _cost_model(profile: dict[str, Any], space: PlanSpace, units: int | None, memory_limit: float | None) -> Any:
+    """The cost model of ``profile`` on :func:`local_cluster` at the space's global batch."""
+    from dapple_lightning.planner import CostModel, ModelProfile
+
+    cluster = local_cluster(space.world_size, units, memory_limit)
+    return CostModel(ModelProfile.from_dict(profile), cluster, space.global_batch)
 
 
 def _estimate(model: Any, plan: Plan) -> Any:
@@ -192,10 +199,9 @@ def chunked_offers(
     variants it holds (its chunk count, schedules, micro-batch and group counts), which the search
     seeds; another gets them all, which the search reports (``enqueue_planner_seeds``). A seed under
     another schedule than DAPPLE's is offered as DAPPLE's pipeline of the same stages."""
-    from dapple_lightning.planner import CostModel, ModelProfile, best_chunked_offers
+    from dapple_lightning.planner import best_chunked_offers
 
-    cluster = local_cluster(space.world_size, units, memory_limit)
-    model = CostModel(ModelProfile.from_dict(profile), cluster, space.global_batch)
+    model = _cost_model(profile, space, units, memory_limit)
     pipelines = dict.fromkeys(Plan(s.plan.stages, s.plan.micro_batches) for s in seeds if s.plan.chunks == 1)
     searched = set(space.schedules) & set(CHUNKED_SCHEDULES)
     keep = space.contains if searched else None
@@ -207,10 +213,9 @@ def memory_refusal(profile: dict[str, Any], space: PlanSpace, memory_limit: floa
 
     The search runs this before a trial, so that a plan the sampler proposes over the budget ends
     as infeasible without being run (the planner's seeds are never over it)."""
-    from dapple_lightning.planner import CostModel, ModelProfile, over_budget
+    from dapple_lightning.planner import over_budget
 
-    cluster = local_cluster(space.world_size, None, memory_limit)
-    model = CostModel(ModelProfile.from_dict(profile), cluster, space.global_batch)
+    model = _cost_model(profile, space, None, memory_limit)
 
     def refusal(plan: Plan) -> str | None:
         return over_budget(plan, _estimate(model, plan).memory_bytes, memory_limit)

@@ -153,6 +153,11 @@ class Chain:
             for key, value in container.state_dict().items()
         }
 
+    def put(self, module: nn.Module, modules: Sequence[nn.Module]) -> None:
+        """Put ``modules`` at the containers' paths in ``module``, one each."""
+        for path, new in zip(self.paths, modules, strict=True):
+            set_submodule(module, path, new)
+
     def single(self) -> tuple[str, Container]:
         """The one container (path and module) of a chain of one."""
         if len(self.containers) != 1:
@@ -293,22 +298,18 @@ class Cut:
         retie()
         stage.shared = tuple(ties)
         cut = cls(module, chain, stage, stand_ins, unhook)
-        cut._put(stand_ins)
+        chain.put(module, stand_ins)
         return cut
-
-    def _put(self, modules: Sequence[nn.Module]) -> None:
-        for path, new in zip(self.chain.paths, modules):
-            set_submodule(self.module, path, new)
 
     @contextmanager
     def whole(self) -> Iterator[None]:
         """Within the block the module holds its containers again (other stages' layers on the meta
         device): code that indexes them (``self.layers[i]``) or names parameters sees what one device sees."""
-        self._put(self.chain.containers)
+        self.chain.put(self.module, self.chain.containers)
         try:
             yield
         finally:
-            self._put(self.stand_ins)
+            self.chain.put(self.module, self.stand_ins)
 
     def restore(self, weights: Mapping[str, Tensor], device: torch.device) -> None:
         """Put the whole containers back, their state from ``weights`` (under the model's keys)."""
@@ -320,7 +321,7 @@ class Cut:
         for path, container in zip(self.chain.paths, self.chain.containers):
             prefix = f"{path}."
             container.load_state_dict({k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)})
-        self._put(self.chain.containers)
+        self.chain.put(self.module, self.chain.containers)
 
 
 _Placed = TypeVar("_Placed")

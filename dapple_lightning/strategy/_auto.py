@@ -31,7 +31,7 @@ from dapple_lightning.strategy._auto_blocks import sample_chain
 from dapple_lightning.strategy._lightning import training_loader
 from dapple_lightning.strategy._pipelines import PipelineBuilder
 from dapple_lightning.strategy._refusals import offload_refusal
-from dapple_lightning.strategy._resident import Resident, parameter_bytes, put_in_place
+from dapple_lightning.strategy._resident import Resident, parameter_bytes
 from dapple_lightning.strategy._step import PipelinedSteps
 from dapple_lightning.surgery import Chain, partition, split_ties, unchanged
 
@@ -146,7 +146,7 @@ class Trials:
         budget_s: float = 0.25,
     ) -> None:
         self._setting, self._batch = setting, batch
-        self._chain, self._put = chain, put_in_place(setting.module, chain)
+        self._chain, self._put = chain, partial(chain.put, setting.module)
         self.resident = resident if resident is not None else Resident(setting.module, chain, setting.device)
         self._unhook: Callable[[], None] = lambda: None  # the hooks of the stage standing in now
         self._make_optimizer = optimizer

@@ -174,7 +174,9 @@ class Recovery:
         self.active = False
         self.rank = 0
         self._phase: Literal["idle", "step", "window", "after"] = "idle"
-        self._fresh_sync()
+        self._lock = threading.RLock()
+        self._written = threading.Event()  # this rank wrote its state (or found it could not)
+        self._lost = threading.Event()  # a peer is known lost
         self._exit_at_safe_point = False  # SIGTERM or a lost peer arrived in the window
         self._writing = False  # a write is under way (a signal handler must not start another)
         self._stop_after_write = False  # a SIGTERM came during the write
@@ -188,7 +190,6 @@ class Recovery:
         self._unwrap: Any = None  # removes the optimizers' step hooks
         self._buffers: dict[str, Any] = {}  # the module's buffers at the last safe point
         self._buffer_copies: BufferCopies | None = None  # where the module's buffers are, found once per module
-        self._timeout_s = 120.0
         self.free_bytes: Callable[[Path], int] = free_bytes
         """Tells the bytes free where the state may go (see :func:`room_for`)."""
         self.order: EpochOrder | None = None
@@ -201,11 +202,6 @@ class Recovery:
         """After a restart: the checkpoint dict recovered for this rank, until the first safe point (its RNG
         states are set there, its data position when the training loader is set up)."""
 
-    def _fresh_sync(self) -> None:
-        self._lock = threading.RLock()
-        self._written = threading.Event()  # this rank wrote its state (or found it could not)
-        self._lost = threading.Event()  # a peer is known lost
-
     def __getstate__(self) -> dict[str, Any]:  # the strategy travels to spawned ranks before any fit
         state = self.__dict__.copy()
         for name in _PROCESS_LOCAL:
@@ -213,10 +209,8 @@ class Recovery:
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["mode"])  # fresh process-local attributes
         self.__dict__.update(state)
-        self._fresh_sync()
-        self._unwrap = self._trainer = self._ballot = self._aborts = self._signals = None
-        self._buffers, self._buffer_copies = {}, None
 
     # ------------------------------------------------------------------ set-up
 
@@ -229,9 +223,8 @@ class Recovery:
         self._lost.clear()
         if not is_active(self.mode):
             return
-        self._timeout_s = identity["timeout_s"]
         self._ballot, self._aborts = (
-            Ballot(_vote_store(trainer, identity["fit"], self._timeout_s), identity["world"]) for _ in range(2)
+            Ballot(_vote_store(trainer, identity["fit"], identity["timeout_s"]), identity["world"]) for _ in range(2)
         )
         if trainer.accumulate_grad_batches != 1 or not trainer.lightning_module.automatic_optimization:
             rank_zero_warn(

@@ -29,6 +29,7 @@ import os
 import shutil
 import threading
 from collections.abc import Iterator, Mapping
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +60,7 @@ Path_ = tuple[Any, ...]
 class Checkpoints:
     """Checkpoint state and files of one rank's part of the model (methods are collective)."""
 
-    def __init__(self, state_dict_type: str, async_save: bool, timeout: Any) -> None:
+    def __init__(self, state_dict_type: str, async_save: bool, timeout: timedelta) -> None:
         if state_dict_type not in ("full", "sharded"):
             raise ValueError(f"state_dict_type must be 'full' or 'sharded', got {state_dict_type!r}")
         self.state_dict_type, self.async_save, self.timeout = state_dict_type, async_save, timeout

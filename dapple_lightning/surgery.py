@@ -43,6 +43,7 @@ __all__ = [
     "partition",
     "set_submodule",
     "split_ties",
+    "standing_for",
     "standing_in",
     "unchanged",
 ]
@@ -285,12 +286,7 @@ class Cut:
             )
         retie = _retie(module, ties)
         stage = partition(chain, plan, rank)
-        unhook: Callable[[], None] = lambda: None  # noqa: E731
-        stand_ins: tuple[nn.Module, ...] = (stage,)
-        if not chain.called_whole:
-            ranges = {s: (plan.stages[s].start, plan.stages[s].end) for s in plan.stages_of(rank)}
-            stand_in_list, unhook = stand_in_layers(chain.containers, stage, ranges)
-            stand_ins = tuple(stand_in_list)
+        stand_ins, unhook = standing_for(chain, stage, plan, rank)
         local = set(stage.children())
         for _, layer in chain.named_layers():
             if layer not in local:
@@ -322,6 +318,18 @@ class Cut:
             prefix = f"{path}."
             container.load_state_dict({k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)})
         self.chain.put(self.module, self.chain.containers)
+
+
+def standing_for(
+    chain: Chain, stage: StageModule, plan: Plan, rank: int
+) -> tuple[tuple[nn.Module, ...], Callable[[], None]]:
+    """What stands at the containers' paths while ``stage`` (``rank``'s of ``plan``) runs, as
+    :class:`Cut` describes it, and the function that removes the stand-ins' hooks."""
+    if chain.called_whole:
+        return (stage,), lambda: None
+    ranges = {s: (plan.stages[s].start, plan.stages[s].end) for s in plan.stages_of(rank)}
+    stand_ins, unhook = stand_in_layers(chain.containers, stage, ranges)
+    return tuple(stand_ins), unhook
 
 
 _Placed = TypeVar("_Placed")

@@ -249,7 +249,7 @@ class Trials:
         self._unhook()
         self._unhook = lambda: None
         self._put(self._chain.containers)
-        self.resident.release()
+        self.resident.hold([])  # every layer home: the cut then moves the chosen stage's to the device
 
     def _stand_in(self, plan: Plan, stage: StageModule) -> None:
         """Put ``plan``'s stage of this rank where the containers are."""

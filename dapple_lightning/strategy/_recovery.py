@@ -77,7 +77,7 @@ from dapple_lightning.strategy._order import EpochOrder, track
 from dapple_lightning.strategy._snapshot import BufferCopies, Snapshot, loops_state
 from dapple_lightning.strategy._step import to_cpu
 
-__all__ = ["FORMAT", "Recovery", "RecoveryMode", "file_of", "files_of", "is_active", "room_for"]
+__all__ = ["FORMAT", "Recovery", "RecoveryMode", "files_of", "is_active", "room_for"]
 
 RecoveryMode = bool | Literal["auto", "log"]
 FORMAT = 1
@@ -120,12 +120,6 @@ def files_of(rank: int) -> list[Path]:
     return [Path(root) / f"dapple-recovery-{os.getuid()}" / run / f"rank{rank}.pt" for root in roots]
 
 
-def file_of(rank: int) -> Path:
-    """Where ``rank``'s kept state is: the first of :func:`files_of` that holds it (the first if none)."""
-    places = files_of(rank)
-    return next((p for p in places if p.is_file()), places[0])
-
-
 def free_bytes(path: Path) -> int:
     """Bytes free on the file system that holds ``path`` (or would: its nearest existing ancestor)."""
     while not path.exists() and path != path.parent:
@@ -133,7 +127,7 @@ def free_bytes(path: Path) -> int:
     return shutil.disk_usage(path).free
 
 
-def room_for(rank: int, size: int, free: Callable[[Path], int] = free_bytes) -> Path:
+def room_for(rank: int, size: int, free: Callable[[Path], int]) -> Path:
     """Where ``rank`` writes state of about ``size`` bytes: the first of :func:`files_of` whose file system
     has the room (``free`` tells the bytes free there), saying so when that is not the first; the
     last when none has it (the write then fails, saying where). ``/dev/shm`` is often small in

@@ -99,10 +99,6 @@ class Resident:
     def _leave(self, index: int, *_: object) -> None:
         self.hold([])
 
-    def release(self) -> None:
-        """Every layer of the chain at home (the cut then moves the chosen stage's to the device)."""
-        self.hold([])
-
     def send_home(self) -> None:
         """Everything at home, the code outside the chain too: the module where it was before."""
         self.hold([])

@@ -150,9 +150,6 @@ def time_step_outside(
     sequential: nn.Module,
     step: Callable[[], Any],
     sequential_input: Any,
-    *,
-    repeats: int = 3,
-    warmup: int = 1,
 ) -> tuple[float, float]:
     """Median forward and backward seconds of the user's step outside the Sequential (the loss,
     metrics, logging calls): the last stage runs them for every micro-batch, as if they were one
@@ -161,7 +158,7 @@ def time_step_outside(
     with torch.no_grad():
         output = sequential(sequential_input)
     with standing_in(set_sequential, sequential, _Replay(output)):
-        return _time_step(module, step, repeats, warmup, _device_of(sequential_input))
+        return _time_step(module, step, _device_of(sequential_input))
 
 
 def time_step_around(
@@ -170,9 +167,6 @@ def time_step_around(
     containers: Sequence[nn.Module],
     step: Callable[[], Any],
     outputs: Sequence[Any],
-    *,
-    repeats: int = 3,
-    warmup: int = 1,
 ) -> tuple[float, float]:
     """:func:`time_step_outside` for layers that the user's code calls one by one (the blocks of a
     ModuleList, the layers of a chain of containers), given what each layer returned in the step
@@ -181,7 +175,7 @@ def time_step_around(
     the containers) is what is timed; the forward of code between containers is counted, its
     backward is not (it ends at the last layer's replay)."""
     with standing_in(put, tuple(containers), _replaying(containers, outputs)):
-        return _time_step(module, step, repeats, warmup, _device_of(outputs))
+        return _time_step(module, step, _device_of(outputs))
 
 
 def _device_of(value: Any) -> torch.device:
@@ -191,7 +185,7 @@ def _device_of(value: Any) -> torch.device:
 
 
 def _time_step(
-    module: nn.Module, step: Callable[[], Any], repeats: int, warmup: int, device: torch.device
+    module: nn.Module, step: Callable[[], Any], device: torch.device, repeats: int = 3, warmup: int = 1
 ) -> tuple[float, float]:
     """Median forward and backward seconds of ``step`` and its loss's backward (CUDA events on
     CUDA, read once at the end; see ``planner.Stopwatch``)."""

@@ -43,6 +43,7 @@ __all__ = [
     "partition",
     "set_submodule",
     "split_ties",
+    "standing_for",
     "standing_in",
     "unchanged",
 ]
@@ -152,6 +153,11 @@ class Chain:
             for path, container in zip(self.paths, self.containers)
             for key, value in container.state_dict().items()
         }
+
+    def put(self, module: nn.Module, modules: Sequence[nn.Module]) -> None:
+        """Put ``modules`` at the containers' paths in ``module``, one each."""
+        for path, new in zip(self.paths, modules, strict=True):
+            set_submodule(module, path, new)
 
     def single(self) -> tuple[str, Container]:
         """The one container (path and module) of a chain of one."""
@@ -280,12 +286,7 @@ class Cut:
             )
         retie = _retie(module, ties)
         stage = partition(chain, plan, rank)
-        unhook: Callable[[], None] = lambda: None  # noqa: E731
-        stand_ins: tuple[nn.Module, ...] = (stage,)
-        if not chain.called_whole:
-            ranges = {s: (plan.stages[s].start, plan.stages[s].end) for s in plan.stages_of(rank)}
-            stand_in_list, unhook = stand_in_layers(chain.containers, stage, ranges)
-            stand_ins = tuple(stand_in_list)
+        stand_ins, unhook = standing_for(chain, stage, plan, rank)
         local = set(stage.children())
         for _, layer in chain.named_layers():
             if layer not in local:
@@ -293,22 +294,18 @@ class Cut:
         retie()
         stage.shared = tuple(ties)
         cut = cls(module, chain, stage, stand_ins, unhook)
-        cut._put(stand_ins)
+        chain.put(module, stand_ins)
         return cut
-
-    def _put(self, modules: Sequence[nn.Module]) -> None:
-        for path, new in zip(self.chain.paths, modules):
-            set_submodule(self.module, path, new)
 
     @contextmanager
     def whole(self) -> Iterator[None]:
         """Within the block the module holds its containers again (other stages' layers on the meta
         device): code that indexes them (``self.layers[i]``) or names parameters sees what one device sees."""
-        self._put(self.chain.containers)
+        self.chain.put(self.module, self.chain.containers)
         try:
             yield
         finally:
-            self._put(self.stand_ins)
+            self.chain.put(self.module, self.stand_ins)
 
     def restore(self, weights: Mapping[str, Tensor], device: torch.device) -> None:
         """Put the whole containers back, their state from ``weights`` (under the model's keys)."""
@@ -320,7 +317,19 @@ class Cut:
         for path, container in zip(self.chain.paths, self.chain.containers):
             prefix = f"{path}."
             container.load_state_dict({k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)})
-        self._put(self.chain.containers)
+        self.chain.put(self.module, self.chain.containers)
+
+
+def standing_for(
+    chain: Chain, stage: StageModule, plan: Plan, rank: int
+) -> tuple[tuple[nn.Module, ...], Callable[[], None]]:
+    """What stands at the containers' paths while ``stage`` (``rank``'s of ``plan``) runs, as
+    :class:`Cut` describes it, and the function that removes the stand-ins' hooks."""
+    if chain.called_whole:
+        return (stage,), lambda: None
+    ranges = {s: (plan.stages[s].start, plan.stages[s].end) for s in plan.stages_of(rank)}
+    stand_ins, unhook = stand_in_layers(chain.containers, stage, ranges)
+    return tuple(stand_ins), unhook
 
 
 _Placed = TypeVar("_Placed")

@@ -26,14 +26,14 @@ from dapple_lightning.autoplan import AutoPlan, choose_plan, draw_batch, optimiz
 from dapple_lightning.microbatch import Rows, batch_size_of, slice_batch
 from dapple_lightning.plan import Plan
 from dapple_lightning.planner import SETTLE_STEPS, Measured
-from dapple_lightning.runtime import Pipeline, StageModule, Timeline, stand_in_layers
+from dapple_lightning.runtime import Pipeline, StageModule, Timeline
 from dapple_lightning.strategy._auto_blocks import sample_chain
 from dapple_lightning.strategy._lightning import training_loader
 from dapple_lightning.strategy._pipelines import PipelineBuilder
 from dapple_lightning.strategy._refusals import offload_refusal
-from dapple_lightning.strategy._resident import Resident, parameter_bytes, put_in_place
+from dapple_lightning.strategy._resident import Resident, parameter_bytes
 from dapple_lightning.strategy._step import PipelinedSteps
-from dapple_lightning.surgery import Chain, partition, split_ties, unchanged
+from dapple_lightning.surgery import Chain, partition, split_ties, standing_for, unchanged
 
 __all__ = ["AutoSetting", "Trials", "choose_automatically", "draw_global_batch", "step_seconds"]
 
@@ -146,7 +146,7 @@ class Trials:
         budget_s: float = 0.25,
     ) -> None:
         self._setting, self._batch = setting, batch
-        self._chain, self._put = chain, put_in_place(setting.module, chain)
+        self._chain, self._put = chain, partial(chain.put, setting.module)
         self.resident = resident if resident is not None else Resident(setting.module, chain, setting.device)
         self._unhook: Callable[[], None] = lambda: None  # the hooks of the stage standing in now
         self._make_optimizer = optimizer
@@ -249,19 +249,16 @@ class Trials:
         self._unhook()
         self._unhook = lambda: None
         self._put(self._chain.containers)
-        self.resident.release()
+        self.resident.hold([])  # every layer home: the cut then moves the chosen stage's to the device
 
     def _stand_in(self, plan: Plan, stage: StageModule) -> None:
         """Put ``plan``'s stage of this rank where the containers are."""
         self._unhook()
         self._unhook = lambda: None
-        ranges = {s: (plan.stages[s].start, plan.stages[s].end) for s in plan.stages_of(self._setting.rank)}
+        rank = self._setting.rank
         # The rank's stages on the device, the other layers home.
-        self.resident.hold([i for start, end in ranges.values() for i in range(start, end)])
-        if self._chain.called_whole:
-            self._put((stage,))
-            return
-        stand_ins, self._unhook = stand_in_layers(self._chain.containers, stage, ranges)
+        self.resident.hold([i for s in plan.stages_of(rank) for i in range(plan.stages[s].start, plan.stages[s].end)])
+        stand_ins, self._unhook = standing_for(self._chain, stage, plan, rank)
         self._put(stand_ins)
 
 

@@ -51,7 +51,7 @@ from dapple_lightning.microbatch import Rows, batch_size_of, map_tensors, slice_
 from dapple_lightning.planner import ModelProfile, fresh_leaves
 from dapple_lightning.runtime import StageExit
 from dapple_lightning.strategy._lightning import silenced_log
-from dapple_lightning.strategy._resident import Resident, put_in_place
+from dapple_lightning.strategy._resident import Resident
 from dapple_lightning.surgery import Chain, capture_input, set_submodule
 
 __all__ = ["BlockCall", "BlockChain", "ChainedBlock", "record_block_calls", "sample_chain"]
@@ -287,7 +287,7 @@ class BlockChain:
     def step_outside(self, rows: int) -> tuple[float, float]:
         """Forward and backward seconds of the step's own code on ``rows`` rows (around the layers)."""
         outputs = [call.output for call in self.calls(rows)]
-        put = put_in_place(self._module, self._chain)
+        put = partial(self._chain.put, self._module)
         return time_step_around(self._module, put, self._chain.containers, lambda: self._step(rows), outputs)
 
     def named(self, profile: ModelProfile) -> ModelProfile:

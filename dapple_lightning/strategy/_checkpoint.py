@@ -29,6 +29,7 @@ import os
 import shutil
 import threading
 from collections.abc import Iterator, Mapping
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from dapple_lightning.checkpoint import by_name, to_local, to_single_device
-from dapple_lightning.microbatch import tensors
+from dapple_lightning.microbatch import map_tensors, tensors
 from dapple_lightning.plan import Plan
 from dapple_lightning.runtime import broadcast, full_value, shard_like
 from dapple_lightning.strategy import _sharded
@@ -59,7 +60,7 @@ Path_ = tuple[Any, ...]
 class Checkpoints:
     """Checkpoint state and files of one rank's part of the model (methods are collective)."""
 
-    def __init__(self, state_dict_type: str, async_save: bool, timeout: Any) -> None:
+    def __init__(self, state_dict_type: str, async_save: bool, timeout: timedelta) -> None:
         if state_dict_type not in ("full", "sharded"):
             raise ValueError(f"state_dict_type must be 'full' or 'sharded', got {state_dict_type!r}")
         self.state_dict_type, self.async_save, self.timeout = state_dict_type, async_save, timeout
@@ -194,9 +195,10 @@ class Checkpoints:
         if not distributed_is_initialized() or dist.get_world_size() == 1:
             return local
         index = next(i for i, o in enumerate(self.optimizers) if o is optimizer)
+        named = by_name(local, self._names(optimizer))
         if any(isinstance(p, DTensor) for group in optimizer.param_groups for p in group["params"]):
-            self._whole_optimizers[index] = by_name(local, self._names(optimizer))
-        mine = {n: s for n, s in by_name(local, self._names(optimizer)).items() if n in self._owned_optimizer_state}
+            self._whole_optimizers[index] = named
+        mine = {n: s for n, s in named.items() if n in self._owned_optimizer_state}
         described = gather_on_zero({n: {k: _describe(v) for k, v in s.items()} for n, s in mine.items()})
         if described is None:
             return local
@@ -349,7 +351,7 @@ class Checkpoints:
                 dist.send(tensor, 0)
             return None
         filled = {id(meta): value for meta, value in _receive(requests, self._stand_ins, self.device, None)}
-        return _replace_tensors(checkpoint, lambda t: filled.get(id(t), t).cpu())
+        return map_tensors(checkpoint, lambda t: filled.get(id(t), t).cpu())
 
     def _run(self, write: Any) -> None:
         if self.async_save:
@@ -476,20 +478,9 @@ def _save_with(checkpoint_io: CheckpointIO, checkpoint: Any, path: Any, storage_
         write_atomically(checkpoint_io, checkpoint, path, storage_options)
 
 
-def _replace_tensors(obj: Any, fn: Any) -> Any:
-    if isinstance(obj, Tensor):
-        return fn(obj)
-    if isinstance(obj, Mapping):
-        items = {k: _replace_tensors(v, fn) for k, v in obj.items()}
-        return type(obj)(items) if isinstance(obj, dict) and type(obj) is not dict else items
-    if isinstance(obj, list | tuple) and not hasattr(obj, "_fields"):
-        return type(obj)(_replace_tensors(v, fn) for v in obj)
-    return obj
-
-
 def _copy_to_cpu(obj: Any, keep: Mapping[int, Any]) -> Any:
     """A snapshot the background writer can read while training changes the live tensors."""
-    return _replace_tensors(obj, lambda t: t if id(t) in keep else t.detach().to("cpu", copy=True))
+    return map_tensors(obj, lambda t: t if id(t) in keep else t.detach().to("cpu", copy=True))
 
 
 def _temporary(path: Path) -> Path:

@@ -57,7 +57,7 @@ class Logbook:
     kept state after a loss (:meth:`flush`), so that it outlives torchrun's restart."""
 
     def __init__(self, plan: Plan, rank: int, directory: Path, *elsewhere: Path) -> None:
-        self.rank, self.directory = rank, directory
+        self.directory = directory
         self.directories = [directory, *elsewhere]
         """Where the log may be on storage: where the rank's state is (see :func:`._recovery.room_for`)."""
         self._copied: Any = None

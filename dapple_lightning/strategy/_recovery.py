@@ -77,7 +77,7 @@ from dapple_lightning.strategy._order import EpochOrder, track
 from dapple_lightning.strategy._snapshot import BufferCopies, Snapshot, loops_state
 from dapple_lightning.strategy._step import to_cpu
 
-__all__ = ["FORMAT", "Recovery", "RecoveryMode", "file_of", "files_of", "is_active", "room_for"]
+__all__ = ["FORMAT", "Recovery", "RecoveryMode", "files_of", "is_active", "room_for"]
 
 RecoveryMode = bool | Literal["auto", "log"]
 FORMAT = 1
@@ -120,12 +120,6 @@ def files_of(rank: int) -> list[Path]:
     return [Path(root) / f"dapple-recovery-{os.getuid()}" / run / f"rank{rank}.pt" for root in roots]
 
 
-def file_of(rank: int) -> Path:
-    """Where ``rank``'s kept state is: the first of :func:`files_of` that holds it (the first if none)."""
-    places = files_of(rank)
-    return next((p for p in places if p.is_file()), places[0])
-
-
 def free_bytes(path: Path) -> int:
     """Bytes free on the file system that holds ``path`` (or would: its nearest existing ancestor)."""
     while not path.exists() and path != path.parent:
@@ -133,7 +127,7 @@ def free_bytes(path: Path) -> int:
     return shutil.disk_usage(path).free
 
 
-def room_for(rank: int, size: int, free: Callable[[Path], int] = free_bytes) -> Path:
+def room_for(rank: int, size: int, free: Callable[[Path], int]) -> Path:
     """Where ``rank`` writes state of about ``size`` bytes: the first of :func:`files_of` whose file system
     has the room (``free`` tells the bytes free there), saying so when that is not the first; the
     last when none has it (the write then fails, saying where). ``/dev/shm`` is often small in
@@ -174,7 +168,9 @@ class Recovery:
         self.active = False
         self.rank = 0
         self._phase: Literal["idle", "step", "window", "after"] = "idle"
-        self._fresh_sync()
+        self._lock = threading.RLock()
+        self._written = threading.Event()  # this rank wrote its state (or found it could not)
+        self._lost = threading.Event()  # a peer is known lost
         self._exit_at_safe_point = False  # SIGTERM or a lost peer arrived in the window
         self._writing = False  # a write is under way (a signal handler must not start another)
         self._stop_after_write = False  # a SIGTERM came during the write
@@ -188,7 +184,6 @@ class Recovery:
         self._unwrap: Any = None  # removes the optimizers' step hooks
         self._buffers: dict[str, Any] = {}  # the module's buffers at the last safe point
         self._buffer_copies: BufferCopies | None = None  # where the module's buffers are, found once per module
-        self._timeout_s = 120.0
         self.free_bytes: Callable[[Path], int] = free_bytes
         """Tells the bytes free where the state may go (see :func:`room_for`)."""
         self.order: EpochOrder | None = None
@@ -201,11 +196,6 @@ class Recovery:
         """After a restart: the checkpoint dict recovered for this rank, until the first safe point (its RNG
         states are set there, its data position when the training loader is set up)."""
 
-    def _fresh_sync(self) -> None:
-        self._lock = threading.RLock()
-        self._written = threading.Event()  # this rank wrote its state (or found it could not)
-        self._lost = threading.Event()  # a peer is known lost
-
     def __getstate__(self) -> dict[str, Any]:  # the strategy travels to spawned ranks before any fit
         state = self.__dict__.copy()
         for name in _PROCESS_LOCAL:
@@ -213,10 +203,8 @@ class Recovery:
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["mode"])  # fresh process-local attributes
         self.__dict__.update(state)
-        self._fresh_sync()
-        self._unwrap = self._trainer = self._ballot = self._aborts = self._signals = None
-        self._buffers, self._buffer_copies = {}, None
 
     # ------------------------------------------------------------------ set-up
 
@@ -229,9 +217,8 @@ class Recovery:
         self._lost.clear()
         if not is_active(self.mode):
             return
-        self._timeout_s = identity["timeout_s"]
         self._ballot, self._aborts = (
-            Ballot(_vote_store(trainer, identity["fit"], self._timeout_s), identity["world"]) for _ in range(2)
+            Ballot(_vote_store(trainer, identity["fit"], identity["timeout_s"]), identity["world"]) for _ in range(2)
         )
         if trainer.accumulate_grad_batches != 1 or not trainer.lightning_module.automatic_optimization:
             rank_zero_warn(

@@ -15,16 +15,16 @@ counted (:attr:`Resident.peak_bytes`), which is what the tests read there.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
 
 import torch
 from torch import Tensor, nn
 
-from dapple_lightning.surgery import Chain, set_submodule
+from dapple_lightning.surgery import Chain
 
-__all__ = ["Resident", "parameter_bytes", "put_in_place"]
+__all__ = ["Resident", "parameter_bytes"]
 
 
 def parameter_bytes(modules: Sequence[nn.Module]) -> int:
@@ -46,12 +46,12 @@ class Resident:
     def __init__(self, module: nn.Module, chain: Chain, device: torch.device, home: torch.device | None = None) -> None:
         self.device, self.home = device, home if home is not None else torch.device("cpu")
         self.layers = [layer for _, layer in chain.named_layers()]
-        put = put_in_place(module, chain)
-        put([nn.Module() for _ in chain.paths])  # what the module holds without the containers: the code outside them
+        # What the module holds without the containers: the code outside them.
+        chain.put(module, [nn.Module() for _ in chain.paths])
         try:
             outside = [*module.parameters(), *module.buffers()]
         finally:
-            put(chain.containers)
+            chain.put(module, chain.containers)
         self._outside = {id(t) for t in outside}
         self._outside_tensors = outside
         _move(outside, device, set())
@@ -99,24 +99,10 @@ class Resident:
     def _leave(self, index: int, *_: object) -> None:
         self.hold([])
 
-    def release(self) -> None:
-        """Every layer of the chain at home (the cut then moves the chosen stage's to the device)."""
-        self.hold([])
-
     def send_home(self) -> None:
         """Everything at home, the code outside the chain too: the module where it was before."""
         self.hold([])
         _move(self._outside_tensors, self.home, set())
-
-
-def put_in_place(module: nn.Module, chain: Chain) -> Callable[[Sequence[nn.Module]], None]:
-    """A function that puts modules at the paths of ``chain``'s containers in ``module``, one each."""
-
-    def put(modules: Sequence[nn.Module]) -> None:
-        for path, new in zip(chain.paths, modules, strict=True):
-            set_submodule(module, path, new)
-
-    return put
 
 
 def _tensors(module: nn.Module) -> list[Tensor]:

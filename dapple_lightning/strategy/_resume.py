@@ -34,7 +34,7 @@ from dapple_lightning.strategy._heartbeat import long_host_work
 from dapple_lightning.strategy._lightning import Patches, hand_over_checkpoint
 from dapple_lightning.strategy._logbook import Logbook, replay_lost_stages
 from dapple_lightning.strategy._parts import FitParts
-from dapple_lightning.strategy._recovery import FORMAT, Recovery, file_of, files_of, is_active, private_directory
+from dapple_lightning.strategy._recovery import FORMAT, Recovery, files_of, is_active, private_directory
 
 __all__ = ["RECOVERED", "begin", "kept_plan", "load_optimizers", "recover"]
 
@@ -179,8 +179,8 @@ def _replayable(
 def _read(rank: int, identity: Mapping[str, Any], *, mmap: bool = False) -> dict[str, Any] | None:
     """``rank``'s kept state if it is this job's (format and the ``identity`` keys given match);
     ``mmap``: the tensors are not read."""
-    path = file_of(rank)
-    if not path.is_file():
+    path = next((p for p in files_of(rank) if p.is_file()), None)  # the first place that holds it
+    if path is None:
         return None
     private_directory(path.parent)  # refuses a directory another user could have planted a file in
     try:

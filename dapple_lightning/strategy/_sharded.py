@@ -27,7 +27,7 @@ import torch.distributed.checkpoint as dcp
 from lightning.fabric.plugins import TorchCheckpointIO
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from dapple_lightning.checkpoint import to_single_device
+from dapple_lightning.checkpoint import by_name, to_single_device
 from dapple_lightning.strategy._stream import write_atomically
 
 __all__ = ["STATE_KEYS", "consolidate_checkpoint", "existing", "key", "load", "rank_zero_values", "save"]
@@ -56,11 +56,10 @@ def rank_zero_values(
     if "optimizer_states" in checkpoint:
         groups = []
         for index, single in enumerate(checkpoint["optimizer_states"]):
-            names = [n for group in full_names[index] for n in group]
-            for position, state in single["state"].items():
+            for name, state in by_name(single, full_names[index]).items():
                 for state_key, value in state.items():
                     if id(value) not in stand_ins:
-                        values[key(("optim", index, names[position], state_key))] = value
+                        values[key(("optim", index, name, state_key))] = value
             groups.append(single["param_groups"])
     rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
     rest.update({STATE_KEYS: list(checkpoint["state_dict"]), _NAMES: full_names, _GROUPS: groups})

@@ -170,7 +170,7 @@ class DappleStrategy(ParallelStrategy):
         self._pipeline: Pipeline | None = None
         self._buffers: Buffers | None = None
         self._steps: PipelinedSteps | None = None
-        self._checkpoints = Checkpoints(state_dict_type, async_save, timeout)
+        self._checkpoints = Checkpoints(state_dict_type, async_save, self._timeout)
         self._same_batch = SameBatch()
         self._spawned_ranks_kept_state = False
         self._leaves_at_exit = False

@@ -42,7 +42,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from dapple_lightning.checkpoint import by_name, to_local, to_single_device
-from dapple_lightning.microbatch import map_tensors, tensors
+from dapple_lightning.microbatch import tensors
 from dapple_lightning.plan import Plan
 from dapple_lightning.runtime import broadcast, full_value, shard_like
 from dapple_lightning.strategy import _sharded
@@ -351,7 +351,7 @@ class Checkpoints:
                 dist.send(tensor, 0)
             return None
         filled = {id(meta): value for meta, value in _receive(requests, self._stand_ins, self.device, None)}
-        return map_tensors(checkpoint, lambda t: filled.get(id(t), t).cpu())
+        return _replace_tensors(checkpoint, lambda t: filled.get(id(t), t).cpu())
 
     def _run(self, write: Any) -> None:
         if self.async_save:
@@ -478,9 +478,22 @@ def _save_with(checkpoint_io: CheckpointIO, checkpoint: Any, path: Any, storage_
         write_atomically(checkpoint_io, checkpoint, path, storage_options)
 
 
+def _replace_tensors(obj: Any, fn: Any) -> Any:
+    """``obj`` with ``fn`` applied to its tensors, through dicts, lists and tuples as a checkpoint nests
+    them (``microbatch.map_tensors`` rebuilds batch containers, which a checkpoint's values are not)."""
+    if isinstance(obj, Tensor):
+        return fn(obj)
+    if isinstance(obj, Mapping):
+        items = {k: _replace_tensors(v, fn) for k, v in obj.items()}
+        return type(obj)(items) if isinstance(obj, dict) and type(obj) is not dict else items
+    if isinstance(obj, list | tuple) and not hasattr(obj, "_fields"):
+        return type(obj)(_replace_tensors(v, fn) for v in obj)
+    return obj
+
+
 def _copy_to_cpu(obj: Any, keep: Mapping[int, Any]) -> Any:
     """A snapshot the background writer can read while training changes the live tensors."""
-    return map_tensors(obj, lambda t: t if id(t) in keep else t.detach().to("cpu", copy=True))
+    return _replace_tensors(obj, lambda t: t if id(t) in keep else t.detach().to("cpu", copy=True))
 
 
 def _temporary(path: Path) -> Path:

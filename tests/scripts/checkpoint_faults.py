@@ -76,7 +76,10 @@ class Saves(Callback):
 
 
 strategy = DappleStrategy(
-    PLAN, state_dict_type="sharded" if mode == "sharded-kill" else "full", async_save=mode.startswith("async")
+    PLAN,
+    state_dict_type="sharded" if mode == "sharded-kill" else "full",
+    async_save=mode.startswith("async"),
+    timeout=120,  # seconds, as a number: the background writer's group takes the parsed timeout
 )
 trainer = quiet_trainer(devices=PLAN.world_size, strategy=strategy, max_steps=4, callbacks=[Saves()])
 trainer.fit(models.ScheduledHeadMLP(), train_dataloaders=models.loader())

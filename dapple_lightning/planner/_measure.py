@@ -66,14 +66,15 @@ def _forward(module: Any, inputs: Any, index: int, on_copy: set[int]) -> Any:
     such a layer runs it on a copy too (``runtime.StageModule``), so the copy is timed with it."""
     from dapple_lightning.microbatch import map_tensors
 
-    if index not in on_copy:
-        try:
-            return module(inputs)
-        except RuntimeError as err:
-            if _IN_PLACE not in str(err):
-                raise
-            on_copy.add(index)
-    return module(map_tensors(inputs, lambda t: t.clone()))
+    if index in on_copy:
+        return module(map_tensors(inputs, lambda t: t.clone()))
+    try:
+        return module(inputs)
+    except RuntimeError as err:
+        if _IN_PLACE not in str(err):
+            raise
+        on_copy.add(index)
+        return module(map_tensors(inputs, lambda t: t.clone()))
 
 
 def profile_layers(

@@ -172,8 +172,8 @@ def _cost_model(profile: dict[str, Any], space: PlanSpace, units: int | None, me
     """The cost model of ``profile`` on :func:`local_cluster` at the space's global batch."""
     from dapple_lightning.planner import CostModel, ModelProfile
 
-    cluster = local_cluster(space.world_size, units, memory_limit)
-    return CostModel(ModelProfile.from_dict(profile), cluster, space.global_batch)
+    model_profile = ModelProfile.from_dict(profile)  # a bad profile is named before a bad cluster
+    return CostModel(model_profile, local_cluster(space.world_size, units, memory_limit), space.global_batch)
 
 
 def _estimate(model: Any, plan: Plan) -> Any:
